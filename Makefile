@@ -1,0 +1,43 @@
+# The two commands a new user runs: `make single-node-test` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL ?= models/tiny
+DATA ?= data/sample
+STEPS ?= 5
+OUT ?= textual_inversion_output
+
+.PHONY: venv single-node-test test test-fast test-ipex bench lint clean
+
+# The venv is (re)made when pyproject.toml changes; torch is pinned to the CPU build there.
+$(BIN)/xeontune: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/xeontune
+
+single-node-test: venv
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/single_node_test.py --model $(MODEL) --data $(DATA) --steps $(STEPS) --output-dir $(OUT)
+
+# Installs what the tests need (system packages too when run as root), then runs all of them.
+test: venv
+	scripts/install-test-deps.sh
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -ra --durations=10
+
+# The fast subset: no training runs, no clusters.
+test-fast: venv
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
+
+test-ipex:
+	scripts/test-ipex.sh
+
+bench: venv
+	HF_HUB_OFFLINE=1 $(BIN)/xeontune bench --model sd15-arch --resolution 256 --batch-size 1 --steps 5
+
+lint: venv
+	$(BIN)/ruff check xeontune tests scripts
+
+clean:
+	rm -rf $(OUT) build dist *.egg-info

@@ -1,0 +1,50 @@
+"""Helpers for the real-cluster tests (imported by conftest.py and the test modules)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def local_cluster_missing() -> str | None:
+    """Why the local provider cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    from xeontune.cluster.providers import local
+
+    if not shutil.which("ip"):
+        return "needs iproute2"
+    if not local.sshd_path():
+        return "needs openssh-server (scripts/install-test-deps.sh)"
+    if not shutil.which("ssh"):
+        return "needs openssh-client"
+    return None
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run `xeontune ...` as a user would (a fresh process, from the repo root)."""
+    return subprocess.run([sys.executable, "-m", "xeontune.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def leftovers(name: str) -> list[str]:
+    """Every namespace, link or live process of cluster ``name`` that still exists."""
+    from xeontune.cluster.providers import local
+
+    found = []
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    found += [f"netns {line.split()[0]}" for line in netns.splitlines() if line.startswith(f"xeontune-{name}-node")]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    short = local.bridge_name(name)[:8]  # "xt" + 6 hex digits
+    found += [f"link {line.split(':')[1].strip()}" for line in links.splitlines()
+              if line.split(":")[1].strip().startswith(short)]
+    # Zombies (state Z) are not processes that run: this VM's init does not reap them.
+    ps = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
+    found += [f"process {line}" for line in ps.splitlines()
+              if not line.strip().startswith("Z") and f"/clusters/{name}/" in line]
+    return found

@@ -1,0 +1,35 @@
+"""Fixtures for the real-cluster tests: a module-scoped local (network-namespace) cluster.
+
+Root tests run wherever the tests run as root (CI does) and skip only when not root or when
+iproute2 / sshd are missing (scripts/install-test-deps.sh installs them). Every cluster is torn
+down in a ``finally``, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.cluster.clusterlib import leftovers, local_cluster_missing
+
+
+@pytest.fixture(scope="module")
+def local_cluster(request, tmp_path_factory) -> Iterator:
+    """A 3-node local cluster for the whole module (about 1 s to create); torn down afterwards."""
+    why = local_cluster_missing()
+    if why:
+        pytest.skip(why)
+    from xeontune.cluster import manage, providers, state
+
+    name = f"t{os.getpid() % 100000}-{request.module.__name__.rsplit('.', 1)[-1][5:13].replace('_', '-')}".rstrip("-")
+    home = tmp_path_factory.mktemp("xeontune-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XEONTUNE_HOME", str(home))
+        try:
+            record, _ = manage.up(providers.ClusterSpec(name=name, num_nodes=3), "local")
+            yield record
+        finally:
+            if state.exists(name) or leftovers(name):
+                manage.teardown(name, "local")

@@ -1,0 +1,141 @@
+"""Textual-inversion training across a real 3-host local cluster, through `xeontune launch`.
+
+One rank per network namespace, over real sshd, Hydra mpirun and gloo, on the tiny offline model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.cluster.clusterlib import REPO, cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture
+def tiny(tiny_model, sample_images):
+    """The session's tiny pipeline and sample images (tests/conftest.py)."""
+    return {"model": tiny_model, "data": sample_images}
+
+
+def train_args(tiny, output_dir, batch: int, steps: int, *extra: str) -> list[str]:
+    return [*extra, "--model", str(tiny["model"]), "--data-dir", str(tiny["data"]), "--placeholder-token", "<cat-toy>",
+            "--initializer-token", "toy", "--resolution", "32", "--train-batch-size", str(batch),
+            "--max-train-steps", str(steps), "--learning-rate", "5e-3", "--seed", "7", "--output-dir", str(output_dir),
+            "--checkpointing-steps", "0", "--save-steps", "0", "--no-random-flip"]
+
+
+def load_vectors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "learned_embeds.safetensors"))
+
+
+def test_three_ranks_match_one_process_with_three_times_the_batch(local_cluster, tiny, tmp_path):
+    b, steps = 1, 3
+    start = time.monotonic()
+    # --scale-lr on both sides: equal results also prove it counts the world size (lr x b x 3 ranks
+    # on the cluster, lr x 3b x 1 process alone)
+    dist = cli("launch", "-n", "3", "--name", local_cluster.name, "--",
+               *train_args(tiny, tmp_path / "dist", b, steps, "--scale-lr"), env=OFFLINE)
+    launch_s = time.monotonic() - start
+    assert dist.returncode == 0, dist.stdout[-3000:] + dist.stderr[-3000:]
+    single = subprocess.run([sys.executable, "-m", "xeontune.train", *train_args(tiny, tmp_path / "one", 3 * b, steps, "--scale-lr")],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE})
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    got, want = load_vectors(tmp_path / "dist"), load_vectors(tmp_path / "one")
+    assert got.keys() == want.keys()
+    diff = max(float((got[k] - want[k]).abs().max()) for k in got)
+    assert diff <= 1e-5, f"max abs difference {diff}"
+    moved = max(float((want[k]).abs().max()) for k in want)
+    assert moved > 0
+
+    # only rank 0 logs: one metrics line per step, each with the bytes really all-reduced
+    lines = [json.loads(line) for line in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, steps + 1))
+    sent = [r["allreduce_bytes"] for r in lines]
+    assert all(0 < s <= 16 * 1024 for s in sent), sent
+    # every output line of the job carries its rank
+    tagged = [line for line in dist.stdout.splitlines() if line.strip()]
+    assert tagged and all(line.startswith("[") for line in tagged)
+    print(f"3-rank launch of {steps} steps: {launch_s:.1f} s; allreduce_bytes per step: {sent}; max diff {diff:.2e}")
+
+
+def test_allreduce_stays_small_at_sd15_text_width(local_cluster, sample_images, tmp_path):
+    """4 vectors at SD1.5's 768-wide text encoder: what the process group really sends per step."""
+    import dataclasses
+
+    from xeontune import models
+
+    model = models.build_pipeline("tiny", tmp_path / "tiny-768",
+                                  dims=dataclasses.replace(models.DIMS["tiny"], text_hidden=768, text_heads=12))
+    tiny = {"model": model, "data": sample_images}
+    dist = cli("launch", "-n", "3", "--name", local_cluster.name, "--",
+               *train_args(tiny, tmp_path / "dist", 1, 2, "--num-vectors", "4"), env=OFFLINE)
+    assert dist.returncode == 0, dist.stdout[-3000:] + dist.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
+    sent = [r["allreduce_bytes"] for r in lines]
+    assert all(4 * 768 * 4 <= s <= 16 * 1024 for s in sent), sent
+    print(f"allreduce_bytes per step, 4 vectors x 768: {sent}")
+
+
+def test_killing_one_rank_ends_the_job(local_cluster, tiny, tmp_path):
+    out_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "xeontune.cli", "launch", "-n", "3", "--name", local_cluster.name, "--",
+            *train_args(tiny, out_dir, 1, 10_000)]
+    log = tmp_path / "launch.log"
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **OFFLINE})
+    victim_ns = local_cluster.nodes[1].resource_id
+    try:
+        deadline = time.monotonic() + 180
+        metrics = out_dir / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.is_file() and metrics.read_text().count("\n") >= 2:
+                break  # training is under way on every rank
+            time.sleep(0.5)
+        assert proc.poll() is None, "the job ended before the kill:\n" + log.read_text()[-3000:]
+        victims = trainer_pids(victim_ns)
+        assert victims, "no training process in node1's namespace"
+        killed_at = time.monotonic()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        rc = proc.wait(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc != 0 and took < 60
+    time.sleep(1)
+    for node in local_cluster.nodes:
+        assert trainer_pids(node.resource_id, include_hydra=True) == [], f"processes left on {node.name}"
+    print(f"job exited {rc} {took:.1f} s after rank 1 was killed")
+
+
+def trainer_pids(netns: str, include_hydra: bool = False) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout
+    found = []
+    for pid in map(int, out.split()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    continue  # a zombie runs nothing (this VM's init does not reap them)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "xeontune.train" in cmd or (include_hydra and ("hydra" in cmd or "mpiexec" in cmd)):
+            found.append(pid)
+    return found
+

@@ -1,0 +1,186 @@
+"""Fast tests (no root, no cluster): generated files, keys, known_hosts, the mpirun command, CLI errors."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from xeontune import launch
+from xeontune.cli import main
+from xeontune.cluster import files, manage, ssh, state
+from xeontune.cluster.state import ClusterRecord, Node
+from xeontune.errors import UserError
+
+
+@pytest.fixture
+def record(xeontune_home) -> ClusterRecord:
+    cdir = state.cluster_dir("demo")
+    rec = ClusterRecord(
+        name="demo", provider="local", key_path=str(cdir / "id_ed25519"), known_hosts_path=str(cdir / "known_hosts"),
+        work_dir=str(cdir / "work"), iface="eth0", extra={"mixed_precision": "no"},
+        nodes=[Node("node0", "head", "10.231.9.11", resource_id="xeontune-demo-node0"),
+               Node("node1", "worker", "10.231.9.12", resource_id="xeontune-demo-node1"),
+               Node("node2", "worker", "10.231.9.13", resource_id="xeontune-demo-node2")])
+    state.save(rec)
+    return rec
+
+
+def cloud_record(xeontune_home) -> ClusterRecord:
+    return ClusterRecord(
+        name="sky", provider="aws", key_path="/k/id", known_hosts_path="/k/known_hosts", work_dir="/opt/xt/work",
+        iface="ens5", extra={"remote_key_path": "/opt/xt/id", "remote_known_hosts_path": "/opt/xt/known_hosts",
+                             "venv": "/opt/xt/venv", "cores_per_node": "16", "mixed_precision": "bf16"},
+        nodes=[Node("node0", "head", "172.31.0.10", public_ip="3.3.3.3"), Node("node1", "worker", "172.31.0.11")])
+
+
+def test_keypair_is_private_and_openssh(tmp_path):
+    line = ssh.generate_keypair(tmp_path / "id", comment="c")
+    assert stat.S_IMODE(os.stat(tmp_path / "id").st_mode) == 0o600
+    assert line.startswith("ssh-ed25519 ") and line.endswith(" c")
+    assert (tmp_path / "id").read_text().startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
+    import paramiko
+
+    assert paramiko.Ed25519Key.from_private_key_file(str(tmp_path / "id")).get_base64() == line.split()[1]
+
+
+def test_pin_host_key_replaces_only_that_node(record, tmp_path):
+    a, b, c = (ssh.generate_keypair(tmp_path / f"h{i}") for i in range(3))
+    ssh.pin_host_key(record, record.nodes[0], a)
+    ssh.pin_host_key(record, record.nodes[1], b)
+    ssh.pin_host_key(record, record.nodes[0], c)  # re-pinned: the old key must go
+    lines = Path(record.known_hosts_path).read_text().splitlines()
+    assert lines == [f"node1,10.231.9.12 {' '.join(b.split()[:2])}", f"node0,10.231.9.11 {' '.join(c.split()[:2])}"]
+    import paramiko
+
+    keys = paramiko.HostKeys(record.known_hosts_path)
+    assert keys.lookup("10.231.9.11")["ssh-ed25519"].get_base64() == c.split()[1]
+
+
+def test_cluster_files(record):
+    written = files.write_cluster_files(record)
+    work = files.files_dir(record)
+    assert (work / "hosts").read_text() == "10.231.9.11\n10.231.9.12\n10.231.9.13\n"
+    config = (work / "ssh_config.internal").read_text()
+    assert "StrictHostKeyChecking yes" in config and "StrictHostKeyChecking no" not in config
+    assert f"UserKnownHostsFile {record.known_hosts_path}" in config and "ProxyJump" not in config
+    assert os.access(work / "ssh", os.X_OK)
+    assert shlex.split((work / "ssh").read_text().splitlines()[-1]) == [
+        "exec", "ssh", "-F", str(work / "ssh_config.internal"), "$@"]
+    assert sorted(n for n in written if n.startswith("accelerate/")) == [f"accelerate/rank{r}.yaml" for r in range(3)]
+    for rank in range(3):
+        cfg = yaml.safe_load((work / "accelerate" / f"rank{rank}.yaml").read_text())
+        assert cfg["distributed_type"] == "MULTI_CPU" and cfg["machine_rank"] == rank
+        assert cfg["num_machines"] == 3 and cfg["num_processes"] == 3
+        assert cfg["main_process_ip"] == "10.231.9.11" and cfg["main_process_port"] == 29500
+        assert cfg["mixed_precision"] == "no" and "mpirun_config" not in cfg
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    assert ClusterConfig.from_yaml_file(str(work / "accelerate" / "rank1.yaml")).machine_rank == 1
+
+
+def test_cloud_ssh_configs_jump_through_the_head(xeontune_home):
+    rec = cloud_record(xeontune_home)
+    outside = files.ssh_config_text(rec, internal=False)
+    assert "HostName 3.3.3.3" in outside and "ProxyJump node0" in outside
+    inside = files.ssh_config_text(rec, internal=True)
+    assert "HostName 172.31.0.10" in inside and "ProxyJump" not in inside and "IdentityFile /opt/xt/id" in inside
+
+
+def test_dry_run_is_the_command_that_runs(record, capsys, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert main(["launch", "-n", "3", "--name", "demo", "--dry-run", "--env", "FOO=bar", "--",
+                 "--max-train-steps", "2"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    plan = launch.build_plan(record, 3, 1, "auto", ["--", "--max-train-steps", "2"], {"FOO": "bar"})
+    assert argv == plan.argv
+    assert argv[:6] == ["ip", "netns", "exec", "xeontune-demo-node0", "env", "-i"]
+    genv = {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "-genv"}
+    assert genv["MASTER_ADDR"] == "10.231.9.11" and genv["MASTER_PORT"] == "29500"
+    assert genv["GLOO_SOCKET_IFNAME"] == "eth0" and genv["FOO"] == "bar"
+    assert genv["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 3))
+    assert "-genvnone" in argv and "-prepend-rank" in argv
+    tail = argv[argv.index("-m") - 1:]
+    assert tail == [sys.executable, "-m", "xeontune.train", "--max-train-steps", "2", "--dist-backend", "gloo",
+                    "--dist-timeout", str(launch.DEFAULT_DIST_TIMEOUT_S)]
+
+
+def test_user_options_win_and_ccl_sets_its_variables(record, monkeypatch):
+    monkeypatch.setattr(launch, "_ccl_available", lambda: (True, "ok"))
+    plan = launch.build_plan(record, 2, 1, "auto", ["--dist-timeout", "9"])
+    assert plan.backend == "ccl" and plan.env["CCL_ATL_TRANSPORT"] == "ofi" and plan.env["CCL_WORKER_COUNT"] == "1"
+    assert plan.argv[-4:] == ["--dist-timeout", "9", "--dist-backend", "ccl"]
+
+
+def test_ccl_without_bindings_is_a_user_error(record, monkeypatch):
+    monkeypatch.setattr(launch, "_ccl_available", lambda: (False, "it does not import"))
+    with pytest.raises(UserError, match="oneccl_bindings_for_pytorch"):
+        launch.build_plan(record, 2, 1, "ccl", [])
+    assert launch.build_plan(record, 2, 1, "auto", []).backend == "gloo"
+
+
+def test_cloud_plan_runs_on_the_head_over_ssh(xeontune_home):
+    rec = cloud_record(xeontune_home)
+    plan = launch.build_plan(rec, 4, 2, "gloo", [])
+    assert plan.argv[:4] == ["ssh", "-F", str(files.files_dir(rec) / "ssh_config"), "-tt"]
+    remote = shlex.split(plan.argv[-1])
+    assert remote[0] == "/opt/xt/venv/bin/mpirun" and "-f" in remote and remote[remote.index("-f") + 1] == "/opt/xt/work/hosts"
+    assert remote[remote.index("-iface") + 1] == "ens5" and plan.env["OMP_NUM_THREADS"] == "8"
+    assert "/opt/xt/venv/bin/python" in remote
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["launch", "-n", "4", "--name", "demo", "--dry-run"], "more ranks than cluster 'demo' holds (3 hosts x --ppn 1 = 3)"),
+    (["launch", "-n", "1", "--name", "nope", "--dry-run"], "unknown cluster 'nope'"),
+    (["cluster", "ssh", "node7", "--name", "demo"], "has no node 'node7'"),
+    (["launch", "-n", "1", "--name", "demo", "--dry-run", "--env", "NOEQUALS"], "--env takes KEY=VALUE"),
+])
+def test_user_errors_are_one_line_exit_2(record, capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_missing_mpirun_is_a_user_error(record, monkeypatch):
+    monkeypatch.setenv("XEONTUNE_MPIRUN", "/nonexistent/mpirun")
+    plan = launch.build_plan(record, 3, 1, "gloo", [])
+    with pytest.raises(UserError, match=r"no mpirun on the head node \(looked for /nonexistent/mpirun\)"):
+        launch.preflight(record, plan)
+
+
+def test_local_provider_says_what_is_missing(xeontune_home, monkeypatch, capsys):
+    from xeontune.cluster.providers import local
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(local, "sshd_path", lambda: None)
+    assert main(["cluster", "up", "--provider", "local", "-n", "2", "--name", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs root" in err and "openssh-server" in err
+    assert not state.exists("x")
+
+
+def test_localhost_cluster_lifecycle(xeontune_home, capsys):
+    assert main(["cluster", "up", "--provider", "localhost", "-n", "3", "--name", "solo"]) == 0
+    assert "files in" in capsys.readouterr().out
+    rec = state.load("solo")
+    assert rec.provider == "localhost" and rec.extra["slots"] == "3"
+    plan = launch.build_plan(rec, 3, 1, "gloo", [])
+    assert "-launcher" in plan.argv and plan.argv[plan.argv.index("-launcher") + 1] == "fork"
+    assert plan.env["MASTER_ADDR"] == "127.0.0.1" and plan.env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert main(["cluster", "status"]) == 0
+    assert "solo" in capsys.readouterr().out
+    assert main(["cluster", "up", "--provider", "localhost", "-n", "3", "--name", "solo"]) == 2  # exists already
+    assert main(["teardown", "--name", "solo"]) == 0
+    assert not state.exists("solo")
+    assert main(["teardown", "--name", "solo"]) == 0
+    assert "nothing to tear down" in capsys.readouterr().out
+
+
+def test_teardown_without_record_is_idempotent(xeontune_home, capsys):
+    assert manage.teardown("ghost").ok
+    assert main(["teardown", "--name", "ghost"]) == 0

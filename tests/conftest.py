@@ -1,0 +1,36 @@
+"""Fixtures shared by every test package (kept small: package-specific ones live beside their tests)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# No test may reach a model hub; huggingface_hub reads this once, at import.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.fixture
+def xeontune_home(tmp_path, monkeypatch):
+    """A private state dir, so tests never read or write the user's ~/.xeontune."""
+    home = tmp_path / "xeontune-home"
+    monkeypatch.setenv("XEONTUNE_HOME", str(home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The embedded tiny Stable Diffusion pipeline, built once per test session."""
+    from xeontune import models
+
+    return models.build_pipeline("tiny", tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def sample_images(tmp_path_factory):
+    """The project's deterministic sample concept images (6 PNGs, 64 px)."""
+    from xeontune import models
+
+    out = tmp_path_factory.mktemp("data") / "sample"
+    models.write_sample_data(out, count=6, size=64)
+    return out

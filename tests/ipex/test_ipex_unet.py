@@ -1,0 +1,116 @@
+"""A real forward and backward through an IPEX-optimized UNet (IPEX 2.8 + torch 2.8 venv)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("intel_extension_for_pytorch", reason="IPEX is not installed here; run `make test-ipex`")
+
+from xeontune import hardware  # noqa: E402
+from xeontune.train import backends  # noqa: E402
+
+
+def _load(path):
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet").eval().requires_grad_(False)
+    vae = AutoencoderKL.from_pretrained(path, subfolder="vae").eval().requires_grad_(False)
+    return unet, vae
+
+
+def _inputs(unet, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    size = unet.config.sample_size
+    latents = torch.randn(2, 4, size, size, generator=g)
+    hidden = torch.randn(2, 77, unet.config.cross_attention_dim, generator=g)
+    return latents, torch.tensor([10, 500]), hidden
+
+
+def test_ipex_is_usable_here():
+    info = hardware.ipex_info()
+    assert info.usable, info.reason
+
+
+def test_the_trap_prepacked_frozen_linear_gives_its_input_no_gradient():
+    """Why backends.py hides Linear layers from ipex.optimize: this is IPEX 2.8's behaviour."""
+    import intel_extension_for_pytorch as ipex
+
+    model = nn.Sequential(nn.Linear(8, 4)).eval().requires_grad_(False)  # a child: a root is not swapped
+    packed = ipex.optimize(model, dtype=torch.float32, weights_prepack=True)
+    x = torch.randn(3, 8, requires_grad=True)
+    packed(x).sum().backward()
+    assert x.grad is None
+
+
+STOCK_REFERENCE = """
+import sys, torch
+from diffusers import UNet2DConditionModel
+assert "intel_extension_for_pytorch" not in sys.modules
+unet = UNet2DConditionModel.from_pretrained(sys.argv[1], subfolder="unet").eval().requires_grad_(False)
+latents, t, hidden = torch.load(sys.argv[2])
+h = hidden.clone().requires_grad_(True)
+out = unet(latents, t, encoder_hidden_states=h).sample
+(out ** 2).mean().backward()
+torch.save((out.detach(), h.grad), sys.argv[3])
+"""
+
+
+def test_auto_skips_ipex_on_a_cpu_without_avx512(tiny_model):
+    if hardware.ipex_prepack_supported():
+        pytest.skip("this CPU has AVX-512: --ipex auto uses IPEX here")
+    unet, vae = _load(tiny_model)
+    out_unet, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="auto")
+    assert out_unet is unet and notes[0].startswith("IPEX: not used") and "AVX-512" in notes[0]
+
+
+def test_optimized_unet_forward_and_backward_match_stock_fp32(tiny_model, tmp_path, monkeypatch):
+    # Prepacking forced on, as --ipex auto does on AVX-512 CPUs: the path where the Linear trap lives.
+    monkeypatch.setenv(backends.PREPACK_ENV, "on")
+    # The reference runs in a process that never imports IPEX: importing it replaces some kernels.
+    latents, t, hidden = _inputs(_load(tiny_model)[0])
+    torch.save((latents, t, hidden), tmp_path / "inputs.pt")
+    subprocess.run(
+        [sys.executable, "-c", STOCK_REFERENCE, str(tiny_model), str(tmp_path / "inputs.pt"), str(tmp_path / "ref.pt")],
+        check=True,
+    )
+    ref_out, ref_grad = torch.load(tmp_path / "ref.pt")
+
+    unet, vae = _load(tiny_model)
+    opt_unet, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="on")
+    assert any(n.startswith("IPEX 2.8") and "convolutions prepacked" in n for n in notes), notes
+    kinds = {type(m).__name__ for m in opt_unet.modules()}
+    assert any("IPEX" in k and "Conv" in k for k in kinds), kinds  # convolutions did get prepacked
+    assert all(type(m) is nn.Linear for m in opt_unet.modules() if isinstance(m, nn.Linear))
+
+    h = hidden.clone().requires_grad_(True)
+    out = opt_unet(latents, t, encoder_hidden_states=h).sample
+    (out**2).mean().backward()
+    assert h.grad is not None and torch.isfinite(h.grad).all() and h.grad.abs().sum() > 0
+    # fp32 throughout; only the summation order of the prepacked convolutions differs
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(h.grad, ref_grad, rtol=1e-3, atol=1e-8)
+
+
+def test_optimized_unet_bf16_under_autocast_gives_a_gradient(tiny_model):
+    unet, vae = _load(tiny_model)
+    opt_unet, opt_vae, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="on")
+    # conv and linear weights in bf16 (IPEX keeps the norm layers' affine parameters in fp32)
+    weights = [m.weight for m in opt_unet.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    assert weights and {w.dtype for w in weights} == {torch.bfloat16}
+    if not hardware.ipex_prepack_supported():
+        assert "no weight prepacking" in notes[0]
+    assert opt_vae is vae and "VAE left to stock torch" in notes[0]  # it runs in and outside autocast
+    assert {p.dtype for p in opt_vae.parameters()} == {torch.float32}
+    latents, t, hidden = _inputs(unet)
+    h = hidden.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = opt_unet(latents, t, encoder_hidden_states=h).sample
+        encoded = opt_vae.encode(torch.randn(1, 3, 64, 64)).latent_dist.mean
+    (out.float() ** 2).mean().backward()
+    assert h.grad is not None and torch.isfinite(h.grad).all() and h.grad.abs().sum() > 0
+    assert torch.isfinite(encoded).all()

@@ -1,0 +1,92 @@
+"""`xeontune bench` on the tiny model: the JSON contract, the peak-RSS child, bad input.
+
+Speeds are not asserted here (a shared 2-core machine makes timed tests flaky); the targets live in
+`make bench` and docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from xeontune import bench, hardware
+from xeontune.cli import main
+from xeontune.errors import UserError
+from xeontune.train.loop import PHASES
+
+FAST = ["--resolution", "64", "--steps", "1", "--warmup", "1", "--allocator", "none", "--matmul-size", "256"]
+
+
+def test_bench_json_has_the_documented_keys(tiny_model, capsys, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tiny_model), *FAST, "--no-rss", "--json", "--json-out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == result
+    for variant in ("optimized", "baseline"):
+        v = result[variant]
+        assert v["s_per_step"] > 0 and v["images_per_s"] > 0
+        assert "peak_rss_mb" in v and set(v["phases"]) == set(PHASES)
+    assert result["baseline"]["phases"]["latents"] > 0  # the baseline encodes with the VAE every step
+    for key in ("speedup", "model_compute_s_per_step", "model_gflop_per_step", "achieved_gflops",
+                "machine_peak_gflops"):
+        assert result[key] > 0, key
+    assert result["config"]["precision"] == hardware.choose_precision("auto")[0]
+
+
+def test_bench_table_and_no_baseline(tiny_model, capsys):
+    assert main(["bench", "--model", str(tiny_model), *FAST, "--no-rss", "--no-baseline"]) == 0
+    out = capsys.readouterr().out
+    assert "s/step (median)" in out and "optimized" in out and "baseline" not in out
+    assert "GFLOP per step" in out
+
+
+def test_peak_rss_child_reports_its_own_peak(tiny_model):
+    done = subprocess.run(
+        [sys.executable, "-m", "xeontune.bench", "--rss-child", "baseline", "--model", str(tiny_model),
+         "--resolution", "64", "--steps", "1", "--warmup", "0", "--allocator", "none"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["variant"] == "baseline" and report["peak_rss_mb"] > 50
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--steps", "0"], ["--resolution", "60"], ["--model", "/nonexistent/model"], ["--warmup", "-1"]],
+)
+def test_bad_input_is_a_one_line_error(argv, capsys):
+    assert main(["bench", *argv, "--allocator", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_missing_requested_allocator_is_a_user_error(monkeypatch):
+    monkeypatch.delenv(hardware.PRELOAD_MARKER, raising=False)
+    monkeypatch.setattr(hardware, "launch_env", lambda *a, **k: {"OMP_NUM_THREADS": "2"})
+    args = bench.build_parser().parse_args(["--allocator", "tcmalloc"])
+    with pytest.raises(UserError, match="tcmalloc"):
+        bench._reexec_with_allocator(args, [])
+    args = bench.build_parser().parse_args(["--allocator", "auto"])
+    assert bench._reexec_with_allocator(args, []) is None  # nothing found: runs on as it is
+
+
+def test_reexec_preloads_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hardware.os, "execve", lambda *a: calls.append(a))
+    monkeypatch.setattr(hardware, "launch_env", lambda *a, **k: {"LD_PRELOAD": "/lib/libtcmalloc.so.4"})
+    monkeypatch.delenv(hardware.PRELOAD_MARKER, raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert hardware.reexec_with_allocator(["-m", "xeontune.bench"])
+    _, argv, env = calls[0]
+    assert argv[1:] == ["-m", "xeontune.bench"] and env["LD_PRELOAD"] == "/lib/libtcmalloc.so.4"
+    monkeypatch.setenv(hardware.PRELOAD_MARKER, "1")
+    assert not hardware.reexec_with_allocator(["-m", "xeontune.bench"])  # the re-executed process
+    assert len(calls) == 1
+
+
+def test_loaded_allocator_reads_this_process():
+    assert bench.loaded_allocator() in ("tcmalloc", "jemalloc", "glibc malloc", "unknown")

@@ -1,0 +1,118 @@
+"""CPU facts, the precision decision and the launch environment, on synthetic inputs."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+from xeontune import hardware
+
+TWO_SOCKETS = "\n".join(
+    f"processor\t: {i}\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nphysical id\t: {i // 4}\n"
+    f"core id\t\t: {(i % 4) // 2}\nflags\t\t: avx2 amx_bf16\n"
+    for i in range(8)
+)
+
+
+def test_parse_cpuinfo_counts_sockets_and_physical_cores():
+    model, sockets, physical, logical = hardware.parse_cpuinfo(TWO_SOCKETS)
+    assert (model, sockets, physical, logical) == ("Intel(R) Xeon(R) Platinum 8480+", 2, 4, 8)
+
+
+def test_parse_cpuinfo_without_topology_counts_logical_cpus():
+    text = "processor\t: 0\nmodel name\t: vm\n\nprocessor\t: 1\nmodel name\t: vm\n"
+    assert hardware.parse_cpuinfo(text) == ("vm", 1, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("flags", "requested", "expected"),
+    [
+        ({"avx2"}, "auto", "fp32"),
+        ({"avx2", "avx512_bf16"}, "auto", "bf16"),
+        ({"amx_bf16"}, "auto", "bf16"),
+        ({"amx_bf16"}, "fp32", "fp32"),
+        ({"avx2"}, "bf16", "bf16"),
+    ],
+)
+def test_choose_precision_follows_the_hardware(monkeypatch, flags, requested, expected):
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
+    precision, reason = hardware.choose_precision(requested)
+    assert precision == expected
+    if requested == "bf16" and not flags & set(hardware.BF16_FLAGS):
+        assert "slower" in reason  # forcing bf16 without native support says why it is a bad idea
+
+
+def test_ipex_prepacks_only_with_avx512():
+    assert not hardware.ipex_prepack_supported({"avx2", "fma", "avx_ne_convert"})
+    assert not hardware.ipex_prepack_supported({"avx512bw", "avx512vl"})
+    assert hardware.ipex_prepack_supported({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    assert hardware.IpexInfo("2.8.0", True, True, "").auto
+    assert not hardware.IpexInfo("2.8.0", True, False, "").auto  # AVX2: slower than stock torch
+    assert not hardware.IpexInfo("2.8.0", False, True, "").auto
+
+
+def test_library_dirs_include_debian_multiarch():
+    dirs = [str(d) for d in hardware.library_dirs({})]
+    assert "/usr/lib/x86_64-linux-gnu" in dirs or any("-linux-gnu" in d for d in dirs)
+
+
+def _lib(dir_: Path, name: str) -> Path:
+    dir_.mkdir(parents=True, exist_ok=True)
+    (dir_ / name).write_bytes(b"")
+    return dir_ / name
+
+
+def test_launch_env_prefers_tcmalloc_and_divides_cores(tmp_path, monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    multiarch = tmp_path / "usr/lib/x86_64-linux-gnu"
+    tc = _lib(multiarch, "libtcmalloc.so.4")
+    je = _lib(tmp_path / "usr/lib", "libjemalloc.so.2")
+    dirs = [tmp_path / "usr/lib", multiarch]
+    env = hardware.launch_env(3, physical_cores=8, dirs=dirs)
+    assert env == {"OMP_NUM_THREADS": "2", "LD_PRELOAD": str(tc)}
+    assert hardware.launch_env(1, physical_cores=8, allocator="jemalloc", dirs=dirs)["LD_PRELOAD"] == str(je)
+    assert "LD_PRELOAD" not in hardware.launch_env(1, physical_cores=8, allocator="none", dirs=dirs)
+    assert hardware.launch_env(16, physical_cores=8, dirs=[])["OMP_NUM_THREADS"] == "1"
+
+
+def test_launch_env_intel_openmp_and_existing_preload(tmp_path, monkeypatch):
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
+    iomp = _lib(tmp_path, "libiomp5.so")
+    env = hardware.launch_env(1, physical_cores=2, intel_openmp=True, dirs=[tmp_path])
+    assert env["LD_PRELOAD"] == f"{iomp}:/opt/other.so"
+    assert env["KMP_BLOCKTIME"] == "1" and "KMP_AFFINITY" in env
+    with pytest.raises(ValueError):
+        hardware.launch_env(0)
+
+
+def test_rank_threads_reads_the_mpi_environment():
+    assert hardware.ranks_on_this_host({"MPI_LOCALNRANKS": "2"}) == 2
+    assert hardware.ranks_on_this_host({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == 4
+    assert hardware.ranks_on_this_host({}) == 1
+    assert hardware.rank_threads({"MPI_LOCALNRANKS": "2"}, physical_cores=8) == 4
+    assert hardware.rank_threads({"OMP_NUM_THREADS": "3", "MPI_LOCALNRANKS": "2"}, physical_cores=8) == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "flavour"),
+    [
+        ("Intel(R) MPI Library for Linux* OS, Version 2021.14 Build", "Intel MPI"),
+        ("HYDRA build details:\n    Version: 4.2.0", "MPICH"),
+        ("mpirun (Open MPI) 4.1.6", "Open MPI"),
+        ("something else", "unknown"),
+    ],
+)
+def test_mpi_flavour(text, flavour):
+    assert hardware.mpi_flavour(text) == flavour
+
+
+def test_ipex_for_another_torch_is_not_imported(monkeypatch):
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        hardware.importlib.metadata, "version",
+        lambda name: "2.8.0" if name == "intel-extension-for-pytorch" else real(name),
+    )
+    info = hardware.ipex_info("2.13.0+cpu")
+    assert not info.usable and info.installed == "2.8.0" and "2.8" in info.reason

@@ -1,0 +1,145 @@
+"""The trainer end to end on the tiny model: it learns, resumes exactly, and writes what it promises."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xeontune.cli import main
+from xeontune.errors import TrainingError
+from xeontune.train import loop, tokens
+from xeontune.train.options import parse_args
+
+pytestmark = pytest.mark.slow
+
+
+def train(args, on_step=None):
+    return loop.train(parse_args(args), on_step=on_step)
+
+
+def test_it_really_learns(base_args, tmp_path):
+    """Denoising loss of placeholder prompts on fixed (image, noise, timestep) triples goes down."""
+    args = base_args + ["--max-train-steps", "40", "--learning-rate", "0.02", "--train-batch-size", "2",
+                        "--checkpointing-steps", "0", "--save-steps", "0"]
+    result = train(args)
+
+    opts = parse_args(args + ["--output-dir", str(tmp_path / "eval"), "--max-train-steps", "1"])
+    accelerator = loop.make_accelerator(opts)
+    run, _ = loop.setup(opts, accelerator)
+    initial = run.embedding.learned()
+    fixed = list(range(10_000, 10_048))  # sample positions the run never trained on
+
+    @torch.no_grad()
+    def mean_loss(vecs):
+        run.embedding.load_learned(vecs)
+        losses = []
+        for start in range(0, len(fixed), 8):
+            batch = run.plan.batch(fixed[start:start + 8])
+            latents = run.latents.sample(batch)
+            noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
+            hidden = run.components.text_encoder(batch.input_ids)[0]
+            pred = run.components.unet(noisy, batch.timesteps, hidden).sample
+            losses.append(torch.nn.functional.mse_loss(pred, batch.noise))
+        return float(torch.stack(losses).mean())
+
+    before, after = mean_loss(initial), mean_loss(result.vectors)
+    assert not torch.equal(initial, result.vectors)
+    assert after < before, f"learned vectors did not lower the loss: {after:.5f} >= {before:.5f}"
+
+
+def test_resume_is_exact(base_args, tmp_path):
+    common = base_args + ["--max-train-steps", "10", "--checkpointing-steps", "3", "--lr-scheduler", "cosine",
+                          "--lr-warmup-steps", "2", "--num-vectors", "2", "--train-batch-size", "2"]
+    straight = train(common + ["--output-dir", str(tmp_path / "a")])
+
+    def interrupt(step, *_):
+        if step == 7:  # after checkpoint-6 was written, before step 7's outputs
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(common + ["--output-dir", str(tmp_path / "b")], on_step=interrupt)
+    assert sorted(p.name for p in (tmp_path / "b").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    resumed = train(common + ["--output-dir", str(tmp_path / "b"), "--resume-from-checkpoint", "latest"])
+
+    diff = (straight.vectors - resumed.vectors).abs().max().item()
+    assert diff <= 1e-6, diff
+    at_six = torch.load(tmp_path / "b" / "checkpoint-6" / "state.pt", weights_only=False)["vectors"]
+    assert not torch.equal(at_six, resumed.vectors)  # the resumed run really trained steps 7-10
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11))
+
+
+def test_outputs_and_formats(base_args, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    out = tmp_path / "out"
+    result = train(base_args + [
+        "--max-train-steps", "4", "--num-vectors", "3", "--save-steps", "2", "--checkpointing-steps", "2",
+        "--checkpoints-total-limit", "1", "--validation-prompt", "a photo of a <toy-bot>",
+        "--num-validation-images", "2", "--validation-steps", "2", "--validation-inference-steps", "2",
+        "--save-as-full-pipeline", "--report-to", "tensorboard",
+    ])
+    embeds = load_file(str(out / "learned_embeds.safetensors"))
+    assert list(embeds) == ["<toy-bot>"] and embeds["<toy-bot>"].shape == (3, 32)
+    assert torch.equal(embeds["<toy-bot>"], result.vectors)
+    assert (out / "learned_embeds-steps-2.safetensors").is_file()
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-4"]  # limit 1 keeps the newest
+    assert sorted(p.name for p in (out / "validation").glob("*.png")) == [
+        "step-000002-0.png", "step-000002-1.png", "step-000004-0.png", "step-000004-1.png"]
+    assert list((out / "logs").glob("events.out.tfevents.*"))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert {"loss", "lr", "step_time_s", "images_per_s", "allreduce_bytes"} <= set(records[0])
+    assert not list(out.glob(".*tmp"))  # no temporary file left behind
+
+    # diffusers' own loader takes the file and adds every vector's token
+    pipe = StableDiffusionPipeline.from_pretrained(base_args[1], safety_checker=None)
+    pipe.load_textual_inversion(str(out / "learned_embeds.safetensors"))
+    assert {"<toy-bot>", "<toy-bot>_1", "<toy-bot>_2"} <= set(pipe.tokenizer.get_vocab())
+    ids = pipe.tokenizer.convert_tokens_to_ids(["<toy-bot>", "<toy-bot>_1", "<toy-bot>_2"])
+    assert torch.allclose(pipe.text_encoder.get_input_embeddings().weight[ids], result.vectors)
+
+    # the full pipeline carries the token and its vectors
+    full = StableDiffusionPipeline.from_pretrained(str(out / "pipeline"), safety_checker=None)
+    ids = full.tokenizer.convert_tokens_to_ids(["<toy-bot>", "<toy-bot>_1", "<toy-bot>_2"])
+    assert torch.allclose(full.text_encoder.get_input_embeddings().weight[ids], result.vectors)
+
+
+def test_a1111_format_loads_with_a_token_name(base_args, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    result = train(base_args + ["--save-format", "a1111", "--num-vectors", "2"])
+    path = tmp_path / "out" / "learned_embeds.safetensors"
+    token, vecs = tokens.load_learned_embeds(path)
+    assert token == "<toy-bot>" and torch.equal(vecs, result.vectors)
+    pipe = StableDiffusionPipeline.from_pretrained(base_args[1], safety_checker=None)
+    pipe.load_textual_inversion(str(path), token="<toy-bot>")
+    assert "<toy-bot>_1" in pipe.tokenizer.get_vocab()
+
+
+def test_splice_matches_the_example_scripts_full_table(base_args, tmp_path):
+    """Same math as the example script's approach (whole table trainable, rows restored, VAE every step)."""
+    common = base_args + ["--max-train-steps", "4", "--num-vectors", "2", "--adam-weight-decay", "0.01"]
+    fast = train(common + ["--output-dir", str(tmp_path / "fast")])
+    slow = train(common + ["--output-dir", str(tmp_path / "slow"), "--train-full-table", "--no-cache-latents"])
+    assert (fast.vectors - slow.vectors).abs().max().item() <= 1e-5
+
+
+def test_scale_lr_counts_batch_and_accumulation(base_args, tmp_path):
+    train(base_args + ["--scale-lr", "--train-batch-size", "2", "--gradient-accumulation-steps", "3",
+                       "--learning-rate", "0.001", "--max-train-steps", "1"])
+    record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["lr"] == pytest.approx(0.006)
+
+
+def test_a_broken_gradient_path_stops_the_run(base_args, tmp_path, monkeypatch, capsys):
+    """If a backend cuts the gradient to the vectors (IPEX prepacking did), stop at once with exit 1."""
+    original = tokens.SplicedEmbedding.forward
+    monkeypatch.setattr(tokens.SplicedEmbedding, "forward", lambda self, ids: original(self, ids).detach() + 0 * self.vectors.sum())
+    assert main(["train", *base_args]) == 1
+    assert "received no usable gradient" in capsys.readouterr().err
+    with pytest.raises(TrainingError):
+        train(base_args + ["--output-dir", str(tmp_path / "again")])

@@ -1,0 +1,560 @@
+"""`xeontune bench`: this trainer's step against the common example script's, side by side.
+
+Both variants are built by the trainer's own ``setup`` and stepped by its own ``train_step``:
+
+* optimized: latents cached once per image, only the new rows trainable (the trainer's default);
+* baseline: VAE encode every step, the whole token table trainable, the original rows copied back
+  after every optimizer step (what the common example script does).
+
+They share the frozen UNet and VAE (one copy in memory) and run alternately in one process, with
+the order rotated every round, so that a noisy, shared machine slows both alike and the ratio
+holds. A third entry in each round times the pure model compute: text encoder and UNet forward
+and backward of one step, nothing else. Peak RSS cannot be told apart inside one process, so each
+variant's peak RSS comes from a short run of that variant alone in a child process.
+
+Step times are reported by ``--statistic``: ``best`` (default) takes each entry's fastest measured
+step, because on a shared machine interference only ever adds time; ``median`` suits a quiet,
+dedicated machine. Both are always in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xeontune.errors import UserError
+
+VARIANTS = ("optimized", "baseline")
+BUILT_IN = ("tiny", "sd15-arch")
+TOKEN = "<bench-token>"
+
+TARGETS = {"speedup_min": 1.5, "overhead_max": 1.05, "rss_ratio_max": 0.8}
+
+
+@dataclass
+class VariantResult:
+    s_per_step: float  # by --statistic: the best (default) or the median of the measured steps
+    images_per_s: float
+    peak_rss_mb: float | None  # the whole process, loading included (what an OOM killer sees)
+    phases: dict[str, float]  # seconds: the chosen step's own (best) or per-phase medians (median)
+    median_s_per_step: float = 0.0
+    best_s_per_step: float = 0.0
+    warmup_s: list[float] = field(default_factory=list)  # unmeasured first steps (compile time shows here)
+    steps_peak_rss_mb: float | None = None  # peak during the training steps alone
+    step_times_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class BenchResult:
+    optimized: VariantResult
+    baseline: VariantResult | None
+    speedup: float | None  # optimized over baseline, in steps per second
+    model_compute_s_per_step: float
+    model_gflop_per_step: float
+    achieved_gflops: float  # model FLOPs per optimized step / optimized s_per_step
+    machine_peak_gflops: float
+    overhead_ratio: float  # optimized s_per_step / model_compute_s_per_step
+    rss_ratio: float | None  # optimized peak RSS / baseline peak RSS (whole process)
+    steps_rss_ratio: float | None  # the same for the peaks during the training steps
+    config: dict[str, Any]
+    model_compute_times_s: list[float] = field(default_factory=list)
+
+
+# --- arguments ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="xeontune bench",
+        description="Time this trainer's optimized step against the example script's approach (baseline), "
+        "alternating in one process, with per-phase times, FLOPs and the machine's matmul peak.",
+    )
+    p.add_argument("--model", default="tiny", help="tiny, sd15-arch (built once and cached), or a pipeline path")
+    p.add_argument("--models-dir", default="models", help="where tiny / sd15-arch are cached (default: models)")
+    p.add_argument("--resolution", type=int, default=256, help="image side in pixels (default 256)")
+    p.add_argument("--batch-size", type=int, default=1, help="images per step (default 1)")
+    p.add_argument("--steps", type=int, default=5, help="measured steps per variant (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per variant first (default 1)")
+    p.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--ipex", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--compile", action="store_true", help="torch.compile the UNet (first step compiles: minutes)")
+    p.add_argument("--allocator", default="auto", choices=("auto", "tcmalloc", "jemalloc", "none"),
+                   help="allocator to preload by re-executing the bench (default auto: tcmalloc, else jemalloc)")
+    p.add_argument("--no-baseline", action="store_true", help="time only the optimized step")
+    p.add_argument("--no-rss", action="store_true", help="skip the child runs that measure peak RSS")
+    p.add_argument("--statistic", default="best", choices=("best", "median"),
+                   help="which step time counts (default best: on a shared machine noise only ever adds time)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
+    p.add_argument("--matmul-size", type=int, default=2048, help=argparse.SUPPRESS)
+    p.add_argument("--rss-child", choices=VARIANTS, help=argparse.SUPPRESS)
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("steps", "batch_size", "matmul_size"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        raise UserError("--warmup must be at least 0")
+    if args.resolution < 32 or args.resolution % 8:
+        raise UserError(f"--resolution must be a multiple of 8 and at least 32, got {args.resolution}")
+
+
+# --- environment: allocator preload ---------------------------------------------------------------
+
+
+def _reexec_with_allocator(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """An allocator must be preloaded at process start: re-execute once with it (see hardware)."""
+    from xeontune import hardware
+
+    if args.allocator == "none" or os.environ.get(hardware.PRELOAD_MARKER):
+        return
+    if args.allocator != "auto" and "LD_PRELOAD" not in hardware.launch_env(1, allocator=args.allocator):
+        raise UserError(f"--allocator {args.allocator}: library not found (see `xeontune doctor`)")
+    hardware.reexec_with_allocator(["-m", "xeontune.bench", *argv], args.allocator)
+
+
+def loaded_allocator() -> str:
+    """Which malloc this process really uses (read from its memory map)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    for name in ("tcmalloc", "jemalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "glibc malloc"
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries the parent's peak into a
+    child's ru_maxrss across fork and exec, so a child of the (large) bench would report its parent's."""
+    hwm = _status_mb("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _status_mb(key: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window (VmHWM), after handing freed memory back to the OS."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    process = ctypes.CDLL(None)
+    for release in ("MallocExtension_ReleaseFreeMemory", "malloc_trim"):  # tcmalloc, glibc
+        fn = getattr(process, release, None)
+        if fn is not None:
+            fn(0) if release == "malloc_trim" else fn()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: resets VmHWM to the current RSS
+    except OSError:
+        return False
+    return True
+
+
+# --- model and data --------------------------------------------------------------------------------
+
+
+def resolve_model(model: str, models_dir: str) -> Path:
+    """A built-in kind is built into MODELS_DIR/KIND once (sd15-arch: minutes, 3.9 GB) and reused."""
+    from xeontune import models
+
+    if model not in BUILT_IN:
+        path = Path(model).expanduser()
+        if not (path / "model_index.json").is_file():
+            raise UserError(f"--model {model}: not tiny, sd15-arch, or a pipeline folder with model_index.json")
+        return path
+    path = Path(models_dir) / model
+    if not (path / "model_index.json").is_file():
+        note = " (once: a few minutes and 3.9 GB)" if model == "sd15-arch" else ""
+        print(f"building the {model} pipeline in {path}{note}", file=sys.stderr)
+        start = time.perf_counter()
+        models.build_pipeline(model, path)
+        print(f"built {path} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return path
+
+
+def train_argv(model: Path, data: Path, out: Path, args: argparse.Namespace, variant: str) -> list[str]:
+    argv = [
+        "--model", str(model), "--data-dir", str(data), "--placeholder-token", TOKEN,
+        "--initializer-token", "toy", "--resolution", str(args.resolution),
+        "--train-batch-size", str(args.batch_size), "--max-train-steps", str(args.warmup + args.steps),
+        "--output-dir", str(out), "--mixed-precision", args.mixed_precision, "--ipex", args.ipex,
+        "--report-to", "none",
+    ]
+    if args.compile:
+        argv.append("--compile")
+    if variant == "baseline":
+        argv += ["--no-cache-latents", "--train-full-table"]
+    return argv
+
+
+@contextlib.contextmanager
+def shared_frozen_models(components) -> Iterator[dict[str, Any]]:
+    """Make the trainer's ``setup`` reuse already-loaded frozen models.
+
+    Each variant gets its own tokenizer and text encoder (setup adds the placeholder token and swaps
+    the token embedding); the UNet and VAE, 90 % of the memory, are shared, and the backends
+    (IPEX, compile) are applied to them only once, by the first setup. Yields a dict that gets
+    the backends' notes.
+    """
+    from unittest import mock
+
+    from xeontune.train import backends, loop
+
+    pristine_tokenizer = copy.deepcopy(components.tokenizer)
+    pristine_encoder = copy.deepcopy(components.text_encoder)
+    prepared: dict[str, Any] = {}
+
+    def load(*_args: Any, **_kwargs: Any):
+        fresh = copy.copy(components)
+        fresh.tokenizer = copy.deepcopy(pristine_tokenizer)
+        fresh.text_encoder = copy.deepcopy(pristine_encoder)
+        if prepared:
+            fresh.unet, fresh.vae = prepared["unet"], prepared["vae"]
+        return fresh
+
+    real_prepare = backends.prepare_frozen_models
+
+    def prepare(unet, vae, **kwargs: Any):
+        if not prepared:
+            prepared["unet"], prepared["vae"], prepared["notes"] = real_prepare(unet, vae, **kwargs)
+        return prepared["unet"], prepared["vae"], list(prepared["notes"])
+
+    with mock.patch.object(loop, "load", load), mock.patch.object(backends, "prepare_frozen_models", prepare):
+        yield prepared
+
+
+# --- measurements --------------------------------------------------------------------------------
+
+
+def machine_peak_gflops(precision: str, size: int = 2048, repeats: int = 5) -> float:
+    """Best of a few large square matmuls in the training precision: what this CPU can do.
+
+    Measured at start and again once per round; the best counts, since a busy machine only
+    ever makes a matmul slower."""
+    import torch
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.mm(a, b)  # warm-up: oneDNN/MKL picks and caches its kernel
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def compute_pass(run, step: int, *, unet=None, timed: bool = True) -> float:
+    """Text encoder and UNet forward and backward for one step's batch, timed alone.
+
+    Inputs (batch, latents, noise, target) are made before the clock starts; the gradients are
+    dropped after it stops, so the trainable vectors never change.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    batch = run.plan.batch(run.positions(step, 0))
+    with torch.no_grad():
+        latents = run.latents.sample(batch)
+        noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
+        target = run.target(latents, batch.noise, batch.timesteps).float()
+    unet = unet or run.components.unet
+    start = time.perf_counter()
+    with run.autocast():
+        hidden = run.components.text_encoder(batch.input_ids)[0]
+        pred = unet(noisy, batch.timesteps, hidden).sample
+    F.mse_loss(pred.float(), target).backward()
+    elapsed = time.perf_counter() - start
+    run.optimizer.zero_grad(set_to_none=True)
+    return elapsed if timed else 0.0
+
+
+def count_gflop(run, step: int) -> float:
+    """FLOPs of one compute pass (forward and backward) by torch.utils.flop_counter.
+
+    Counted on the plain UNet: compiled graphs and IPEX's own kernels are not aten ops the counter
+    sees."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        compute_pass(run, step, unet=run.components.unet_for_inference, timed=False)
+    return counter.get_total_flops() / 1e9
+
+
+def pick(times: list[float], statistic: str) -> float:
+    return min(times) if statistic == "best" else statistics.median(times)
+
+
+def _summarize(
+    times: list[float], phases: list[dict[str, float]], batch: int, rss: dict[str, float | None],
+    warmup: list[float], statistic: str,
+) -> VariantResult:
+    chosen = pick(times, statistic)
+    if statistic == "best":  # the phases of that very step, so they add up to it
+        step_phases = phases[times.index(chosen)]
+    else:
+        step_phases = {n: statistics.median(p[n] for p in phases) for n in phases[0]}
+    return VariantResult(
+        s_per_step=chosen, images_per_s=batch / chosen, peak_rss_mb=rss.get("peak_rss_mb"), phases=step_phases,
+        median_s_per_step=statistics.median(times), best_s_per_step=min(times),
+        steps_peak_rss_mb=rss.get("steps_peak_rss_mb"),
+        step_times_s=[round(t, 4) for t in times], warmup_s=[round(t, 4) for t in warmup],
+    )
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
+    import torch
+
+    from xeontune import models
+    from xeontune.train import loop
+    from xeontune.train.components import load
+
+    model = resolve_model(args.model, args.models_dir)
+    with tempfile.TemporaryDirectory(prefix="xeontune-bench-") as tmp:
+        data = Path(tmp) / "data"
+        models.write_sample_data(data, count=4, size=args.resolution)
+        opts = {v: loop_opts(model, data, Path(tmp) / v, args, v) for v in VARIANTS}
+        accelerator = loop.make_accelerator(opts["optimized"])
+        components = load(str(model))
+        runs = {}
+        with shared_frozen_models(components) as prepared:
+            for variant in VARIANTS if not args.no_baseline else ("optimized",):
+                runs[variant], _ = loop.setup(opts[variant], accelerator)
+        notes = prepared["notes"]
+        del components, prepared
+        precision = runs["optimized"].precision
+        log(f"precision {precision}; threads {torch.get_num_threads()}; allocator {loaded_allocator()}; "
+            + "; ".join(notes))
+
+        peak = machine_peak_gflops(precision, args.matmul_size)
+        gflop = count_gflop(runs["optimized"], 10**6)
+        log(f"machine peak {peak:.0f} GFLOP/s; model {gflop:.1f} GFLOP per step")
+
+        # One round = one step of each entry; the order rotates so no entry always goes first.
+        entries = [*runs, "compute"]
+        times: dict[str, list[float]] = {e: [] for e in entries}
+        warmups: dict[str, list[float]] = {e: [] for e in entries}
+        phases: dict[str, list[dict[str, float]]] = {e: [] for e in entries}
+        for rnd in range(args.warmup + args.steps):
+            shift = rnd % len(entries)
+            this_round: dict[str, float] = {}
+            for entry in entries[shift:] + entries[:shift]:
+                if entry == "compute":
+                    elapsed = compute_pass(runs["optimized"], 2 * 10**6 + rnd)
+                else:
+                    run = runs[entry]
+                    start = time.perf_counter()
+                    loop.train_step(run, rnd)
+                    elapsed = time.perf_counter() - start
+                    step_phases = run.phases.take()
+                this_round[entry] = elapsed
+                if rnd < args.warmup:
+                    warmups[entry].append(elapsed)
+                else:
+                    times[entry].append(elapsed)
+                    if entry != "compute":
+                        phases[entry].append(step_phases)
+            peak = max(peak, machine_peak_gflops(precision, args.matmul_size, repeats=2))
+            label = "warm-up" if rnd < args.warmup else f"step {rnd - args.warmup + 1}/{args.steps}"
+            log(f"{label}: " + ", ".join(f"{e} {t:.2f} s" for e, t in this_round.items()))
+        del runs
+
+    rss: dict[str, dict[str, float | None]] = {v: {} for v in VARIANTS}
+    if not args.no_rss:
+        for variant in VARIANTS if not args.no_baseline else ("optimized",):
+            rss[variant] = rss_in_child(args, variant, model)
+            log(f"peak RSS {variant}: {rss[variant]['peak_rss_mb']:.0f} MB "
+                f"(during the steps: {rss[variant]['steps_peak_rss_mb'] or 0:.0f} MB)")
+
+    optimized = _summarize(
+        times["optimized"], phases["optimized"], args.batch_size, rss["optimized"], warmups["optimized"],
+        args.statistic,
+    )
+    baseline = (
+        _summarize(times["baseline"], phases["baseline"], args.batch_size, rss["baseline"], warmups["baseline"],
+                   args.statistic)
+        if not args.no_baseline else None
+    )
+    compute = pick(times["compute"], args.statistic)
+    return BenchResult(
+        optimized=optimized,
+        baseline=baseline,
+        speedup=baseline.s_per_step / optimized.s_per_step if baseline else None,
+        model_compute_s_per_step=compute,
+        model_gflop_per_step=gflop,
+        achieved_gflops=gflop / optimized.s_per_step,
+        machine_peak_gflops=peak,
+        overhead_ratio=optimized.s_per_step / compute,
+        rss_ratio=_ratio(optimized.peak_rss_mb, baseline.peak_rss_mb) if baseline else None,
+        steps_rss_ratio=_ratio(optimized.steps_peak_rss_mb, baseline.steps_peak_rss_mb) if baseline else None,
+        config={
+            "model": args.model, "model_path": str(model), "resolution": args.resolution,
+            "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "precision": precision,
+            "statistic": args.statistic,
+            "ipex": args.ipex, "compile": args.compile, "threads": torch.get_num_threads(),
+            "allocator": loaded_allocator(), "torch": torch.__version__, "cpu": _cpu_model(),
+            "backend_notes": notes, "targets": TARGETS,
+        },
+        model_compute_times_s=[round(t, 4) for t in times["compute"]],
+    )
+
+
+def _cpu_model() -> str:
+    from xeontune import hardware
+
+    info = hardware.cpu_info()
+    return f"{info.model}, {info.physical_cores} cores, {' '.join(f for f, on in info.flags.items() if on)}"
+
+
+def loop_opts(model: Path, data: Path, out: Path, args: argparse.Namespace, variant: str):
+    from xeontune.train.options import parse_args
+
+    return parse_args(train_argv(model, data, out, args, variant))
+
+
+def rss_in_child(args: argparse.Namespace, variant: str, model: Path) -> dict[str, float | None]:
+    """Peak RSS of a fresh process that loads the models and runs warm-up plus two steps of one
+    variant: over its whole life, and during the steps alone."""
+    argv = [
+        sys.executable, "-m", "xeontune.bench", "--rss-child", variant, "--model", str(model),
+        "--resolution", str(args.resolution), "--batch-size", str(args.batch_size),
+        "--steps", str(min(args.steps, 2)), "--warmup", str(min(args.warmup, 1)),
+        "--mixed-precision", args.mixed_precision, "--ipex", args.ipex, "--allocator", "none",
+        *(["--compile"] if args.compile else []),
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"peak-RSS run of {variant} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rss_child(args: argparse.Namespace) -> int:
+    """Child mode: one variant alone (no shared models), then print its peak RSS as JSON."""
+    from xeontune import models
+    from xeontune.train import loop
+
+    model = resolve_model(args.model, args.models_dir)
+    with tempfile.TemporaryDirectory(prefix="xeontune-bench-") as tmp:
+        data = Path(tmp) / "data"
+        models.write_sample_data(data, count=4, size=args.resolution)
+        opts = loop_opts(model, data, Path(tmp) / "out", args, args.rss_child)
+        run, _ = loop.setup(opts, loop.make_accelerator(opts))
+        setup_peak, after_setup = peak_rss_mb(), _status_mb("VmRSS")
+        windowed = reset_peak_rss()
+        for step in range(args.warmup + args.steps):
+            loop.train_step(run, step)
+        steps_peak = peak_rss_mb()
+        report = {
+            "variant": args.rss_child, "peak_rss_mb": max(setup_peak, steps_peak), "setup_peak_rss_mb": setup_peak,
+            "rss_after_setup_mb": after_setup, "steps_peak_rss_mb": steps_peak if windowed else None,
+        }
+    print(json.dumps(report))
+    return 0
+
+
+# --- output ----------------------------------------------------------------------------------------
+
+
+def render_table(r: BenchResult) -> str:
+    c = r.config
+    cols = [("optimized", r.optimized)] + ([("baseline", r.baseline)] if r.baseline else [])
+    lines = [
+        f"xeontune bench: {c['model']}, {c['resolution']} px, batch {c['batch_size']}, {c['steps']} steps after "
+        f"{c['warmup']} warm-up, {c['precision']}, {c['threads']} threads, {c['allocator']}",
+        f"{'':<24}" + "".join(f"{name:>12}" for name, _ in cols),
+        f"{'s/step (' + c['statistic'] + ')':<24}" + "".join(f"{v.s_per_step:>12.3f}" for _, v in cols),
+        f"{'s/step (median)' if c['statistic'] == 'best' else 's/step (best)':<24}" + "".join(
+            f"{v.median_s_per_step if c['statistic'] == 'best' else v.best_s_per_step:>12.3f}" for _, v in cols),
+        f"{'images/s':<24}" + "".join(f"{v.images_per_s:>12.3f}" for _, v in cols),
+        f"{'peak RSS (MB)':<24}" + "".join(
+            f"{v.peak_rss_mb:>12.0f}" if v.peak_rss_mb else f"{'-':>12}" for _, v in cols),
+        f"{'  during steps (MB)':<24}" + "".join(
+            f"{v.steps_peak_rss_mb:>12.0f}" if v.steps_peak_rss_mb else f"{'-':>12}" for _, v in cols),
+    ]
+    for phase in r.optimized.phases:
+        lines.append(f"{'  ' + phase + ' (s)':<24}" + "".join(f"{v.phases[phase]:>12.3f}" for _, v in cols))
+    t = TARGETS
+    if r.speedup is not None:
+        lines.append(f"speedup: {r.speedup:.2f}x (target >= {t['speedup_min']})")
+    lines.append(
+        f"model compute alone: {r.model_compute_s_per_step:.3f} s/step; optimized step / compute = "
+        f"{r.overhead_ratio:.3f} (target <= {t['overhead_max']})"
+    )
+    if r.rss_ratio is not None:
+        steps = f"; during the steps alone {r.steps_rss_ratio:.2f}" if r.steps_rss_ratio else ""
+        lines.append(f"peak RSS optimized / baseline: {r.rss_ratio:.2f}{steps} (target <= {t['rss_ratio_max']})")
+    lines.append(
+        f"FLOPs: {r.model_gflop_per_step:.1f} GFLOP per step; achieved {r.achieved_gflops:.1f} GFLOP/s "
+        f"= {100 * r.achieved_gflops / r.machine_peak_gflops:.0f} % of this machine's "
+        f"{r.machine_peak_gflops:.0f} GFLOP/s matmul peak"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    _check(args)
+    _quiet_libraries()
+    if args.rss_child:
+        return rss_child(args)
+    _reexec_with_allocator(args, argv)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    result = run_bench(args, log)
+    text = json.dumps(asdict(result), indent=2)
+    if args.json_out:
+        from xeontune.io import atomic_write_text
+
+        atomic_write_text(Path(args.json_out), text + "\n")
+    print(text if args.json else render_table(result))
+    return 0
+
+
+def _quiet_libraries() -> None:
+    import logging
+    import warnings
+
+    for name in ("diffusers", "transformers", "accelerate", "huggingface_hub", "xeontune.train"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+
+if __name__ == "__main__":
+    from xeontune.cli import main as cli_main
+
+    sys.exit(cli_main(["bench", *sys.argv[1:]]))

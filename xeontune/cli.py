@@ -1,0 +1,200 @@
+"""The `xeontune` command: a thin shell over the library.
+
+Each subcommand parses its flags, calls one library function, and maps UserError to a one-line
+message and exit code 2. Heavy imports (torch, cloud SDKs) happen inside the handlers so that
+`xeontune --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from xeontune import __version__
+from xeontune.errors import UserError
+
+DESCRIPTION = """\
+Fine-tune Stable Diffusion with textual inversion on Xeon CPUs, on one machine or a small cluster.
+
+  xeontune model tiny models/tiny          build the embedded tiny pipeline (offline)
+  xeontune sample-data data/sample         write the sample concept images
+  xeontune train --model ... --data-dir ... --placeholder-token '<cat-toy>' --initializer-token toy
+  xeontune cluster up --provider local -n 3
+  xeontune launch -n 3 -- <train options>
+  xeontune teardown
+"""
+
+
+# --- models and data ---------------------------------------------------------------------------
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from xeontune import models
+
+    path = models.build_pipeline(args.kind, args.dir, seed=args.seed)
+    print(f"wrote {args.kind} pipeline to {path}")
+    return 0
+
+
+def _cmd_sample_data(args: argparse.Namespace) -> int:
+    from xeontune import models
+
+    files = models.write_sample_data(args.dir, count=args.count, size=args.size, seed=args.seed)
+    print(f"wrote {len(files)} images to {args.dir}")
+    return 0
+
+
+# --- training, hardware, benchmark -------------------------------------------------------------
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from xeontune.train.__main__ import main as train_main
+
+    return train_main(args.train_args)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from xeontune import hardware
+
+    report = hardware.collect()
+    print(hardware.render_json(report) if args.json else hardware.render_table(report))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from xeontune import bench
+
+    return bench.main(args.bench_args)
+
+
+# --- clusters ----------------------------------------------------------------------------------
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from xeontune.cluster import manage
+
+    return manage.run_cluster_command(args)
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from xeontune import launch
+
+    return launch.main(args)
+
+
+def _cmd_teardown(args: argparse.Namespace) -> int:
+    from xeontune.cluster import manage
+
+    return manage.teardown_command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xeontune", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"xeontune {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("model", help="build an offline Stable Diffusion pipeline with random weights")
+    p.add_argument("kind", choices=["tiny", "sd15-arch"], help="tiny: seconds to train; sd15-arch: SD1.5 sizes")
+    p.add_argument("dir", help="directory to write the pipeline to (save_pretrained layout)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_model)
+
+    p = sub.add_parser("sample-data", help="write a deterministic set of concept images")
+    p.add_argument("dir")
+    p.add_argument("--count", type=int, default=6, help="number of images (default 6)")
+    p.add_argument("--size", type=int, default=128, help="image side in pixels (default 128)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_sample_data)
+
+    p = sub.add_parser(
+        "train", help="train a textual-inversion embedding (see `xeontune train --help`)", add_help=False
+    )
+    p.add_argument("train_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("doctor", help="report CPU features, precision, accelerators, allocators and MPI")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("bench", help="optimized vs baseline training speed (see `xeontune bench --help`)", add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
+
+    _add_cluster_parsers(sub)
+    return parser
+
+
+def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
+    cluster = sub.add_parser("cluster", help="create, inspect and log into clusters")
+    csub = cluster.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
+
+    p = csub.add_parser("up", help="create a cluster and write its hosts, SSH and accelerate files")
+    p.add_argument("--provider", required=True, choices=["local", "localhost", "aws", "azure"])
+    p.add_argument("-n", "--nodes", type=int, default=2, help="number of nodes (default 2)")
+    p.add_argument("--name", default="default", help="cluster name (default: default)")
+    p.add_argument("--region", help="cloud region (aws: e.g. us-east-1; azure: e.g. eastus)")
+    p.add_argument("--instance-type", help="aws instance type / azure VM size")
+    p.add_argument("--ami", dest="image", help="aws: AMI id instead of the current Ubuntu LTS")
+    p.add_argument("--spot", action="store_true", help="aws: spot instances")
+    p.add_argument("--subnet", help="aws: subnet id instead of the default VPC")
+    p.add_argument("--ssh-cidr", help="CIDR allowed to SSH in (default: your public address /32)")
+    p.add_argument("--data-dir", help="training data to sync to every node")
+    p.add_argument("--skip-bootstrap", action="store_true", help="stop once the nodes and files exist")
+    p.set_defaults(func=_cmd_cluster)
+
+    p = csub.add_parser("status", help="list clusters, their nodes and what they cost")
+    p.add_argument("--name", help="only this cluster")
+    p.set_defaults(func=_cmd_cluster)
+
+    p = csub.add_parser("ssh", help="open a shell (or run a command) on a node")
+    p.add_argument("node", help="node name, e.g. node0")
+    p.add_argument("--name", default="default", help="cluster name")
+    p.add_argument("remote_command", nargs=argparse.REMAINDER, help="-- then a command to run instead of a shell")
+    p.set_defaults(func=_cmd_cluster)
+
+    p = sub.add_parser("launch", help="run distributed training on a cluster with mpirun")
+    p.add_argument("-n", "--num-processes", type=int, required=True, help="total ranks")
+    p.add_argument("--ppn", type=int, default=1, help="ranks per node (default 1)")
+    p.add_argument("--name", default="default", help="cluster name")
+    p.add_argument("--dist-backend", choices=["auto", "gloo", "ccl"], default="auto")
+    p.add_argument("--dry-run", action="store_true", help="print the exact command and exit")
+    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="extra variable for every rank (repeatable)")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by `xeontune train` options")
+    p.set_defaults(func=_cmd_launch)
+
+    p = sub.add_parser("teardown", help="delete a cluster and everything it created")
+    p.add_argument("--name", default="default", help="cluster name")
+    p.add_argument("--provider", choices=["local", "localhost", "aws", "azure"],
+                   help="needed only when the state file is lost (find leftovers by tag)")
+    p.add_argument("--region", help="cloud region, when the state file is lost")
+    p.set_defaults(func=_cmd_teardown)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Library chatter (optional image backends, deprecations) is noise on a terminal.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] in ("train", "bench"):
+        # These own their (long) flag lists; argparse.REMAINDER would not pass leading --flags through.
+        args = argparse.Namespace(func=_cmd_train if argv[0] == "train" else _cmd_bench,
+                                  train_args=argv[1:], bench_args=argv[1:])
+    else:
+        args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""`xeontune cluster up | status | ssh` and `xeontune teardown`: the provider-independent flow.
+
+``up``: provider.up (the record is saved as resources appear), provider.wait (every node answers
+SSH), then the hosts / ssh / accelerate files are written and their paths printed.
+``teardown``: provider.terminate from the record (or by name when the record is lost), then the
+state dir entry is removed. Both are safe to re-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+
+from xeontune.cluster import files, providers, state
+from xeontune.cluster.providers import ClusterSpec
+from xeontune.cluster.state import ClusterRecord
+from xeontune.errors import UserError
+
+WAIT_TIMEOUT_S = {"local": 60.0, "localhost": 1.0}
+DEFAULT_WAIT_TIMEOUT_S = 600.0
+
+
+def run_cluster_command(args: argparse.Namespace) -> int:
+    action = args.cluster_command
+    if action == "up":
+        return up_command(args)
+    if action == "status":
+        return status_command(args)
+    if action == "ssh":
+        return ssh_command(args)
+    raise UserError(f"unknown cluster action {action!r}")
+
+
+def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    if args.nodes < 1:
+        raise UserError("-n must be at least 1")
+    return ClusterSpec(
+        name=state.validate_name(args.name),
+        num_nodes=args.nodes,
+        region=getattr(args, "region", None),
+        instance_type=getattr(args, "instance_type", None),
+        image=getattr(args, "image", None),
+        spot=bool(getattr(args, "spot", False)),
+        ssh_cidr=getattr(args, "ssh_cidr", None),
+        subnet=getattr(args, "subnet", None),
+        skip_bootstrap=bool(getattr(args, "skip_bootstrap", False)),
+        data_dir=getattr(args, "data_dir", None),
+    )
+
+
+def up(spec: ClusterSpec, provider_name: str) -> tuple[ClusterRecord, dict]:
+    """Create the cluster, wait for it, write its files. Returns the record and the files."""
+    if state.exists(spec.name):
+        raise UserError(
+            f"cluster {spec.name!r} already exists; use it, or remove it with `xeontune teardown --name {spec.name}`"
+        )
+    provider = providers.get(provider_name)
+    try:
+        record = provider.up(spec)
+        skip_wait = provider_name not in ("local", "localhost") and spec.skip_bootstrap
+        if not skip_wait:
+            provider.wait(record, WAIT_TIMEOUT_S.get(provider_name, DEFAULT_WAIT_TIMEOUT_S))
+        written = files.write_cluster_files(record)
+        if provider_name in ("aws", "azure") and not spec.skip_bootstrap:
+            from xeontune.cluster import bootstrap
+
+            bootstrap.run(record, bootstrap.options_for(record, spec.data_dir))
+    except BaseException:
+        if state.exists(spec.name):
+            print(f"`cluster up` did not finish; remove what it created with `xeontune teardown --name {spec.name}`",
+                  file=sys.stderr)
+        raise
+    return record, written
+
+
+def up_command(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    record, written = up(spec, args.provider)
+    print(f"cluster {record.name!r} is up ({record.provider}, {len(record.nodes)} node(s)):")
+    _print_nodes(record)
+    print(f"files in {files.files_dir(record)}:")
+    for name in sorted(written):
+        if not name.startswith("accelerate/"):
+            print(f"  {name}")
+    n_acc = sum(1 for n in written if n.startswith("accelerate/"))
+    print(f"  accelerate/rank0.yaml .. rank{n_acc - 1}.yaml (one per rank)")
+    cost = _cost(record)
+    if cost is not None:
+        print(f"estimated cost: ${cost:.2f}/hour")
+    slots = int(record.extra.get("slots", 0)) or len(record.nodes)
+    print(f"next: xeontune launch -n {slots} --name {record.name} -- <train options>")
+    return 0
+
+
+def _cost(record: ClusterRecord) -> float | None:
+    provider = providers.get(record.provider)
+    fn = getattr(provider, "cost_per_hour", None)
+    if fn is not None:
+        return fn(record)
+    if "cost_per_hour" in record.extra:
+        return float(record.extra["cost_per_hour"])
+    return None
+
+
+def _print_nodes(record: ClusterRecord, statuses: dict[str, str] | None = None) -> None:
+    for node in record.nodes:
+        line = f"  {node.name:<8} {node.role:<7} {node.private_ip:<15}"
+        if node.public_ip:
+            line += f" public {node.public_ip:<15}"
+        if statuses is not None:
+            line += f" {statuses.get(node.name, 'unknown')}"
+        print(line.rstrip())
+
+
+def status_command(args: argparse.Namespace) -> int:
+    names = [args.name] if args.name else state.list_names()
+    if not names:
+        print("no clusters (create one with `xeontune cluster up --provider local -n 3`)")
+        return 0
+    for name in names:
+        record = state.load(name)
+        provider = providers.get(record.provider)
+        statuses = {s.name: s.state for s in provider.query(record)}
+        print(f"cluster {record.name!r}: provider {record.provider}, {len(record.nodes)} node(s), "
+              f"files in {files.files_dir(record)}")
+        _print_nodes(record, statuses)
+        cost = _cost(record)
+        if cost is not None:
+            print(f"  estimated cost: ${cost:.2f}/hour")
+    return 0
+
+
+def ssh_argv(record: ClusterRecord, node_name: str, command: list[str]) -> list[str]:
+    """The OpenSSH command line that logs into a node with the cluster's pinned config."""
+    node = record.node(node_name)
+    if record.provider == "localhost":
+        return command or [os.environ.get("SHELL", "/bin/sh")]
+    argv = ["ssh", "-F", str(files.files_dir(record) / "ssh_config")]
+    if not command:
+        return [*argv, node.name]
+    return [*argv, node.name, "--", shlex.join(command)]
+
+
+def ssh_command(args: argparse.Namespace) -> int:
+    name, command = args.name, list(args.remote_command)
+    # argparse's REMAINDER after the node also takes a `--name X` written there; honour it.
+    while len(command) >= 2 and command[0] == "--name":
+        name, command = command[1], command[2:]
+    if command and command[0] == "--":
+        command = command[1:]
+    record = state.load(name)
+    return subprocess.call(ssh_argv(record, args.node, command))
+
+
+def teardown(name: str, provider_name: str | None = None, region: str | None = None) -> providers.TeardownReport:
+    """Delete everything of cluster ``name``; forget it when nothing is left. Safe to repeat."""
+    state.validate_name(name)
+    record = state.load(name) if state.exists(name) else None
+    provider_name = record.provider if record else provider_name
+    if provider_name is None:
+        # No record and no --provider: only the local provider can look for leftovers by name alone.
+        from xeontune.cluster.providers import local
+
+        report = local.terminate(name, None) if os.geteuid() == 0 else providers.TeardownReport()
+    else:
+        provider = providers.get(provider_name)
+        # Cloud providers take the region too, for a teardown by tag when the record is lost.
+        if provider_name in ("aws", "azure"):
+            report = provider.terminate(name, record, region=region)
+        else:
+            report = provider.terminate(name, record)
+    if report.ok:
+        state.delete(name)
+    return report
+
+
+def teardown_command(args: argparse.Namespace) -> int:
+    name = state.validate_name(args.name)
+    known = state.exists(name)
+    report = teardown(name, getattr(args, "provider", None), getattr(args, "region", None))
+    for item in report.deleted:
+        print(f"deleted {item}")
+    for item in report.failed:
+        print(f"could not delete {item}", file=sys.stderr)
+    if not report.ok:
+        print(f"cluster {name!r} is not fully torn down; the record is kept, run teardown again", file=sys.stderr)
+        return 1
+    if known or report.deleted:
+        print(f"cluster {name!r} torn down")
+    else:
+        print(f"no cluster {name!r}: nothing to tear down")
+    return 0

@@ -1,0 +1,337 @@
+"""The `local` provider: N hosts on this machine, each a network namespace with its own sshd.
+
+Layout for a cluster named NAME (``h`` = 6 hex digits of sha1(NAME), so names stay under the
+kernel's 15-character limit for interfaces)::
+
+    bridge   xt<h>br        in the root namespace, address 10.231.X.1/24 (this machine's way in)
+    netns    xeontune-NAME-node<i>, holding eth0 = 10.231.X.(11+i)/24
+    veth     xt<h>v<i>      the root-side end of node i's pair, enslaved to the bridge
+    sshd     one per namespace, listening only on the node's address, with a host key generated
+             here (so it is pinned before first contact) and the cluster's key as its only
+             authorized key
+
+X is picked from 10.231.0.0/16 so that no address or route of this machine (or another
+xeontune cluster) is in the /24. Every namespace shares this machine's filesystem and hostname,
+so Hydra needs ``-iface eth0`` and gloo ``GLOO_SOCKET_IFNAME=eth0`` (else they dial 127.0.0.1).
+
+Teardown kills every process inside the cluster's namespaces (sshd, Hydra proxies, ranks), then
+deletes namespaces, veths and bridge; it finds them by name when the record is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from xeontune.cluster import ssh, state
+from xeontune.cluster.files import config_value
+from xeontune.cluster.providers import ClusterSpec, NodeStatus, TeardownReport
+from xeontune.cluster.state import ClusterRecord, Node
+from xeontune.errors import UserError
+from xeontune.io import atomic_write_text
+
+IFACE = "eth0"
+SUBNET_PREFIX = "10.231"
+MAX_NODES = 64
+
+
+def _short(name: str) -> str:
+    return hashlib.sha1(name.encode()).hexdigest()[:6]
+
+
+def bridge_name(name: str) -> str:
+    return f"xt{_short(name)}br"
+
+
+def veth_name(name: str, i: int) -> str:
+    return f"xt{_short(name)}v{i}"
+
+
+def netns_name(name: str, i: int) -> str:
+    return f"xeontune-{name}-node{i}"
+
+
+def _sh(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def sshd_path() -> str | None:
+    for cand in (shutil.which("sshd"), "/usr/sbin/sshd"):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def check_requirements() -> None:
+    """One-line UserError naming what is missing for namespace hosts."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("root (network namespaces need it; without root use --provider localhost)")
+    if not shutil.which("ip"):
+        missing.append("the `ip` command (apt-get install iproute2)")
+    if not sshd_path():
+        missing.append("sshd (apt-get install openssh-server)")
+    if not shutil.which("ssh"):
+        missing.append("the ssh client (apt-get install openssh-client)")
+    if missing:
+        raise UserError("the local provider needs " + "; ".join(missing))
+
+
+def _used_third_octets() -> set[int]:
+    """Third octets of 10.231.X.0/24 already used by an address or route here, or another cluster."""
+    used: set[int] = set()
+    text = _sh(["ip", "-o", "addr"], check=False).stdout + _sh(["ip", "route"], check=False).stdout
+    for token in text.split():
+        if token.startswith(SUBNET_PREFIX + "."):
+            parts = token.split("/")[0].split(".")
+            if len(parts) == 4 and parts[2].isdigit():
+                used.add(int(parts[2]))
+    for other in state.list_names():
+        try:
+            subnet = state.load(other).extra.get("subnet", "")
+        except Exception:  # an unreadable record must not block a new cluster
+            continue
+        if subnet.startswith(SUBNET_PREFIX + "."):
+            used.add(int(subnet.split(".")[2]))
+    return used
+
+
+def _pick_subnet(name: str) -> str:
+    used = _used_third_octets()
+    start = int(_short(name), 16) % 200 + 20
+    for k in range(250):
+        x = (start + k) % 250 + 1
+        if x not in used:
+            return f"{SUBNET_PREFIX}.{x}"
+    raise UserError(f"no free /24 left in {SUBNET_PREFIX}.0.0/16 for a local cluster")
+
+
+def _sshd_config(record: ClusterRecord, node: Node, host_key: Path, pid_file: Path, authorized: Path) -> str:
+    return "\n".join([
+        f"# sshd for xeontune cluster {record.name!r}, {node.name}",
+        f"ListenAddress {node.private_ip}",
+        "Port 22",
+        f"HostKey {config_value(str(host_key))}",
+        f"PidFile {config_value(str(pid_file))}",
+        f"AuthorizedKeysFile {config_value(str(authorized))}",
+        f"AllowUsers {record.ssh_user}",
+        "PermitRootLogin prohibit-password",
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        # The key files live in the 0700 state dir, which may sit under a world-writable /tmp
+        # (tests); sshd's StrictModes walks up to / and would refuse them there.
+        "StrictModes no",
+        "X11Forwarding no",
+        "PrintMotd no",
+        # Hydra opens one connection per host at once; the default throttles at 10.
+        "MaxStartups 100",
+        "Subsystem sftp internal-sftp",
+        "",
+    ])
+
+
+LOCK_PATH = "/run/xeontune-local.lock"  # serialises subnet choice between concurrent `up`s
+
+
+def _leftovers(name: str) -> list[str]:
+    short = _short(name)
+    found = [ns for ns in _netns_list() if ns.startswith(f"xeontune-{name}-node")]
+    found += [link for link in _links() if link.startswith(f"xt{short}")]
+    return found
+
+
+def up(spec: ClusterSpec) -> ClusterRecord:
+    check_requirements()
+    if not 1 <= spec.num_nodes <= MAX_NODES:
+        raise UserError(f"-n must be between 1 and {MAX_NODES} for the local provider")
+    left = _leftovers(spec.name)
+    if left:
+        raise UserError(f"a previous cluster {spec.name!r} left {', '.join(left[:3])}"
+                        f"{' ...' if len(left) > 3 else ''} behind; remove it with `xeontune teardown --name {spec.name}`")
+    try:
+        return _create(spec)
+    except RuntimeError as exc:  # a failed `ip`/`sshd` call: say which, in one line
+        raise UserError(f"creating local cluster {spec.name!r} failed: {exc}; "
+                        f"remove what was created with `xeontune teardown --name {spec.name}`") from exc
+
+
+def _create(spec: ClusterSpec) -> ClusterRecord:
+    name = spec.name
+    cdir = state.cluster_dir(name)
+    cdir.mkdir(parents=True, exist_ok=True)
+    os.chmod(cdir, 0o700)
+    record = ClusterRecord(
+        name=name,
+        provider="local",
+        ssh_user="root",
+        key_path=str(cdir / "id_ed25519"),
+        known_hosts_path=str(cdir / "known_hosts"),
+        work_dir=str(cdir / "work"),
+        iface=IFACE,
+    )
+    login = ssh.generate_keypair(record.key_path, comment=f"xeontune-{name}")
+    authorized = cdir / "authorized_keys"
+    atomic_write_text(authorized, login + "\n", mode=0o600)
+    atomic_write_text(record.known_hosts_path, "", mode=0o644)
+
+    br = bridge_name(name)
+    with open(LOCK_PATH, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # until the bridge holds the subnet, nobody else may pick it
+        subnet = _pick_subnet(name)
+        record.extra.update({"subnet": subnet, "bridge_ip": f"{subnet}.1"})
+        record.nodes = [
+            Node(f"node{i}", "head" if i == 0 else "worker", f"{subnet}.{11 + i}", resource_id=netns_name(name, i))
+            for i in range(spec.num_nodes)
+        ]
+        record.add_resource("bridge", br)
+        state.save(record)
+        _sh(["ip", "link", "add", br, "type", "bridge"])
+        _sh(["ip", "addr", "add", f"{subnet}.1/24", "dev", br])
+    _sh(["ip", "link", "set", br, "up"])
+
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation dir
+    run_dir = cdir / "sshd"
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    sshd = sshd_path()
+    assert sshd is not None
+    for i, node in enumerate(record.nodes):
+        ns, veth, peer = netns_name(name, i), veth_name(name, i), f"xt{_short(name)}p{i}"
+        record.add_resource("netns", ns)
+        record.add_resource("veth", veth)
+        state.save(record)
+        _sh(["ip", "netns", "add", ns])
+        _sh(["ip", "link", "add", veth, "type", "veth", "peer", "name", peer])
+        _sh(["ip", "link", "set", peer, "netns", ns])
+        _sh(["ip", "-n", ns, "link", "set", peer, "name", IFACE])
+        _sh(["ip", "-n", ns, "addr", "add", f"{node.private_ip}/24", "dev", IFACE])
+        _sh(["ip", "-n", ns, "link", "set", IFACE, "up"])
+        _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        _sh(["ip", "link", "set", veth, "master", br])
+        _sh(["ip", "link", "set", veth, "up"])
+
+        host_key = run_dir / f"{node.name}_host_ed25519"
+        host_line = ssh.generate_keypair(host_key, comment=node.name)
+        ssh.pin_host_key(record, node, host_line)
+        config = run_dir / f"{node.name}.conf"
+        pid_file = run_dir / f"{node.name}.pid"
+        atomic_write_text(config, _sshd_config(record, node, host_key, pid_file, authorized), mode=0o600)
+        record.add_resource("sshd", str(pid_file))
+        state.save(record)
+        _sh(["ip", "netns", "exec", ns, sshd, "-f", str(config), "-E", str(run_dir / f"{node.name}.log")])
+    state.save(record)
+    return record
+
+
+def wait(record: ClusterRecord, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for node in record.nodes:
+        ssh.wait_for_ssh(record, node, timeout_s=max(1.0, deadline - time.monotonic()))
+
+
+def _pid_alive(pid_file: Path) -> bool:
+    try:
+        pid = int(pid_file.read_text().split()[0])
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return False
+    return True
+
+
+def _netns_list() -> list[str]:
+    if not shutil.which("ip"):
+        return []
+    out = _sh(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def query(record: ClusterRecord) -> list[NodeStatus]:
+    present = set(_netns_list())
+    run_dir = state.cluster_dir(record.name) / "sshd"
+    out = []
+    for node in record.nodes:
+        if node.resource_id not in present:
+            st = "missing"
+        elif _pid_alive(run_dir / f"{node.name}.pid"):
+            st = "running"
+        else:
+            st = "sshd stopped"
+        out.append(NodeStatus(node.name, st, node.private_ip, node.public_ip))
+    return out
+
+
+def _kill_netns_processes(ns: str, grace_s: float = 3.0) -> int:
+    """SIGTERM, then SIGKILL, every process whose network namespace is ``ns``; return how many."""
+    def pids() -> list[int]:
+        out = _sh(["ip", "netns", "pids", ns], check=False).stdout
+        return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
+
+    found = pids()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not pids():
+            break
+    return len(found)
+
+
+def _links() -> set[str]:
+    out = _sh(["ip", "-o", "link", "show"], check=False).stdout
+    names = set()
+    for line in out.splitlines():
+        parts = line.split(":")
+        if len(parts) > 1:
+            names.add(parts[1].strip().split("@")[0])
+    return names
+
+
+def terminate(name: str, record: ClusterRecord | None) -> TeardownReport:
+    report = TeardownReport()
+    if not shutil.which("ip"):
+        return report  # no iproute2: nothing of ours can exist
+    if os.geteuid() != 0:
+        raise UserError("tearing down a local cluster needs root")
+    short = _short(name)
+    prefix = f"xeontune-{name}-node"
+    namespaces = [ns for ns in _netns_list() if ns.startswith(prefix) and ns[len(prefix):].isdigit()]
+    for ns in namespaces:
+        killed = _kill_netns_processes(ns)
+        proc = _sh(["ip", "netns", "del", ns], check=False)
+        if proc.returncode == 0:
+            report.deleted.append(f"netns {ns}" + (f" ({killed} processes stopped)" if killed else ""))
+        else:
+            report.failed.append(f"netns {ns}: {proc.stderr.strip()}")
+    # Deleting a namespace destroys its veth pair; these catch what a crashed `up` left behind.
+    for link in sorted(_links()):
+        if link.startswith(f"xt{short}v") or link.startswith(f"xt{short}p") or link == bridge_name(name):
+            proc = _sh(["ip", "link", "del", link], check=False)
+            kind = "bridge" if link == bridge_name(name) else "veth"
+            if proc.returncode == 0:
+                report.deleted.append(f"{kind} {link}")
+            elif link in _links():
+                report.failed.append(f"{kind} {link}: {proc.stderr.strip()}")
+    # An sshd whose namespace is gone already (should not happen, but a pid file says so).
+    run_dir = state.cluster_dir(name) / "sshd"
+    for pid_file in sorted(run_dir.glob("*.pid")) if run_dir.is_dir() else []:
+        if _pid_alive(pid_file):
+            pid = int(pid_file.read_text().split()[0])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            if "sshd" in cmdline and str(run_dir) in cmdline:
+                os.kill(pid, signal.SIGKILL)
+                report.deleted.append(f"sshd pid {pid}")
+    return report

@@ -1,0 +1,299 @@
+"""The one SSH client of the project: paramiko with host keys pinned per cluster.
+
+Every connection checks the node's host key against the cluster's own ``known_hosts`` file
+(``record.known_hosts_path``), filled at ``up`` time from a key the provider knows (the local
+provider generates the sshd host keys itself; a cloud provider reads them from the instance's
+console output or its own bootstrap). Unknown or changed keys are refused: there is no
+auto-add policy anywhere.
+
+Addressing: a node is reached at its public address when it has one, else at its private
+address; a node without a public address in a cluster whose head has one is reached through the
+head (a ``direct-tcpip`` channel, the same as ``ProxyJump``).
+
+Typical use::
+
+    ssh.generate_keypair(state_dir / "id_ed25519")          # 0600 private key + .pub
+    ssh.pin_host_key(record, node, "ssh-ed25519 AAAA...")     # at up time
+    ssh.wait_for_ssh(record, node, timeout_s=120)             # banner, then a real login
+    rc, out, err = ssh.run(record, node, ["python3", "-V"])  # argv, quoted with shlex.join
+    ssh.put_tree(record, node, "dist/", "/opt/xeontune/dist") # SFTP, recursive
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import stat
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from xeontune.errors import UserError
+from xeontune.io import atomic_write_text
+
+if TYPE_CHECKING:  # paramiko is imported lazily: `xeontune --help` should not pay for it
+    import paramiko
+
+    from xeontune.cluster.state import ClusterRecord, Node
+
+SSH_PORT = 22
+
+
+# --- keys ---------------------------------------------------------------------------------------
+
+
+def generate_keypair(path: str | os.PathLike[str], comment: str = "xeontune") -> str:
+    """Write a new ed25519 private key at ``path`` (0600, OpenSSH format) and ``path.pub``.
+
+    Returns the public key line (``ssh-ed25519 AAAA... comment``). Used for the cluster's login
+    key and, by the local provider, for each node's sshd host key.
+    """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    ).decode()
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    line = f"{public.decode()} {comment}".strip()
+    atomic_write_text(path, private, mode=0o600)
+    atomic_write_text(f"{os.fspath(path)}.pub", line + "\n", mode=0o644)
+    return line
+
+
+def public_key_line(private_key_path: str | os.PathLike[str]) -> str:
+    """The ``type base64`` public line of an existing key (from its ``.pub`` file)."""
+    return Path(f"{os.fspath(private_key_path)}.pub").read_text().strip()
+
+
+def node_aliases(node: Node) -> list[str]:
+    """Every name a node is reached by; its host key is pinned under all of them."""
+    names = [node.name, node.private_ip]
+    if node.public_ip:
+        names.append(node.public_ip)
+    return [n for i, n in enumerate(names) if n and n not in names[:i]]
+
+
+def pin_host_key(record: ClusterRecord, node: Node, host_key_line: str) -> None:
+    """Record ``host_key_line`` (``ssh-ed25519 AAAA...``) as the node's only accepted host key.
+
+    Any previous entry for the node's names is replaced. The file is written atomically and is
+    readable by OpenSSH too (the ssh config that Hydra uses points at it).
+    """
+    parts = host_key_line.split()
+    if len(parts) < 2:
+        raise ValueError(f"not a public key line: {host_key_line!r}")
+    key_type, key_b64 = parts[0], parts[1]
+    path = Path(record.known_hosts_path)
+    aliases = node_aliases(node)
+    kept = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            hosts = line.split(" ", 1)[0].split(",") if line.strip() else []
+            if hosts and not set(hosts) & set(aliases):
+                kept.append(line)
+    kept.append(f"{','.join(aliases)} {key_type} {key_b64}")
+    atomic_write_text(path, "\n".join(kept) + "\n", mode=0o644)
+
+
+# --- connecting ---------------------------------------------------------------------------------
+
+
+def address(record: ClusterRecord, node: Node) -> str:
+    """The address this machine dials for ``node`` (public if it has one, else private)."""
+    return node.public_ip or node.private_ip
+
+
+def _jump_host(record: ClusterRecord, node: Node) -> Node | None:
+    head = record.head
+    if node.public_ip or node is head or node.name == head.name or not head.public_ip:
+        return None
+    return head
+
+
+def _client(record: ClusterRecord) -> paramiko.SSHClient:
+    import paramiko
+
+    if not record.known_hosts_path or not Path(record.known_hosts_path).is_file():
+        raise UserError(f"cluster {record.name!r} has no known_hosts file; recreate it with `xeontune cluster up`")
+    client = paramiko.SSHClient()
+    # Only this cluster's pinned keys: not ~/.ssh/known_hosts, and never auto-add.
+    client.load_host_keys(record.known_hosts_path)
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    return client
+
+
+def connect(record: ClusterRecord, node: Node, timeout_s: float = 15.0) -> paramiko.SSHClient:
+    """An authenticated ``paramiko.SSHClient`` to ``node``; the caller closes it.
+
+    Raises paramiko/socket errors as they come (``wait_for_ssh`` turns them into a UserError
+    that names the node); a host key that is not the pinned one raises
+    ``paramiko.BadHostKeyException`` / ``SSHException`` and is never accepted.
+    """
+    sock = None
+    jump = _jump_host(record, node)
+    jump_client = None
+    if jump is not None:
+        jump_client = connect(record, jump, timeout_s)
+        transport = jump_client.get_transport()
+        assert transport is not None
+        sock = transport.open_channel("direct-tcpip", (node.private_ip, SSH_PORT), ("127.0.0.1", 0))
+    client = _client(record)
+    try:
+        client.connect(
+            node.private_ip if jump is not None else address(record, node),
+            port=SSH_PORT,
+            username=record.ssh_user,
+            key_filename=record.key_path,
+            timeout=timeout_s,
+            banner_timeout=timeout_s,
+            auth_timeout=timeout_s,
+            allow_agent=False,
+            look_for_keys=False,
+            sock=sock,
+        )
+    except BaseException:
+        client.close()
+        if jump_client is not None:
+            jump_client.close()
+        raise
+    if jump_client is not None:
+        client._xeontune_jump = jump_client  # type: ignore[attr-defined]  # kept alive with the client
+    return client
+
+
+def close(client: paramiko.SSHClient) -> None:
+    """Close a client from ``connect`` (and its jump connection, if any)."""
+    client.close()
+    jump = getattr(client, "_xeontune_jump", None)
+    if jump is not None:
+        jump.close()
+
+
+def _banner(host: str, port: int, timeout_s: float) -> str:
+    with socket.create_connection((host, port), timeout=timeout_s) as s:
+        s.settimeout(timeout_s)
+        data = s.recv(256)
+    text = data.decode(errors="replace").strip()
+    if not text.startswith("SSH-"):
+        raise ConnectionError(f"no SSH banner (got {text[:40]!r})")
+    return text
+
+
+def wait_for_ssh(record: ClusterRecord, node: Node, timeout_s: float = 120.0, interval_s: float = 1.0) -> None:
+    """Block until ``node`` shows an SSH banner and accepts a real login that runs ``true``.
+
+    Raises UserError naming the node (and the last error seen) when ``timeout_s`` passes first.
+    """
+    deadline = time.monotonic() + timeout_s
+    last = "no attempt"
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            if _jump_host(record, node) is None:
+                _banner(address(record, node), SSH_PORT, max(1.0, min(10.0, remaining)))
+            rc, _, err = run(record, node, ["true"], timeout_s=max(1.0, min(15.0, remaining)))
+            if rc == 0:
+                return
+            last = f"`true` exited {rc}: {err.strip()[:200]}"
+        except UserError:
+            raise  # a broken record (no known_hosts) will not heal by waiting
+        except Exception as exc:  # any other failure here means "not up yet"; report the last one
+            last = f"{type(exc).__name__}: {exc}".strip()
+        if time.monotonic() + interval_s > deadline:
+            raise UserError(
+                f"node {node.name} ({address(record, node)}) of cluster {record.name!r} did not answer SSH "
+                f"within {timeout_s:.0f}s: {last}"
+            )
+        time.sleep(interval_s)
+
+
+# --- running and copying ------------------------------------------------------------------------
+
+
+def run(
+    record: ClusterRecord,
+    node: Node,
+    argv: Sequence[str],
+    timeout_s: float | None = None,
+    stdin: bytes | None = None,
+) -> tuple[int, str, str]:
+    """Run ``argv`` on ``node`` and return ``(exit code, stdout, stderr)``.
+
+    ``argv`` is quoted with ``shlex.join``: each element reaches the remote program as one
+    argument, whatever it holds. Use ``["sh", "-c", script]`` only for a script you wrote.
+    """
+    client = connect(record, node, timeout_s or 15.0)
+    try:
+        chan_in, chan_out, chan_err = client.exec_command(shlex.join(argv), timeout=timeout_s)
+        if stdin is not None:
+            chan_in.write(stdin)
+        chan_in.channel.shutdown_write()
+        out = chan_out.read().decode(errors="replace")
+        err = chan_err.read().decode(errors="replace")
+        rc = chan_out.channel.recv_exit_status()
+        return rc, out, err
+    finally:
+        close(client)
+
+
+def put_tree(record: ClusterRecord, node: Node, local_dir: str | os.PathLike[str], remote_dir: str) -> int:
+    """Copy ``local_dir`` recursively to ``remote_dir`` on ``node`` over SFTP; return files copied.
+
+    Directories are created as needed and file modes are kept (so a 0600 key stays 0600).
+    Symlinks are followed. Existing files are overwritten.
+    """
+    src = Path(local_dir)
+    if not src.is_dir():
+        raise UserError(f"not a directory: {src}")
+    client = connect(record, node)
+    count = 0
+    try:
+        sftp = client.open_sftp()
+        try:
+            _sftp_makedirs(sftp, remote_dir)
+            for root, dirs, files in os.walk(src, followlinks=True):
+                rel = Path(root).relative_to(src)
+                remote_root = remote_dir if rel == Path(".") else f"{remote_dir.rstrip('/')}/{rel.as_posix()}"
+                for d in sorted(dirs):
+                    _sftp_makedirs(sftp, f"{remote_root}/{d}")
+                for f in sorted(files):
+                    local = Path(root) / f
+                    remote = f"{remote_root}/{f}"
+                    sftp.put(os.fspath(local), remote)
+                    sftp.chmod(remote, stat.S_IMODE(local.stat().st_mode))
+                    count += 1
+        finally:
+            sftp.close()
+    finally:
+        close(client)
+    return count
+
+
+def put_file(record: ClusterRecord, node: Node, local_path: str | os.PathLike[str], remote_path: str) -> None:
+    """Copy one file over SFTP, keeping its mode; the remote parent directory is created."""
+    client = connect(record, node)
+    try:
+        sftp = client.open_sftp()
+        try:
+            _sftp_makedirs(sftp, remote_path.rsplit("/", 1)[0] or "/")
+            sftp.put(os.fspath(local_path), remote_path)
+            sftp.chmod(remote_path, stat.S_IMODE(Path(local_path).stat().st_mode))
+        finally:
+            sftp.close()
+    finally:
+        close(client)
+
+
+def _sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
+    parts = [p for p in path.split("/") if p]
+    current = "/" if path.startswith("/") else ""
+    for part in parts:
+        current = f"{current.rstrip('/')}/{part}" if current else part
+        try:
+            sftp.stat(current)
+        except FileNotFoundError:
+            sftp.mkdir(current)

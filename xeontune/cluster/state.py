@@ -1,0 +1,141 @@
+"""The cluster record and the state dir (``~/.xeontune``, or ``$XEONTUNE_HOME``).
+
+Layout of the state dir::
+
+    $XEONTUNE_HOME/clusters/<name>/cluster.json   the ClusterRecord (written atomically)
+    $XEONTUNE_HOME/clusters/<name>/id_ed25519     the cluster's private key (0600)
+    $XEONTUNE_HOME/clusters/<name>/known_hosts    host keys pinned for this cluster only
+    $XEONTUNE_HOME/clusters/<name>/work/          hosts, ssh_config, accelerate configs
+
+Cloud providers call ``record.add_resource(...)`` and ``save(record)`` right after each create call
+returns, so an interrupted ``up`` still leaves a record that ``teardown`` can work from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from xeontune.errors import UserError
+from xeontune.io import atomic_write_json
+
+DEFAULT_CLUSTER = "default"
+_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+
+
+@dataclass
+class Node:
+    name: str  # "node0" (head), "node1", ...
+    role: str  # "head" | "worker"
+    private_ip: str
+    public_ip: str | None = None
+    resource_id: str | None = None  # instance id, VM name or namespace name
+
+
+@dataclass
+class Resource:
+    """One thing that costs money or must be cleaned up, recorded as soon as it exists."""
+
+    kind: str  # e.g. "instance", "security_group", "key_pair", "resource_group", "netns", "bridge"
+    id: str
+    region: str | None = None
+
+
+@dataclass
+class ClusterRecord:
+    name: str
+    provider: str  # "local" | "localhost" | "aws" | "azure"
+    nodes: list[Node] = field(default_factory=list)
+    ssh_user: str = "root"
+    key_path: str = ""
+    known_hosts_path: str = ""
+    work_dir: str = ""  # the remote work dir (same absolute path on every node)
+    iface: str | None = None  # network interface Hydra and gloo must use
+    region: str | None = None
+    resources: list[Resource] = field(default_factory=list)
+    extra: dict[str, str] = field(default_factory=dict)  # provider-specific strings
+
+    @property
+    def head(self) -> Node:
+        return next(n for n in self.nodes if n.role == "head")
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise UserError(f"cluster {self.name!r} has no node {name!r} (nodes: {', '.join(n.name for n in self.nodes)})")
+
+    def add_resource(self, kind: str, id: str, region: str | None = None) -> None:
+        if not any(r.kind == kind and r.id == id for r in self.resources):
+            self.resources.append(Resource(kind, id, region))
+
+    def remove_resource(self, kind: str, id: str) -> None:
+        self.resources = [r for r in self.resources if not (r.kind == kind and r.id == id)]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ClusterRecord:
+        data = dict(data)
+        data["nodes"] = [Node(**n) for n in data.get("nodes", [])]
+        data["resources"] = [Resource(**r) for r in data.get("resources", [])]
+        return cls(**data)
+
+
+def home() -> Path:
+    return Path(os.environ.get("XEONTUNE_HOME", Path.home() / ".xeontune")).expanduser()
+
+
+def validate_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise UserError(
+            f"invalid cluster name {name!r}: use 1-31 lowercase letters, digits or '-', starting with a letter"
+        )
+    return name
+
+
+def cluster_dir(name: str) -> Path:
+    return home() / "clusters" / validate_name(name)
+
+
+def record_path(name: str) -> Path:
+    return cluster_dir(name) / "cluster.json"
+
+
+def save(record: ClusterRecord) -> Path:
+    path = record_path(record.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    atomic_write_json(path, record.to_json(), mode=0o600)
+    return path
+
+
+def exists(name: str) -> bool:
+    return record_path(name).is_file()
+
+
+def load(name: str) -> ClusterRecord:
+    path = record_path(name)
+    if not path.is_file():
+        known = ", ".join(list_names()) or "none"
+        raise UserError(f"unknown cluster {name!r} (known clusters: {known}); create it with `xeontune cluster up`")
+    return ClusterRecord.from_json(json.loads(path.read_text()))
+
+
+def list_names() -> list[str]:
+    root = home() / "clusters"
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / "cluster.json").is_file())
+
+
+def delete(name: str) -> None:
+    """Forget a cluster: remove its record, key and files from the state dir."""
+    import shutil
+
+    shutil.rmtree(cluster_dir(name), ignore_errors=True)

@@ -1,0 +1,546 @@
+"""CPU facts, the precision decision, and the thread/allocator environment for launching ranks.
+
+`collect()` gathers everything `xeontune doctor` shows; `choose_precision()` is what the trainer
+uses; `launch_env()` is what the launcher passes to every rank. Nothing here imports IPEX or any
+optional package at module level: each probe imports inside its function and reports failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# The ISA flags that decide which kernels oneDNN / IPEX can use, in the order doctor prints them.
+ISA_FLAGS = (
+    "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+    "avx512_bf16", "amx_bf16", "amx_tile", "avx_ne_convert",
+)
+# IPEX prepacks weights only with these (its kernels' target ISA). bf16 prepack asserts with less
+# ("needs avx_ne_convert or avx512bw/vl/dq"), and on this project's AVX2-only EPYC fp32-prepacked
+# convolutions made the SD1.5 UNet forward 12x slower than stock torch (docs/performance.md).
+IPEX_PREPACK_FLAGS = ("avx512bw", "avx512vl", "avx512dq")
+
+IPEX_LAST_RELEASE = "2.8.0"
+
+
+# --- CPU ---------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def choose_precision(requested: str) -> tuple[str, str]:
+    """Return ("bf16" | "fp32", reason). bf16 only where the CPU has native bf16 matmul."""
+    native = [f for f in BF16_FLAGS if f in cpu_flags()]
+    if requested == "fp32":
+        return "fp32", "requested"
+    if requested == "bf16":
+        if native:
+            return "bf16", f"requested; CPU has {native[0]}"
+        return "bf16", "requested, but this CPU has neither amx_bf16 nor avx512_bf16: bf16 will be far slower than fp32"
+    if native:
+        return "bf16", f"auto: CPU has {native[0]}"
+    return "fp32", "auto: CPU has neither amx_bf16 nor avx512_bf16, so bf16 would be emulated and slow"
+
+
+def ipex_prepack_supported(flags: Iterable[str] | None = None) -> bool:
+    """Whether IPEX's weight prepacking is worth using (and, for bf16, possible) on this CPU."""
+    have = set(cpu_flags() if flags is None else flags)
+    return all(f in have for f in IPEX_PREPACK_FLAGS)
+
+
+@dataclass
+class CpuInfo:
+    model: str
+    sockets: int
+    physical_cores: int
+    logical_cpus: int
+    usable_cpus: int  # what this process may run on (cgroups/affinity), which can be fewer
+    numa_nodes: int
+    flags: dict[str, bool]
+
+
+def parse_cpuinfo(text: str) -> tuple[str, int, int, int]:
+    """Return (model, sockets, physical cores, logical cpus) from /proc/cpuinfo text."""
+    model = ""
+    sockets: set[str] = set()
+    cores: set[tuple[str, str]] = set()
+    logical = 0
+    phys = core = ""
+    for line in [*text.splitlines(), ""]:
+        key, _, value = (s.strip() for s in line.partition(":"))
+        if key == "processor":
+            logical += 1
+        elif key == "model name" and not model:
+            model = value
+        elif key == "physical id":
+            phys = value
+        elif key == "core id":
+            core = value
+        elif not key:  # a blank line ends one processor's block
+            if phys or core:
+                sockets.add(phys)
+                cores.add((phys, core))
+            phys = core = ""
+    # Some VMs omit topology lines: fall back to one socket and one core per logical CPU.
+    return model or "unknown", max(len(sockets), 1), len(cores) or logical, logical
+
+
+def _numa_nodes() -> int:
+    nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return max(len(nodes), 1)
+
+
+def cpu_info() -> CpuInfo:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    model, sockets, physical, logical = parse_cpuinfo(text)
+    logical = logical or (os.cpu_count() or 1)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
+    flags = cpu_flags()
+    return CpuInfo(
+        model=model,
+        sockets=sockets,
+        physical_cores=physical or logical,
+        logical_cpus=logical,
+        usable_cpus=usable,
+        numa_nodes=_numa_nodes(),
+        flags={f: f in flags for f in ISA_FLAGS},
+    )
+
+
+# --- libraries: allocators, OpenMP ---------------------------------------------------------------
+
+# Preferred first: tcmalloc made steps 1.2-1.3x faster here (docs/performance.md); jemalloc gave
+# nothing in the brief's measurement.
+ALLOCATOR_NAMES: dict[str, tuple[str, ...]] = {
+    "tcmalloc": ("libtcmalloc.so", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc_minimal.so.4"),
+    "jemalloc": ("libjemalloc.so", "libjemalloc.so.2"),
+}
+IOMP_NAMES = ("libiomp5.so",)
+
+
+def library_dirs(env: Mapping[str, str] | None = None) -> list[Path]:
+    """Where to look for preloadable libraries: the venv/conda prefix, LD_LIBRARY_PATH, and the
+    system dirs including Debian's multiarch one (torch's own launcher misses that one)."""
+    env = os.environ if env is None else env
+    multiarch = sysconfig.get_config_var("MULTIARCH") or "x86_64-linux-gnu"
+    dirs: list[str] = [f"{sys.prefix}/lib"]
+    if env.get("CONDA_PREFIX"):
+        dirs.append(f"{env['CONDA_PREFIX']}/lib")
+    dirs += [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d]
+    dirs += [
+        f"/usr/lib/{multiarch}", f"/lib/{multiarch}", f"/usr/local/lib/{multiarch}",
+        "/usr/local/lib", "/usr/lib64", "/usr/lib", "/lib64", "/lib",
+    ]
+    seen: list[Path] = []
+    for d in dirs:
+        p = Path(d)
+        if p not in seen:
+            seen.append(p)
+    return seen
+
+
+def find_library(names: Iterable[str], dirs: Iterable[Path] | None = None) -> str | None:
+    """First existing file among `names` in `dirs` (each dir tried with every name, in order)."""
+    names = tuple(names)
+    for d in library_dirs() if dirs is None else dirs:
+        for name in names:
+            path = d / name
+            if path.is_file():
+                return str(path)
+    return None
+
+
+@dataclass
+class Libraries:
+    tcmalloc: str | None
+    jemalloc: str | None
+    iomp: str | None
+    preloaded: list[str]  # what LD_PRELOAD holds for this process
+
+
+def libraries(dirs: Iterable[Path] | None = None) -> Libraries:
+    dirs = list(library_dirs() if dirs is None else dirs)
+    return Libraries(
+        tcmalloc=find_library(ALLOCATOR_NAMES["tcmalloc"], dirs),
+        jemalloc=find_library(ALLOCATOR_NAMES["jemalloc"], dirs),
+        iomp=find_library(IOMP_NAMES, dirs),
+        preloaded=[p for p in re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "")) if p],
+    )
+
+
+# --- the launch environment ----------------------------------------------------------------------
+
+
+def launch_env(
+    ranks_per_host: int = 1,
+    *,
+    physical_cores: int | None = None,
+    allocator: str = "auto",
+    intel_openmp: bool = False,
+    dirs: Iterable[Path] | None = None,
+) -> dict[str, str]:
+    """The environment variables to set for every rank on a host (mpirun -genv, or os.environ).
+
+    - OMP_NUM_THREADS = physical cores // ranks_per_host (at least 1): more threads than cores
+      only adds contention. `ranks_per_host` counts ranks sharing one *physical* machine, so the
+      network-namespace cluster passes its total rank count.
+    - LD_PRELOAD = tcmalloc (else jemalloc) when found, incl. /usr/lib/<multiarch>; `allocator`
+      is "auto", "tcmalloc", "jemalloc" or "none". Paths are this machine's: a cluster of the same
+      image has them at the same place, and a missing preload only makes ld.so print a warning.
+    - intel_openmp: also preload Intel OpenMP (libiomp5) with KMP_BLOCKTIME=1 and compact
+      affinity, when found. Off by default: torch's PyPI wheels use GNU OpenMP and we have no
+      measurement here showing a gain from swapping it.
+    Any LD_PRELOAD already in the environment is kept after ours.
+    """
+    if ranks_per_host < 1:
+        raise ValueError("ranks_per_host must be at least 1")
+    if allocator not in ("auto", "tcmalloc", "jemalloc", "none"):
+        raise ValueError(f"unknown allocator {allocator!r}")
+    if physical_cores is None:
+        info = cpu_info()
+        physical_cores = min(info.physical_cores, info.usable_cpus)  # a cgroup/affinity limit counts
+    env = {"OMP_NUM_THREADS": str(max(physical_cores // ranks_per_host, 1))}
+    dirs = list(library_dirs() if dirs is None else dirs)
+    preload: list[str] = []
+    if allocator != "none":
+        order = ("tcmalloc", "jemalloc") if allocator == "auto" else (allocator,)
+        for name in order:
+            lib = find_library(ALLOCATOR_NAMES[name], dirs)
+            if lib:
+                preload.append(lib)
+                break
+    if intel_openmp:
+        iomp = find_library(IOMP_NAMES, dirs)
+        if iomp:
+            preload.append(iomp)
+            # Threads spin only 1 ms after a parallel region: ranks share cores with the comm thread.
+            env["KMP_BLOCKTIME"] = "1"
+            env["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
+    existing = [p for p in re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "")) if p]
+    preload += [p for p in existing if p not in preload]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+PRELOAD_MARKER = "XEONTUNE_ALLOCATOR_PRELOADED"
+
+
+def reexec_with_allocator(python_args: list[str], allocator: str = "auto") -> bool:
+    """Re-execute this Python process with tcmalloc/jemalloc preloaded, once.
+
+    For single-process commands (`xeontune bench`, and `xeontune train` if wanted) that are not
+    started by the launcher: an allocator only takes effect when preloaded at process start.
+    `python_args` is what follows the interpreter, e.g. ["-m", "xeontune.bench", *argv]. Returns
+    False (and carries on in this process) when nothing is found, it is already preloaded, or this
+    process is already the re-executed one; otherwise it does not return.
+    """
+    if allocator == "none" or os.environ.get(PRELOAD_MARKER):
+        return False
+    preload = launch_env(1, allocator=allocator).get("LD_PRELOAD")
+    if not preload or preload == os.environ.get("LD_PRELOAD"):
+        return False
+    # OMP_NUM_THREADS is left alone: torch's default is the physical cores, right for one process.
+    env = {**os.environ, "LD_PRELOAD": preload, PRELOAD_MARKER: "1"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *python_args], env)
+    return True  # not reached
+
+
+# MPI launchers say how many ranks share this host under different names.
+_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def ranks_on_this_host(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    for var in _LOCAL_SIZE_VARS:
+        if env.get(var, "").isdigit() and int(env[var]) > 0:
+            return int(env[var])
+    return 1
+
+
+def rank_threads(env: Mapping[str, str] | None = None, physical_cores: int | None = None) -> int:
+    """Threads for this rank: OMP_NUM_THREADS if the launcher set it, else physical cores divided
+    by the ranks on this host (from the MPI environment)."""
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+        return int(env["OMP_NUM_THREADS"])
+    info = cpu_info()
+    cores = physical_cores or min(info.physical_cores, info.usable_cpus)
+    return max(cores // ranks_on_this_host(env), 1)
+
+
+# --- torch, IPEX, MPI, collectives -----------------------------------------------------------
+
+
+@dataclass
+class TorchInfo:
+    version: str
+    onednn: bool  # oneDNN (mkldnn) built in and enabled: the CPU conv/matmul kernels
+    onednn_version: str | None
+    cpu_capability: str  # the widest ISA torch's own kernels dispatch to (e.g. AVX2, AVX512)
+    threads: int
+
+
+def torch_info() -> TorchInfo:
+    import torch
+
+    match = re.search(r"(?:oneDNN|MKL-DNN) v([\w.]+)", torch.__config__.show())
+    return TorchInfo(
+        version=torch.__version__,
+        onednn=bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
+        onednn_version=match.group(1) if match else None,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        threads=torch.get_num_threads(),
+    )
+
+
+@dataclass
+class IpexInfo:
+    installed: str | None  # the installed version, or None
+    usable: bool  # installed, matching torch's major.minor, and imports
+    prepack: bool  # the CPU has AVX-512 (bw/vl/dq), where IPEX's prepacked kernels pay off
+    reason: str
+
+    @property
+    def auto(self) -> bool:
+        """What --ipex auto does: use IPEX only where it can beat stock torch. Without prepacking
+        it computes the same as stock torch at the same speed (measured), so it is skipped."""
+        return self.usable and self.prepack
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
+def ipex_info(torch_version: str | None = None) -> IpexInfo:
+    """Whether IPEX can be used with the torch in this environment, and why not if not.
+
+    The version check comes first so a mismatched IPEX is never imported (its import prints
+    errors or fails against another torch)."""
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
+    prepack = ipex_prepack_supported()
+    try:
+        version = importlib.metadata.version("intel-extension-for-pytorch")
+    except importlib.metadata.PackageNotFoundError:
+        return IpexInfo(None, False, prepack, "not installed; optional, its last release needs torch 2.8")
+    if _major_minor(version) != _major_minor(torch_version):
+        return IpexInfo(
+            version, False, prepack, f"IPEX {version} needs torch {'.'.join(_major_minor(version))}.*, not {torch_version}"
+        )
+    try:
+        import intel_extension_for_pytorch  # noqa: F401
+    except Exception as exc:  # any import failure means "not usable"; say which
+        return IpexInfo(version, False, prepack, f"import failed: {type(exc).__name__}: {exc}".splitlines()[0])
+    if not prepack:
+        return IpexInfo(
+            version, True, prepack,
+            "imports and matches torch, but this CPU lacks AVX-512: IPEX's prepacked kernels ran slower "
+            "than stock torch here, so --ipex auto skips it",
+        )
+    return IpexInfo(version, True, prepack, "imports and matches torch; CPU has AVX-512")
+
+
+@dataclass
+class MpiInfo:
+    path: str | None
+    on_path: bool  # False when only the venv's bin/ has it (the venv is not activated)
+    flavour: str | None  # "Intel MPI", "MPICH", "Open MPI", or "unknown"
+    version: str | None
+
+
+def mpi_flavour(version_text: str) -> str:
+    text = version_text.lower()
+    if "intel(r) mpi" in text or "intel mpi" in text:
+        return "Intel MPI"
+    if "open mpi" in text or "openrte" in text:
+        return "Open MPI"
+    if "mpich" in text or "hydra" in text:
+        return "MPICH"
+    return "unknown"
+
+
+def find_mpirun() -> str | None:
+    """mpirun on PATH, else the one the mpich / impi-rt wheels put beside this Python."""
+    found = shutil.which("mpirun")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "mpirun"
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
+
+
+def mpi_info() -> MpiInfo:
+    path = find_mpirun()
+    if path is None:
+        return MpiInfo(None, False, None, None)
+    text = ""
+    for flag in ("--version", "-version"):
+        try:
+            done = subprocess.run([path, flag], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        text = (done.stdout + done.stderr).strip()
+        if text:
+            break
+    match = re.search(r"Version:?\s+([\w.]+)", text) or re.search(r"\b(\d+\.\d+[\w.]*)", text)
+    return MpiInfo(
+        path, shutil.which("mpirun") == path, mpi_flavour(text) if text else "unknown", match.group(1) if match else None
+    )
+
+
+@dataclass
+class CollectivesInfo:
+    gloo: bool
+    ccl: bool  # oneccl_bindings_for_pytorch importable (end-of-life; not on PyPI)
+
+
+def collectives_info() -> CollectivesInfo:
+    import torch.distributed as dist
+
+    gloo = bool(dist.is_available() and dist.is_gloo_available())
+    return CollectivesInfo(gloo=gloo, ccl=importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None)
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    """One row of the doctor table: `advice` is set when the row is not ideal."""
+
+    item: str
+    value: str
+    ok: bool = True
+    advice: str = ""
+
+
+@dataclass
+class HardwareReport:
+    cpu: CpuInfo
+    torch: TorchInfo
+    precision: str
+    precision_reason: str
+    ipex: IpexInfo
+    libraries: Libraries
+    mpi: MpiInfo
+    collectives: CollectivesInfo
+    launch_env: dict[str, str]
+    checks: list[Check] = field(default_factory=list)
+
+
+def collect() -> HardwareReport:
+    cpu = cpu_info()
+    torch = torch_info()
+    precision, reason = choose_precision("auto")
+    report = HardwareReport(
+        cpu=cpu,
+        torch=torch,
+        precision=precision,
+        precision_reason=reason,
+        ipex=ipex_info(torch.version),
+        libraries=libraries(),
+        mpi=mpi_info(),
+        collectives=collectives_info(),
+        launch_env=launch_env(1, physical_cores=min(cpu.physical_cores, cpu.usable_cpus)),
+    )
+    report.checks = checks(report)
+    return report
+
+
+def checks(r: HardwareReport) -> list[Check]:
+    """The table rows, each with what to do when it is not ideal."""
+    c = r.cpu
+    flags_on = [f for f, on in c.flags.items() if on]
+    onednn = ("v" + r.torch.onednn_version if r.torch.onednn_version else "on") if r.torch.onednn else "OFF"
+    rows = [
+        Check("CPU", c.model),
+        Check("sockets / physical cores / logical CPUs", f"{c.sockets} / {c.physical_cores} / {c.logical_cpus}"),
+        Check(
+            "CPUs usable by this process", str(c.usable_cpus), c.usable_cpus >= c.physical_cores,
+            "fewer CPUs than physical cores: check taskset/cgroup limits",
+        ),
+        Check(
+            "NUMA nodes", str(c.numa_nodes), c.numa_nodes == 1,
+            "run one rank per NUMA node (xeontune launch --ppn) so each rank uses local memory",
+        ),
+        Check("ISA flags", " ".join(flags_on) or "none of interest"),
+        Check(
+            "native bf16 (amx_bf16 / avx512_bf16)", "yes" if r.precision == "bf16" else "no",
+            r.precision == "bf16",
+            "training runs in fp32; a Xeon with AMX (Sapphire Rapids or later) trains in bf16 several times faster",
+        ),
+        Check(
+            "torch", f"{r.torch.version}, oneDNN {onednn}, kernels {r.torch.cpu_capability}, "
+            f"{r.torch.threads} threads",
+            r.torch.onednn, "oneDNN is off: install the PyPI CPU build of torch",
+        ),
+        Check("precision (--mixed-precision auto)", f"{r.precision}: {r.precision_reason}"),
+        Check(
+            "IPEX", f"{r.ipex.installed}: {r.ipex.reason}" if r.ipex.installed else r.ipex.reason,
+            r.ipex.usable or r.ipex.installed is None,
+            "uninstall it or use `make test-ipex`'s venv (torch 2.8 + IPEX 2.8); stock torch is used meanwhile",
+        ),
+        Check(
+            "allocator", r.libraries.tcmalloc or r.libraries.jemalloc or "none found", bool(r.libraries.tcmalloc),
+            "apt-get install libgoogle-perftools4 (tcmalloc): training steps 1.2-1.3x faster here, "
+            "preloaded by the launch environment and `xeontune bench`",
+        ),
+        Check("Intel OpenMP (libiomp5)", r.libraries.iomp or "not found (torch uses GNU OpenMP; fine)"),
+        Check(
+            "mpirun", f"{r.mpi.flavour} {r.mpi.version or ''} at {r.mpi.path}" if r.mpi.path else "not found",
+            r.mpi.path is not None and r.mpi.on_path,
+            "pip install mpich (or impi-rt) into this venv; needed for `xeontune launch`" if r.mpi.path is None
+            else "not on PATH: activate the venv (or call mpirun by this path)",
+        ),
+        Check(
+            "collectives", f"gloo {'yes' if r.collectives.gloo else 'no'}, ccl {'yes' if r.collectives.ccl else 'no'}",
+            r.collectives.gloo, "this torch lacks gloo: install the PyPI CPU build of torch",
+        ),
+        Check("launch environment", " ".join(f"{k}={v}" for k, v in r.launch_env.items())),
+    ]
+    return rows
+
+
+def render_table(report: HardwareReport) -> str:
+    width = max(len(c.item) for c in report.checks)
+    lines = []
+    for c in report.checks:
+        mark = "ok  " if c.ok else "warn"
+        lines.append(f"{mark} {c.item:<{width}}  {c.value}")
+        if not c.ok and c.advice:
+            lines.append(f"     {'':<{width}}  -> {c.advice}")
+    return "\n".join(lines)
+
+
+def render_json(report: HardwareReport) -> str:
+    return json.dumps(dataclasses.asdict(report), indent=2)

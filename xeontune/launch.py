@@ -1,0 +1,268 @@
+"""`xeontune launch`: one Hydra `mpirun` over SSH that starts `python -m xeontune.train` on every rank.
+
+``build_plan`` is the one place that builds the command; ``--dry-run`` prints exactly what
+``run_plan`` executes. Where mpirun runs:
+
+- ``local``: inside the head's network namespace (``ip netns exec <head> mpirun ...``);
+- ``localhost``: on this machine, with Hydra's fork launcher (no SSH);
+- a cloud provider: on the head, through ``ssh -F <cluster ssh_config> -tt node0 ...``.
+
+Every rank gets, with ``-genvnone`` so nothing else leaks in from the caller's shell:
+MASTER_ADDR (the head's private address), MASTER_PORT, GLOO_SOCKET_IFNAME (the cluster's
+interface), OMP_NUM_THREADS (the cores a rank may use), PATH/HOME as the
+node has them, the caller's HF_* offline/cache variables and LD_PRELOAD when set, CCL_* for the
+ccl backend, and each ``--env KEY=VALUE``. Hydra adds PMI_RANK / PMI_SIZE, which accelerate reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from xeontune.cluster import files, state
+from xeontune.cluster.state import ClusterRecord
+from xeontune.errors import UserError
+
+# The caller's variables that ranks inherit when set (offline hub use, cache dirs, allocator).
+PASSTHROUGH_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
+                   "LD_PRELOAD")
+DEFAULT_DIST_TIMEOUT_S = 30
+SSH_CHECK_TIMEOUT_S = 15.0
+STOP_GRACE_S = 20.0
+
+
+@dataclass
+class LaunchPlan:
+    argv: list[str]  # exactly what runs on this machine
+    mpirun: str  # mpirun's path on the head
+    world_size: int
+    backend: str
+    env: dict[str, str] = field(default_factory=dict)  # what every rank gets via -genv
+
+
+def slots(record: ClusterRecord, ppn: int) -> int:
+    """How many ranks the cluster holds: hosts x ppn, or the localhost cluster's -n."""
+    if record.provider == "localhost":
+        return max(int(record.extra.get("slots", 1)), ppn)
+    return len(record.nodes) * ppn
+
+
+def mpirun_path(record: ClusterRecord) -> str:
+    """mpirun on the head: $XEONTUNE_MPIRUN, else the venv's (Hydra needs the same path on every host)."""
+    override = os.environ.get("XEONTUNE_MPIRUN")
+    if override:
+        return override
+    if record.provider not in ("local", "localhost"):
+        return record.extra.get("mpirun", f"{record.extra.get('venv', sys.prefix)}/bin/mpirun")
+    beside = Path(sys.prefix) / "bin" / "mpirun"
+    return str(beside) if beside.exists() else (shutil.which("mpirun") or str(beside))
+
+
+def python_path(record: ClusterRecord) -> str:
+    if record.provider not in ("local", "localhost"):
+        return record.extra.get("python", f"{record.extra.get('venv', sys.prefix)}/bin/python")
+    return sys.executable
+
+
+def choose_backend(requested: str) -> str:
+    """auto -> ccl when oneCCL's torch bindings import here and match torch, else gloo."""
+    if requested == "gloo":
+        return "gloo"
+    ok, why = _ccl_available()
+    if requested == "ccl" and not ok:
+        raise UserError(f"--dist-backend ccl needs oneccl_bindings_for_pytorch: {why}; use --dist-backend gloo")
+    return "ccl" if ok else "gloo"
+
+
+def _ccl_available() -> tuple[bool, str]:
+    try:
+        import oneccl_bindings_for_pytorch as ccl  # type: ignore[import-not-found]  # noqa: F401
+        import torch
+    except Exception as exc:  # absent or broken against this torch: either way not usable
+        return False, f"it does not import ({type(exc).__name__}: {exc})"
+    version = getattr(ccl, "__version__", "")
+    if version and version.split("+")[0].rsplit(".", 1)[0] != torch.__version__.split("+")[0].rsplit(".", 1)[0]:
+        return False, f"it is {version}, built for another torch than {torch.__version__}"
+    return True, "ok"
+
+
+def threads_per_rank(record: ClusterRecord, world_size: int, ppn: int) -> int | None:
+    """Cores a rank may use. Local and localhost ranks all share this machine's cores; on a cloud
+    node it is the node's cores (``extra["cores_per_node"]``, set by the provider) over ``--ppn``.
+    None when unknown: torch then uses the node's own core count."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    if record.provider in ("local", "localhost"):
+        return max(1, (os.cpu_count() or 1) // world_size)
+    cores = int(record.extra.get("cores_per_node", 0))
+    return max(1, cores // ppn) if cores else None
+
+
+def _has_option(args: list[str], name: str) -> bool:
+    return any(a == name or a.startswith(name + "=") for a in args)
+
+
+def _strip_dashes(train_args: list[str]) -> list[str]:
+    return train_args[1:] if train_args and train_args[0] == "--" else list(train_args)
+
+
+def _parse_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"--env takes KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
+
+
+def _rank_pythonpath() -> str | None:
+    """The source tree, when xeontune runs from a checkout rather than an installed package."""
+    pkg_parent = Path(__file__).resolve().parent.parent
+    if Path(sys.prefix).resolve() in pkg_parent.parents:
+        return None
+    return str(pkg_parent)
+
+
+def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str, train_args: list[str],
+               extra_env: dict[str, str] | None = None, workdir: str | None = None,
+               module: str = "xeontune.train") -> LaunchPlan:
+    """The whole command and environment; no side effects. ``module`` is what each rank runs
+    with ``python -m`` (tests launch small probes through the same path)."""
+    if num_processes < 1 or ppn < 1:
+        raise UserError("-n and --ppn must be at least 1")
+    capacity = slots(record, ppn)
+    if num_processes > capacity:
+        what = (f"{capacity} slots" if record.provider == "localhost"
+                else f"{len(record.nodes)} hosts x --ppn {ppn} = {capacity}")
+        raise UserError(f"-n {num_processes} is more ranks than cluster {record.name!r} holds ({what})")
+    train_args = _strip_dashes(train_args)
+    chosen = choose_backend(backend)
+    remote = record.provider not in ("local", "localhost")
+    iface = record.iface or ("lo" if record.provider == "localhost" else "eth0")
+
+    env: dict[str, str] = {
+        "MASTER_ADDR": record.head.private_ip,
+        "MASTER_PORT": str(files.master_port(record)),
+        "GLOO_SOCKET_IFNAME": iface,
+        # c10d warns on every rank that namespaces share a hostname; real errors still show.
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+        # No PYTHONUNBUFFERED: unbuffered print() writes text and newline separately, and Hydra's
+        # -prepend-rank then glues lines of different ranks together.
+    }
+    threads = threads_per_rank(record, num_processes, ppn)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if not remote:
+        env["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
+        env["HOME"] = os.environ.get("HOME", "/root")
+        pythonpath = _rank_pythonpath()
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+    for key in PASSTHROUGH_ENV:
+        if key in os.environ:
+            env[key] = os.environ[key]
+    if chosen == "ccl":
+        env.update({"CCL_ATL_TRANSPORT": "ofi", "CCL_WORKER_COUNT": "1"})
+    env.update(extra_env or {})
+
+    if not _has_option(train_args, "--dist-backend"):
+        train_args += ["--dist-backend", chosen]
+    if not _has_option(train_args, "--dist-timeout"):
+        train_args += ["--dist-timeout", str(DEFAULT_DIST_TIMEOUT_S)]
+
+    mpirun = mpirun_path(record)
+    wdir = workdir or (record.work_dir if remote else os.getcwd())
+    argv = [mpirun, "-n", str(num_processes)]
+    if record.provider == "localhost":
+        argv += ["-launcher", "fork"]
+    else:
+        argv += ["-f", files.remote_path(record, "hosts"), "-ppn", str(ppn),
+                 "-launcher", "ssh", "-launcher-exec", files.remote_path(record, "ssh")]
+    argv += ["-iface", iface, "-wdir", wdir, "-prepend-rank", "-genvnone"]
+    for key, value in env.items():
+        argv += ["-genv", key, value]
+    argv += [python_path(record), "-m", module, *train_args]
+
+    if not remote:
+        # -genvnone governs only ranks reached over SSH; the head's rank is forked by mpirun and
+        # would inherit this shell's whole environment. `env -i` gives it the same clean slate.
+        base = [f"{k}={os.environ[k]}" for k in ("PATH", "HOME", "USER", "LOGNAME", "LANG") if k in os.environ]
+        argv = ["env", "-i", *base, *argv]
+    if record.provider == "local":
+        argv = ["ip", "netns", "exec", record.head.resource_id or "", *argv]
+    elif remote:
+        argv = ["ssh", "-F", str(files.files_dir(record) / "ssh_config"), "-tt", record.head.name, "--",
+                shlex.join(argv)]
+    return LaunchPlan(argv=argv, mpirun=mpirun, world_size=num_processes, backend=chosen, env=env)
+
+
+def preflight(record: ClusterRecord, plan: LaunchPlan) -> None:
+    """One-line UserErrors before anything starts: mpirun missing on the head, a node not answering SSH."""
+    if record.provider == "local" and os.geteuid() != 0:
+        raise UserError(f"launching on local cluster {record.name!r} needs root (mpirun runs in the head's namespace)")
+    local = record.provider in ("local", "localhost")
+    if local and not (os.path.isfile(plan.mpirun) and os.access(plan.mpirun, os.X_OK)):
+        raise UserError(f"no mpirun on the head node (looked for {plan.mpirun}); install MPICH's Hydra "
+                        "with `pip install mpich` in this venv, or set XEONTUNE_MPIRUN")
+    if record.provider == "localhost":
+        return
+    from xeontune.cluster import ssh
+
+    with ThreadPoolExecutor(max_workers=min(16, len(record.nodes))) as pool:
+        futures = [pool.submit(ssh.wait_for_ssh, record, node, SSH_CHECK_TIMEOUT_S, 0.5) for node in record.nodes]
+        for fut in futures:
+            fut.result()  # re-raises the UserError that names the node
+    if record.provider != "local":
+        rc, _, _ = ssh.run(record, record.head, ["test", "-x", plan.mpirun])
+        if rc != 0:
+            raise UserError(f"no mpirun on the head node {record.head.name} (looked for {plan.mpirun})")
+
+
+def run_plan(plan: LaunchPlan) -> int:
+    """Run mpirun, stream its (rank-prefixed) output, return the job's exit code.
+
+    Hydra stops every rank when one dies and exits non-zero. Ctrl-C reaches mpirun too (same
+    process group), which stops all ranks; if it has not exited after a grace period it is
+    terminated, then killed.
+    """
+    proc = subprocess.Popen(plan.argv)
+    try:
+        return _exit_code(proc.wait())
+    except KeyboardInterrupt:
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        print("interrupted: the job was stopped on every rank", file=sys.stderr)
+        return 130
+
+
+def _exit_code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc  # a signal death becomes 128+signal, like a shell's
+
+
+def main(args: argparse.Namespace) -> int:
+    record = state.load(state.validate_name(args.name))
+    plan = build_plan(record, args.num_processes, args.ppn, args.dist_backend, list(args.train_args),
+                      _parse_env(list(getattr(args, "env", None) or [])))
+    if args.dry_run:
+        print(shlex.join(plan.argv))
+        return 0
+    preflight(record, plan)
+    print(f"launching {plan.world_size} rank(s) on cluster {record.name!r} ({record.provider}, "
+          f"backend {plan.backend}, OMP_NUM_THREADS={plan.env.get('OMP_NUM_THREADS', 'node default')})", file=sys.stderr, flush=True)
+    return run_plan(plan)

@@ -1,0 +1,255 @@
+"""Offline Stable Diffusion pipelines with random weights, and the sample concept images.
+
+Nothing here downloads anything: the tokenizer's vocab and merges are written by this module, the
+weights are random, and ``save_pretrained`` gives the same folder layout as a hub model, so the
+trainer loads both the same way.
+
+* ``tiny``: a few MB, trains a step in well under a second; for tests and `make single-node-test`.
+* ``sd15-arch``: Stable Diffusion 1.5 dimensions (860M-parameter UNet, 49,408-token CLIP vocab,
+  3.9 GB on disk); realistic for benchmarks, useless for images.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from xeontune.errors import UserError
+from xeontune.io import atomic_dir
+
+SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
+# Words the tiny tokenizer knows as single tokens: the prompt templates' words and a few usable
+# initializer tokens. Anything else still tokenizes, letter by letter.
+EXTRA_WORDS = ["toy", "robot", "cat", "dog", "sculpture", "object", "thing", "style", "painting", "art", "drawing", "picture", "image", "red", "blue", "green", "orange", "small", "big"]
+
+
+@dataclass(frozen=True)
+class PipelineDims:
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_intermediate: int
+    text_act: str
+    vocab_size: int | None  # None: just the words we know; else padded to this size
+    unet_channels: tuple[int, ...]
+    unet_layers: int
+    unet_head_dim: int
+    vae_channels: tuple[int, ...]
+    vae_layers: int
+    vae_groups: int
+    sample_size: int  # default image side in pixels
+
+
+DIMS = {
+    "tiny": PipelineDims(
+        text_hidden=32, text_layers=2, text_heads=4, text_intermediate=64, text_act="quick_gelu",
+        vocab_size=None, unet_channels=(32, 64), unet_layers=1, unet_head_dim=8,
+        vae_channels=(16, 16, 32, 32), vae_layers=1, vae_groups=8, sample_size=64,
+    ),
+    "sd15-arch": PipelineDims(
+        text_hidden=768, text_layers=12, text_heads=12, text_intermediate=3072, text_act="quick_gelu",
+        vocab_size=49408, unet_channels=(320, 640, 1280, 1280), unet_layers=2, unet_head_dim=8,
+        vae_channels=(128, 256, 512, 512), vae_layers=2, vae_groups=32, sample_size=512,
+    ),
+}
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """CLIP's byte-level alphabet: printable bytes stand for themselves, the rest map above 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def tokenizer_files(words: list[str], vocab_size: int | None) -> tuple[dict[str, int], list[str]]:
+    """A CLIP-style BPE vocab and merge list in which every word of ``words`` is one token."""
+    alphabet = list(_byte_to_unicode().values())
+    vocab: list[str] = alphabet + [c + "</w>" for c in alphabet]
+    merges: list[str] = []
+    seen = set(vocab)
+    for word in sorted(set(words)):
+        # Merge left to right: "t o", "to y</w>" makes "toy</w>" one token.
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        current = pieces[0]
+        for piece in pieces[1:]:
+            merged = current + piece
+            if merged not in seen:
+                merges.append(f"{current} {piece}")
+                vocab.append(merged)
+                seen.add(merged)
+            current = merged
+    if vocab_size is not None:
+        filler = 0
+        while len(vocab) + len(SPECIAL_TOKENS) < vocab_size:
+            vocab.append(f"xtfill{filler}</w>")  # unreachable rows that give the table its real size
+            filler += 1
+    vocab.extend(SPECIAL_TOKENS)
+    return {tok: i for i, tok in enumerate(vocab)}, merges
+
+
+def _template_words() -> list[str]:
+    from xeontune.train.data import OBJECT_TEMPLATES, STYLE_TEMPLATES
+
+    words: list[str] = []
+    for template in (*OBJECT_TEMPLATES, *STYLE_TEMPLATES):
+        words.extend(w for w in template.replace("{}", " ").replace(",", " ").split() if w.isalpha())
+    return words + list(EXTRA_WORDS)
+
+
+def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: PipelineDims | None = None) -> Path:
+    """Write a Stable Diffusion pipeline with random weights to ``out_dir`` (atomically).
+
+    ``dims`` overrides the kind's sizes (tests use a tiny UNet with SD1.5's 768-wide text encoder).
+    """
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    if kind not in DIMS:
+        raise UserError(f"unknown model kind {kind!r} (choose from: {', '.join(DIMS)})")
+    dims = dims or DIMS[kind]
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+
+    vocab, merges = tokenizer_files(_template_words(), dims.vocab_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
+        (Path(tmp) / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+        tokenizer = CLIPTokenizer(
+            vocab=str(Path(tmp) / "vocab.json"), merges=str(Path(tmp) / "merges.txt"), model_max_length=77
+        )
+
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(vocab), hidden_size=dims.text_hidden, intermediate_size=dims.text_intermediate,
+            num_hidden_layers=dims.text_layers, num_attention_heads=dims.text_heads,
+            max_position_embeddings=77, hidden_act=dims.text_act, projection_dim=dims.text_hidden,
+            bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
+            pad_token_id=vocab["<|endoftext|>"],
+        )
+    )
+    n_blocks = len(dims.unet_channels)
+    unet = UNet2DConditionModel(
+        sample_size=dims.sample_size // 8, in_channels=4, out_channels=4,
+        layers_per_block=dims.unet_layers, block_out_channels=dims.unet_channels,
+        down_block_types=("CrossAttnDownBlock2D",) * (n_blocks - 1) + ("DownBlock2D",) if n_blocks > 2
+        else ("CrossAttnDownBlock2D",) * n_blocks,
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (n_blocks - 1) if n_blocks > 2
+        else ("CrossAttnUpBlock2D",) * n_blocks,
+        cross_attention_dim=dims.text_hidden, attention_head_dim=dims.unet_head_dim,
+    )
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * len(dims.vae_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(dims.vae_channels),
+        block_out_channels=dims.vae_channels, layers_per_block=dims.vae_layers,
+        norm_num_groups=dims.vae_groups, sample_size=dims.sample_size,
+    )
+    scheduler = DDPMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+        clip_sample=False, steps_offset=1,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    with atomic_dir(out) as tmp:
+        pipe.save_pretrained(tmp)
+    return out
+
+
+# --- sample concept images ---------------------------------------------------------------------
+
+
+def write_sample_data(out_dir: str | Path, count: int = 6, size: int = 128, seed: int = 0) -> list[Path]:
+    """Draw one synthetic object (a small orange robot toy) in varied poses and backgrounds."""
+    from PIL import Image, ImageDraw, ImageFilter
+
+    if count < 1:
+        raise UserError("--count must be at least 1")
+    if size < 32:
+        raise UserError("--size must be at least 32 pixels")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    files = []
+    for i in range(count):
+        scale = 4  # draw large, then downsample: smooth edges
+        s = size * scale
+        hue = rng.random()
+        top, bottom = _hsv(hue, 0.35, 0.95), _hsv((hue + 0.15) % 1, 0.5, 0.55)
+        bg = Image.new("RGB", (s, s))
+        draw = ImageDraw.Draw(bg)
+        for y in range(s):
+            t = y / (s - 1)
+            draw.line([(0, y), (s, y)], fill=tuple(int(a + (b - a) * t) for a, b in zip(top, bottom, strict=True)))
+        for _ in range(rng.randint(2, 5)):  # background clutter
+            x0, y0 = rng.randrange(s), rng.randrange(s)
+            r = rng.randint(s // 20, s // 6)
+            draw.ellipse([x0 - r, y0 - r, x0 + r, y0 + r], fill=_hsv(rng.random(), 0.3, 0.8))
+        toy = _draw_toy(s, rng)
+        angle = rng.uniform(-35, 35)
+        toy = toy.rotate(angle, resample=Image.BICUBIC, expand=False)
+        zoom = rng.uniform(0.55, 0.9)
+        toy = toy.resize((int(s * zoom), int(s * zoom)), Image.LANCZOS)
+        if rng.random() < 0.5:
+            toy = toy.transpose(Image.FLIP_LEFT_RIGHT)
+        ox = rng.randint(0, s - toy.width)
+        oy = rng.randint(0, s - toy.height)
+        shadow = Image.new("RGBA", toy.size, (0, 0, 0, 0))
+        shadow.putalpha(toy.getchannel("A").point(lambda a: a // 3))
+        bg.paste(shadow.filter(ImageFilter.GaussianBlur(s // 60)), (ox + s // 40, oy + s // 40), shadow)
+        bg.paste(toy, (ox, oy), toy)
+        img = bg.resize((size, size), Image.LANCZOS)
+        path = out / f"toy_{i:02d}.png"
+        img.save(path)
+        files.append(path)
+    return files
+
+
+def _hsv(h: float, s: float, v: float) -> tuple[int, int, int]:
+    import colorsys
+
+    r, g, b = colorsys.hsv_to_rgb(h, s, v)
+    return int(r * 255), int(g * 255), int(b * 255)
+
+
+def _draw_toy(s: int, rng: random.Random):
+    """The concept: an orange robot with a teal visor, round head, antenna and stubby arms."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGBA", (s, s), (0, 0, 0, 0))
+    d = ImageDraw.Draw(img)
+    orange, teal, dark = (235, 120, 30, 255), (40, 190, 180, 255), (40, 40, 50, 255)
+    cx = s // 2
+    # body
+    d.rounded_rectangle([cx - s * 0.2, s * 0.45, cx + s * 0.2, s * 0.85], radius=int(s * 0.06), fill=orange)
+    d.rectangle([cx - s * 0.08, s * 0.55, cx + s * 0.08, s * 0.68], fill=teal)
+    # head and visor
+    d.ellipse([cx - s * 0.17, s * 0.16, cx + s * 0.17, s * 0.48], fill=orange)
+    d.rounded_rectangle([cx - s * 0.12, s * 0.26, cx + s * 0.12, s * 0.36], radius=int(s * 0.04), fill=teal)
+    eye = s * 0.025
+    for ex in (cx - s * 0.06, cx + s * 0.06):
+        d.ellipse([ex - eye, s * 0.31 - eye, ex + eye, s * 0.31 + eye], fill=dark)
+    # antenna
+    d.line([cx, s * 0.16, cx, s * 0.08], fill=dark, width=max(2, s // 80))
+    d.ellipse([cx - s * 0.025, s * 0.055, cx + s * 0.025, s * 0.105], fill=teal)
+    # arms, at a random wave
+    wave = rng.uniform(-0.12, 0.12)
+    for side in (-1, 1):
+        x0 = cx + side * s * 0.2
+        x1 = cx + side * s * 0.3
+        d.line([x0, s * 0.52, x1, s * (0.62 + side * wave)], fill=orange, width=max(3, s // 25))
+    # feet
+    for side in (-1, 1):
+        fx = cx + side * s * 0.1
+        d.rounded_rectangle([fx - s * 0.06, s * 0.84, fx + s * 0.06, s * 0.9], radius=int(s * 0.02), fill=dark)
+    return img

@@ -1,0 +1,1 @@
+"""The textual-inversion trainer. Entry points: `xeontune train` and `python -m xeontune.train`."""

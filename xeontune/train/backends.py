@@ -1,0 +1,133 @@
+"""IPEX and torch.compile applied to the frozen models, once, after they are loaded.
+
+Precision: the models stay in fp32 and the step runs under bf16 autocast when the precision is
+bf16, with one exception: when IPEX is used with bf16, `ipex.optimize(dtype=bfloat16)` stores the
+frozen UNet's weights in bf16 (half the memory, no per-step weight cast; IPEX's recipe). That is
+safe because the trainer calls the UNet only under autocast when precision is bf16 (the step and
+validation). The VAE is never cast: it also encodes outside autocast.
+
+IPEX is optional and used with care:
+- only when it imports and matches the installed torch (its last release, 2.8, needs torch 2.8);
+- `--ipex auto` uses it only on CPUs with AVX-512 (bw/vl/dq). On this project's AVX2-only EPYC its
+  prepacked fp32 convolutions made the SD1.5 UNet forward 12x slower than stock torch, and without
+  prepacking it ran exactly as fast as stock torch, so there it is skipped. `--ipex on` applies it
+  anyway, prepacking only where the CPU has AVX-512; XEONTUNE_IPEX_PREPACK=on|off overrides that
+  choice (for testing the prepack path, or for CPUs this rule misjudges);
+- `nn.Linear` layers are never prepacked: IPEX 2.8's prepacked Linear returns no gradient for its
+  input when its weight is frozen, and textual inversion's only path from the loss to the token
+  vectors runs through the UNet's cross-attention to_k / to_v Linears.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from xeontune import hardware
+from xeontune.errors import UserError
+
+log = logging.getLogger(__name__)
+
+IPEX_CHOICES = ("auto", "on", "off")
+PREPACK_ENV = "XEONTUNE_IPEX_PREPACK"
+
+
+def prepare_frozen_models(
+    unet: nn.Module, vae: nn.Module, *, precision: str, ipex: str = "auto", compile: bool = False
+) -> tuple[nn.Module, nn.Module, list[str]]:
+    """Return (unet, vae, notes): the models to train with and one line per decision taken."""
+    if ipex not in IPEX_CHOICES:
+        raise UserError(f"--ipex must be one of {', '.join(IPEX_CHOICES)}, got {ipex!r}")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    notes: list[str] = []
+    if ipex == "off":
+        notes.append("IPEX: off (--ipex off)")
+    else:
+        info = hardware.ipex_info()
+        if not info.usable and ipex == "on":
+            raise UserError(f"--ipex on, but IPEX cannot be used: {info.reason}")
+        if ipex == "auto" and not info.auto:
+            notes.append(f"IPEX: not used ({info.reason})")
+        else:
+            unet, vae, note = _apply_ipex(unet, vae, precision, _prepack_choice(info), info.installed or "")
+            notes.append(note)
+    if compile:
+        # Compilation happens on the first call: the first step takes minutes, and on the
+        # 2-core AVX2 machine the compiled UNet was slower than eager (docs/performance.md).
+        unet = torch.compile(unet)
+        notes.append("torch.compile: UNet wrapped (inductor CPU); the first step compiles it")
+    return unet, vae, notes
+
+
+def _prepack_choice(info: hardware.IpexInfo) -> bool:
+    choice = os.environ.get(PREPACK_ENV, "auto")
+    if choice not in ("auto", "on", "off"):
+        raise UserError(f"{PREPACK_ENV} must be auto, on or off, got {choice!r}")
+    return info.prepack if choice == "auto" else choice == "on"
+
+
+def _apply_ipex(
+    unet: nn.Module, vae: nn.Module, precision: str, prepack: bool, version: str
+) -> tuple[nn.Module, nn.Module, str]:
+    start = time.perf_counter()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    unet = ipex_optimize_frozen(unet, dtype=dtype, prepack=prepack)
+    # The VAE encodes outside autocast (latent cache, the baseline's per-step encode) and decodes
+    # inside it (validation). IPEX's prepacked fp32 convolutions fail under bf16 autocast (oneDNN:
+    # "could not create a primitive descriptor"), so with bf16 the VAE is left to stock torch.
+    if precision == "fp32":
+        vae = ipex_optimize_frozen(vae, dtype=torch.float32, prepack=prepack)
+    packing = "convolutions prepacked, Linear layers left unpacked" if prepack else "no weight prepacking"
+    vae_note = f"VAE in fp32 ({packing})" if precision == "fp32" else "VAE left to stock torch"
+    return unet, vae, (
+        f"IPEX {version}: UNet optimized in {precision} ({packing}), {vae_note} "
+        f"({time.perf_counter() - start:.1f} s)"
+    )
+
+
+class _HiddenLinear(nn.Module):
+    """Holds a Linear where `ipex.optimize` cannot see it (not a child module), so it is not prepacked."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self._held = [linear]  # a list, not an attribute of type Module: hidden from named_modules()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._held[0](x)
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and name]
+
+
+def ipex_optimize_frozen(model: nn.Module, *, dtype: torch.dtype, prepack: bool) -> nn.Module:
+    """`ipex.optimize` a frozen module in eval mode, in place, never prepacking its Linear layers."""
+    import intel_extension_for_pytorch as ipex
+
+    # IPEX registers its own CPU group_norm / layer_norm kernels; autograd then warns on every
+    # backward that it falls through them. The gradients equal stock torch's (checked in
+    # tests/ipex/), so the warning is noise.
+    warnings.filterwarnings("ignore", message=r"aten::(group|layer)_norm: an autograd kernel was not registered")
+    model.eval().requires_grad_(False)
+    linears = _linears(model) if prepack else []
+    for name, linear in linears:
+        model.set_submodule(name, _HiddenLinear(linear))
+    try:
+        optimized = ipex.optimize(model, dtype=dtype, inplace=True, weights_prepack=prepack)
+    finally:
+        for name, linear in linears:
+            model.set_submodule(name, linear)
+    if optimized is not model:  # inplace=True returns the same object; guard against a change
+        for name, linear in linears:
+            optimized.set_submodule(name, linear)
+    if dtype == torch.bfloat16:
+        # The hidden Linears missed IPEX's cast; cast them too so the whole model is one dtype.
+        for _, linear in linears:
+            linear.to(dtype)
+    return optimized

@@ -1,0 +1,205 @@
+"""Training data: the image folder, prompt templates, the latent cache and the per-sample plan.
+
+Every random choice of a sample (which image, flip, template, VAE latent draw, noise, timestep) is
+a function of (seed, global sample position) alone. So one process with batch 3b and three ranks
+with batch b train on exactly the same samples, and a resumed run needs no RNG state to continue.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from xeontune.errors import UserError
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"}
+
+OBJECT_TEMPLATES = (
+    "a photo of a {}",
+    "a photo of the {}",
+    "a close-up photo of a {}",
+    "a cropped photo of the {}",
+    "a bright photo of a {}",
+    "a dark photo of the {}",
+    "a good photo of a {}",
+    "a photo of my {}",
+    "a photo of a small {}",
+    "a photo of the big {}",
+    "a rendering of a {}",
+    "a picture of one {}",
+)
+STYLE_TEMPLATES = (
+    "a painting in the style of {}",
+    "a picture in the style of {}",
+    "an image in the style of {}",
+    "a drawing in the style of {}",
+    "a small painting in the style of {}",
+    "a big picture in the style of {}",
+    "a dark painting in the style of {}",
+    "a bright drawing in the style of {}",
+    "art in the style of {}",
+    "a photo in the style of {}",
+)
+
+
+def templates_for(learnable_property: str) -> tuple[str, ...]:
+    return STYLE_TEMPLATES if learnable_property == "style" else OBJECT_TEMPLATES
+
+
+def load_images(data_dir: str | Path, resolution: int, center_crop: bool) -> tuple[torch.Tensor, list[Path]]:
+    """Load every readable image as a (N, 3, R, R) tensor in [-1, 1]; skip unreadable files with a warning."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise UserError(f"data dir {root} does not exist or is not a directory")
+    candidates = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not candidates:
+        raise UserError(f"data dir {root} is empty")
+    images, paths = [], []
+    for path in candidates:
+        if path.suffix.lower() not in IMAGE_SUFFIXES:
+            continue
+        try:
+            with Image.open(path) as img:
+                img.load()
+                images.append(preprocess(img, resolution, center_crop))
+                paths.append(path)
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            log.warning("skipping %s: not a readable image (%s)", path, exc.__class__.__name__)
+    if not images:
+        raise UserError(f"no readable image in {root} (looked for {', '.join(sorted(IMAGE_SUFFIXES))})")
+    return torch.stack(images), paths
+
+
+def preprocess(img: Image.Image, resolution: int, center_crop: bool) -> torch.Tensor:
+    img = img.convert("RGB")
+    if center_crop:
+        side = min(img.size)
+        left, top = (img.width - side) // 2, (img.height - side) // 2
+        img = img.crop((left, top, left + side, top + side))
+    img = img.resize((resolution, resolution), Image.BICUBIC)
+    array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def sample_generator(seed: int, position: int) -> torch.Generator:
+    # splitmix-style mixing so nearby (seed, position) pairs give unrelated streams
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**63 - 1)
+    return torch.Generator().manual_seed(x)
+
+
+@dataclass
+class Batch:
+    positions: list[int]
+    image_index: torch.Tensor  # (B,)
+    flip: torch.Tensor  # (B,) bool
+    input_ids: torch.Tensor  # (B, 77)
+    latent_eps: torch.Tensor  # (B, 4, h, w): draw from the VAE latent distribution
+    noise: torch.Tensor  # (B, 4, h, w)
+    timesteps: torch.Tensor  # (B,)
+
+
+class SamplePlan:
+    """Maps global sample positions to samples; epochs are shuffled by a seeded permutation."""
+
+    def __init__(
+        self,
+        *,
+        seed: int,
+        num_images: int,
+        repeats: int,
+        prompt_ids: torch.Tensor,  # (num_templates, 77): tokenized templates with the placeholder
+        latent_shape: tuple[int, int, int],
+        num_train_timesteps: int,
+        flip_p: float,
+    ) -> None:
+        self.seed = seed
+        self.num_images = num_images
+        self.epoch_len = num_images * repeats
+        self.prompt_ids = prompt_ids
+        self.latent_shape = latent_shape
+        self.num_train_timesteps = num_train_timesteps
+        self.flip_p = flip_p
+        self._perm_epoch = -1
+        self._perm = torch.empty(0, dtype=torch.long)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            self._perm = torch.randperm(self.epoch_len, generator=gen)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def batch(self, positions: list[int]) -> Batch:
+        image_index, flips, ids, eps, noise, timesteps = [], [], [], [], [], []
+        for pos in positions:
+            epoch, offset = divmod(pos, self.epoch_len)
+            image_index.append(int(self._permutation(epoch)[offset]) % self.num_images)
+            gen = sample_generator(self.seed, pos)
+            flips.append(bool(torch.rand((), generator=gen) < self.flip_p))
+            ids.append(self.prompt_ids[int(torch.randint(len(self.prompt_ids), (), generator=gen))])
+            eps.append(torch.randn(self.latent_shape, generator=gen))
+            noise.append(torch.randn(self.latent_shape, generator=gen))
+            timesteps.append(int(torch.randint(self.num_train_timesteps, (), generator=gen)))
+        return Batch(
+            positions=list(positions),
+            image_index=torch.tensor(image_index),
+            flip=torch.tensor(flips),
+            input_ids=torch.stack(ids),
+            latent_eps=torch.stack(eps),
+            noise=torch.stack(noise),
+            timesteps=torch.tensor(timesteps, dtype=torch.long),
+        )
+
+
+class Latents:
+    """VAE latents of the training images.
+
+    With ``cached=True`` each image's latent distribution (and its mirror image's) is encoded once;
+    a step draws ``mean + std * eps`` from it, which is exactly what encoding every step computes.
+    With ``cached=False`` the VAE encodes every step (what the common example script does).
+    """
+
+    def __init__(self, vae: torch.nn.Module, images: torch.Tensor, cached: bool, encode_batch: int = 4) -> None:
+        self.vae = vae
+        self.images = images
+        self.cached = cached
+        self.scaling = float(getattr(vae.config, "scaling_factor", 0.18215))
+        self.mean: torch.Tensor | None = None
+        self.std: torch.Tensor | None = None
+        if cached:
+            both = torch.cat([images, images.flip(-1)])  # [originals, mirrored]
+            means, stds = [], []
+            for chunk in both.split(encode_batch):
+                mean, std = self._encode(chunk)
+                means.append(mean)
+                stds.append(std)
+            self.mean, self.std = torch.cat(means), torch.cat(stds)
+
+    @torch.no_grad()
+    def _encode(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dist = self.vae.encode(pixels).latent_dist
+        return dist.mean.float(), dist.std.float()
+
+    def latent_shape(self) -> tuple[int, int, int]:
+        if self.mean is not None:
+            return tuple(self.mean.shape[1:])  # type: ignore[return-value]
+        mean, _ = self._encode(self.images[:1])
+        return tuple(mean.shape[1:])  # type: ignore[return-value]
+
+    def sample(self, batch: Batch) -> torch.Tensor:
+        if self.cached:
+            assert self.mean is not None and self.std is not None
+            index = batch.image_index + batch.flip.long() * len(self.images)
+            mean, std = self.mean[index], self.std[index]
+        else:
+            pixels = self.images[batch.image_index]
+            pixels = torch.where(batch.flip[:, None, None, None], pixels.flip(-1), pixels)
+            mean, std = self._encode(pixels)
+        return (mean + std * batch.latent_eps) * self.scaling

@@ -1,0 +1,473 @@
+"""The training run: set-up, the step (on one screen), and what happens between steps.
+
+Read ``train_step`` first: it is the whole of the math. ``setup`` builds what it needs,
+``train`` calls it and handles logging, saving, checkpoints and validation around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from xeontune.errors import TrainingError, UserError
+from xeontune.io import atomic_dir, atomic_write_json
+from xeontune.train import checkpoint, tokens, validation
+from xeontune.train.components import Components, load
+from xeontune.train.data import Latents, SamplePlan, load_images, templates_for
+from xeontune.train.options import TrainOptions
+
+log = logging.getLogger("xeontune.train")
+
+RUN_MARKERS = ("learned_embeds.safetensors", "metrics.jsonl", "train_config.json")
+PHASES = ("data", "latents", "text_encoder_forward", "unet_forward", "backward", "optimizer", "allreduce")
+
+
+class Phases:
+    """Seconds spent per phase of the current step (for the progress bar and `xeontune bench`)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def take(self) -> dict[str, float]:
+        out = {name: self.seconds.get(name, 0.0) for name in PHASES}
+        self.seconds.clear()
+        return out
+
+
+class AllReduceCounter:
+    """A DDP communication hook that counts the bytes it really hands to the process group."""
+
+    def __init__(self, phases: Phases) -> None:
+        self.bytes = 0
+        self.phases = phases
+
+    # No annotations: DDP inspects them and rejects the strings that `from __future__` makes.
+    def hook(self, _state, bucket):
+        buffer = bucket.buffer()
+        self.bytes += buffer.numel() * buffer.element_size()
+        start = time.perf_counter()
+        buffer.div_(torch.distributed.get_world_size())
+        future = torch.distributed.all_reduce(buffer, async_op=True).get_future()
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            self.phases.seconds["allreduce"] += time.perf_counter() - start
+            return fut.value()[0]
+
+        return future.then(done)
+
+    def take(self) -> int:
+        count, self.bytes = self.bytes, 0
+        return count
+
+
+@dataclass
+class Run:
+    """Everything the step needs, built once by ``setup``."""
+
+    opts: TrainOptions
+    accelerator: Any
+    components: Components
+    placeholder: tokens.Placeholder
+    embedding: torch.nn.Module  # SplicedEmbedding (or the baseline's FullTableEmbedding)
+    ddp_embedding: torch.nn.Module  # the same, wrapped by DDP when there are several ranks
+    plan: SamplePlan
+    latents: Latents
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    precision: str
+    max_steps: int
+    output_dir: Path
+    phases: Phases = field(default_factory=Phases)
+    counter: AllReduceCounter | None = None
+    gradient_checked: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    def positions(self, step: int, micro: int) -> list[int]:
+        """This rank's share of a global micro-batch: rank r takes samples [r*b, (r+1)*b)."""
+        b, accum = self.opts.train_batch_size, self.opts.gradient_accumulation_steps
+        start = ((step * accum + micro) * self.world + self.rank) * b
+        return list(range(start, start + b))
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        kind = self.components.noise_scheduler.config.prediction_type
+        if kind == "v_prediction":
+            return self.components.noise_scheduler.get_velocity(latents, noise, timesteps)
+        return noise
+
+    def check_gradient_once(self) -> None:
+        """Stop at the first step if no finite, non-zero gradient reached every new vector."""
+        if self.gradient_checked:
+            return
+        self.gradient_checked = True
+        param = next(p for p in self.embedding.parameters() if p.requires_grad)
+        grad = param.grad
+        if isinstance(self.embedding, tokens.FullTableEmbedding) and grad is not None:
+            grad = grad[self.placeholder.first_id : self.placeholder.first_id + len(self.placeholder.tokens)]
+        if grad is None or not torch.isfinite(grad).all() or (grad.abs().sum(dim=-1) == 0).any():
+            raise TrainingError(
+                "the placeholder vectors received no usable gradient after the first backward pass "
+                f"({'none' if grad is None else 'non-finite or zero'}); a backend broke the gradient path "
+                "(e.g. IPEX weight prepacking of Linear layers). Try --ipex off."
+            )
+
+
+def train_step(run: Run, step: int) -> torch.Tensor:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the mean loss."""
+    phase, unet, text_encoder = run.phases, run.components.unet, run.components.text_encoder
+    losses = []
+    for micro in range(run.opts.gradient_accumulation_steps):
+        with run.accelerator.accumulate(run.ddp_embedding):
+            with phase("data"):
+                batch = run.plan.batch(run.positions(step, micro))
+            with phase("latents"):
+                latents = run.latents.sample(batch)
+                noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
+            with run.autocast():
+                with phase("text_encoder_forward"):
+                    hidden = text_encoder(batch.input_ids)[0]
+                with phase("unet_forward"):
+                    pred = unet(noisy, batch.timesteps, hidden).sample
+            loss = F.mse_loss(pred.float(), run.target(latents, batch.noise, batch.timesteps).float())
+            with phase("backward"):
+                run.accelerator.backward(loss)  # divides by the accumulation steps; DDP all-reduces
+            losses.append(loss.detach())
+    with phase("optimizer"):
+        run.check_gradient_once()
+        if run.opts.max_grad_norm:
+            run.accelerator.clip_grad_norm_(run.embedding.parameters(), run.opts.max_grad_norm)
+        run.optimizer.step()
+        run.lr_scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.embedding.after_step()
+    return torch.stack(losses).mean()
+
+
+# --- set-up ------------------------------------------------------------------------------------
+
+
+def make_accelerator(opts: TrainOptions):
+    """Accelerator on CPU; under mpirun, a process group with the chosen backend and timeout."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from accelerate.utils.environment import get_cpu_distributed_information
+
+    info = get_cpu_distributed_information()
+    timeout = timedelta(seconds=opts.dist_timeout)
+    if info.world_size > 1 and not torch.distributed.is_initialized():
+        if opts.dist_backend == "ccl":
+            try:
+                import oneccl_bindings_for_pytorch  # noqa: F401  (registers the "ccl" backend)
+            except ImportError:
+                raise UserError("--dist-backend ccl needs oneccl_bindings_for_pytorch; use gloo") from None
+        # accelerate only knows gloo/mpi on CPU, so the group is made here and accelerate adopts it.
+        torch.distributed.init_process_group(
+            backend=opts.dist_backend, rank=info.rank, world_size=info.world_size, timeout=timeout
+        )
+    return Accelerator(
+        cpu=True,
+        gradient_accumulation_steps=opts.gradient_accumulation_steps,
+        kwargs_handlers=[
+            InitProcessGroupKwargs(timeout=timeout),
+            # The splice keeps the frozen table out of DDP's sight; buffers never change either.
+            DistributedDataParallelKwargs(broadcast_buffers=False),
+        ],
+    )
+
+
+def check_output_dir(opts: TrainOptions) -> Path:
+    out = Path(opts.output_dir)
+    if opts.resume_from_checkpoint or not out.exists():
+        return out
+    if not out.is_dir():
+        raise UserError(f"--output-dir {out} exists and is not a directory")
+    previous = [p.name for p in out.iterdir() if p.name in RUN_MARKERS or checkpoint.CHECKPOINT_RE.match(p.name)]
+    if previous and not opts.overwrite:
+        raise UserError(
+            f"--output-dir {out} holds another run ({', '.join(sorted(previous)[:3])}); "
+            "pass --overwrite to replace it or --resume-from-checkpoint latest to continue it"
+        )
+    return out
+
+
+def clear_previous_run(out: Path) -> None:
+    for p in out.iterdir():
+        if p.name in RUN_MARKERS or checkpoint.CHECKPOINT_RE.match(p.name) or p.name.startswith("learned_embeds"):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        elif p.name in ("validation", "pipeline", "logs") and p.is_dir():
+            shutil.rmtree(p)
+
+
+def setup(opts: TrainOptions, accelerator) -> tuple[Run, checkpoint.TrainState | None]:
+    from diffusers.optimization import get_scheduler
+
+    from xeontune.hardware import choose_precision
+    from xeontune.train.backends import prepare_frozen_models
+
+    # Everything that can fail on the user's input is checked before anything is written.
+    output_dir = check_output_dir(opts)
+    resume_path = checkpoint.resolve(opts.resume_from_checkpoint, output_dir) if opts.resume_from_checkpoint else None
+    images, _ = load_images(opts.data_dir, opts.resolution, opts.center_crop)
+    if opts.report_to == "tensorboard":
+        _tensorboard_writer(None)  # fails now, not after the first outputs are written
+    components = load(opts.model, opts.revision, opts.variant)
+    placeholder = tokens.add_placeholder_tokens(
+        components.tokenizer, opts.placeholder_token, opts.num_vectors, opts.initializer_token
+    )
+
+    precision, reason = choose_precision(opts.mixed_precision)
+    if precision == "bf16" and "slower" in reason:
+        log.warning("--mixed-precision bf16: %s", reason)
+    components.unet, components.vae, notes = prepare_frozen_models(
+        components.unet, components.vae, precision=precision, ipex=opts.ipex, compile=opts.compile
+    )
+    if accelerator.is_main_process:
+        log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
+
+    embedding = tokens.install(components.text_encoder, placeholder, full_table=opts.train_full_table)
+    latents = Latents(components.vae, images, cached=opts.cache_latents)
+    prompts = [t.format(placeholder.prompt_text) for t in templates_for(opts.learnable_property)]
+    prompt_ids = components.tokenizer(
+        prompts, padding="max_length", truncation=True, max_length=components.tokenizer.model_max_length,
+        return_tensors="pt",
+    ).input_ids
+    plan = SamplePlan(
+        seed=opts.seed, num_images=len(images), repeats=opts.repeats, prompt_ids=prompt_ids,
+        latent_shape=latents.latent_shape(),
+        num_train_timesteps=components.noise_scheduler.config.num_train_timesteps, flip_p=opts.flip_p,
+    )
+
+    world = accelerator.num_processes
+    global_batch = opts.train_batch_size * world * opts.gradient_accumulation_steps
+    max_steps = opts.max_train_steps or math.ceil(opts.num_train_epochs * plan.epoch_len / global_batch)
+    lr = opts.learning_rate * (global_batch if opts.scale_lr else 1)
+    optimizer = torch.optim.AdamW(
+        [p for p in embedding.parameters() if p.requires_grad], lr=lr,
+        betas=(opts.adam_beta1, opts.adam_beta2), weight_decay=opts.adam_weight_decay, eps=opts.adam_epsilon,
+    )
+    lr_scheduler = get_scheduler(
+        opts.lr_scheduler, optimizer=optimizer, num_warmup_steps=opts.lr_warmup_steps,
+        num_training_steps=max_steps, num_cycles=opts.lr_num_cycles, power=opts.lr_power,
+    )
+
+    run = Run(
+        opts=opts, accelerator=accelerator, components=components, placeholder=placeholder,
+        embedding=embedding, ddp_embedding=embedding, plan=plan, latents=latents, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, precision=precision, max_steps=max_steps, output_dir=output_dir,
+    )
+    if world > 1:
+        # Only the embedding module is wrapped: DDP then syncs just the trainable rows.
+        run.ddp_embedding = accelerator.prepare_model(embedding)
+        run.counter = AllReduceCounter(run.phases)
+        run.ddp_embedding.register_comm_hook(None, run.counter.hook)
+        components.text_encoder.set_input_embeddings(run.ddp_embedding)
+
+    state = checkpoint.load_everywhere(resume_path, accelerator.is_main_process, world > 1)
+    if state is not None:
+        if state.placeholder_tokens != placeholder.tokens or state.vectors.shape != embedding.learned().shape:
+            raise UserError(
+                f"checkpoint {resume_path} was trained for {state.placeholder_tokens} with vectors "
+                f"{tuple(state.vectors.shape)}; this run has {placeholder.tokens} {tuple(embedding.learned().shape)}"
+            )
+        embedding.load_learned(state.vectors)
+        optimizer.load_state_dict(state.optimizer)
+        lr_scheduler.load_state_dict(state.lr_scheduler)
+        checkpoint.restore_rng(state.rng)
+    return run, state
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    steps: int
+    vectors: torch.Tensor
+    final_loss: float | None
+    embeds_path: Path | None
+
+
+StepCallback = Callable[[int, float, dict[str, float], int], None]
+
+
+def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResult:
+    from tqdm.auto import tqdm
+
+    accelerator = make_accelerator(opts)
+    run, state = setup(opts, accelerator)
+    main = accelerator.is_main_process
+    out = run.output_dir
+    start_step = state.step if state else 0
+
+    writer = None
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if opts.overwrite and not opts.resume_from_checkpoint:
+            clear_previous_run(out)
+        atomic_write_json(out / "train_config.json", {**opts.to_json(), "precision": run.precision,
+                                                      "world_size": run.world})
+        if opts.report_to == "tensorboard":
+            writer = _tensorboard_writer(out / opts.logging_dir)
+    metrics = open(out / "metrics.jsonl", "a") if main else None  # noqa: SIM115 (closed below)
+
+    global_batch = opts.train_batch_size * run.world * opts.gradient_accumulation_steps
+    # A bar on a terminal; under mpirun or in a log file, one plain line every ~5% of the run.
+    interactive = main and sys.stderr.isatty()
+    bar = tqdm(total=run.max_steps, initial=start_step, disable=not interactive, desc="train", unit="step")
+    log_every = max(1, run.max_steps // 20)
+    loss_value: float | None = None
+    try:
+        for step in range(start_step, run.max_steps):
+            started = time.perf_counter()
+            loss = train_step(run, step)
+            if run.world > 1:  # gloo has no AVG: sum, then divide
+                torch.distributed.all_reduce(loss)
+                loss = loss / run.world
+            elapsed = time.perf_counter() - started
+            loss_value = float(loss)
+            if not math.isfinite(loss_value):
+                raise TrainingError(f"loss became {loss_value} at step {step + 1}; lower --learning-rate")
+            sent = (run.counter.take() + loss.numel() * loss.element_size()) if run.counter else 0
+            phases = run.phases.take()
+            done = step + 1
+            if on_step:
+                on_step(done, loss_value, phases, sent)
+            if main:
+                record = {"step": done, "loss": loss_value, "lr": run.lr_scheduler.get_last_lr()[0],
+                          "step_time_s": elapsed, "images_per_s": global_batch / elapsed,
+                          "allreduce_bytes": sent}
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                if writer:
+                    for key in ("loss", "lr", "step_time_s", "images_per_s"):
+                        writer.add_scalar(f"train/{key}", record[key], done)
+                bar.set_postfix(loss=f"{loss_value:.4f}", s_per_step=f"{elapsed:.2f}")
+                bar.update(1)
+                if not interactive and (done % log_every == 0 or done == run.max_steps):
+                    log.info("step %d/%d  loss %.4f  %.2f s/step  %.1f images/s", done, run.max_steps,
+                             loss_value, elapsed, global_batch / elapsed)
+                _between_steps(run, done, writer)
+        result_path = _finish(run, writer) if main else None
+    finally:
+        bar.close()
+        if metrics:
+            metrics.close()
+        if writer:
+            writer.close()
+    accelerator.wait_for_everyone()
+    return TrainResult(out, run.max_steps, run.embedding.learned(), loss_value, result_path)
+
+
+def _between_steps(run: Run, step: int, writer) -> None:
+    """Main process only: intermediate embeddings, checkpoints, validation."""
+    opts, out = run.opts, run.output_dir
+    if step == run.max_steps:
+        return  # _finish writes the final outputs
+    if opts.save_steps and step % opts.save_steps == 0:
+        tokens.save_learned_embeds(out / f"learned_embeds-steps-{step}.safetensors", run.placeholder,
+                                   run.embedding.learned(), opts.save_format, step)
+    if opts.checkpointing_steps and step % opts.checkpointing_steps == 0:
+        save_checkpoint(run, step)
+    if opts.validation_prompt and step % opts.validation_steps == 0:
+        run_validation(run, step, writer)
+
+
+def save_checkpoint(run: Run, step: int) -> Path:
+    state = checkpoint.TrainState(
+        step=step, vectors=run.embedding.learned(), optimizer=run.optimizer.state_dict(),
+        lr_scheduler=run.lr_scheduler.state_dict(), placeholder_tokens=run.placeholder.tokens,
+        rng=checkpoint.rng_state(),
+    )
+    return checkpoint.save(run.output_dir, state, run.opts.checkpoints_total_limit)
+
+
+def run_validation(run: Run, step: int, writer) -> list[Path]:
+    opts = run.opts
+    images = validation.generate(
+        run.components, run.components.text_encoder, run.embedding, opts.validation_prompt,
+        num_images=opts.num_validation_images, steps=opts.validation_inference_steps,
+        resolution=opts.resolution, seed=opts.seed, autocast=run.autocast,
+    )
+    paths = validation.save_images(images, run.output_dir / "validation", step)
+    if writer:
+        import numpy as np
+
+        stacked = np.stack([np.asarray(img) for img in images])
+        writer.add_images("validation", stacked, step, dataformats="NHWC")
+    log.info("validation images: %s", ", ".join(str(p) for p in paths))
+    return paths
+
+
+def _finish(run: Run, writer) -> Path:
+    opts, out = run.opts, run.output_dir
+    path = tokens.save_learned_embeds(out / "learned_embeds.safetensors", run.placeholder, run.embedding.learned(),
+                                      opts.save_format, run.max_steps)
+    if opts.checkpointing_steps and run.max_steps % opts.checkpointing_steps == 0:
+        save_checkpoint(run, run.max_steps)
+    if opts.validation_prompt:
+        run_validation(run, run.max_steps, writer)
+    if opts.save_as_full_pipeline:
+        save_pipeline(run, out / "pipeline")
+    return path
+
+
+def save_pipeline(run: Run, target: Path) -> Path:
+    from diffusers import StableDiffusionPipeline
+
+    components, text_encoder = run.components, run.components.text_encoder
+    wrapped = text_encoder.get_input_embeddings()
+    text_encoder.set_input_embeddings(tokens.merged_table(run.embedding, run.placeholder))
+    text_encoder.config.vocab_size = text_encoder.get_input_embeddings().weight.shape[0]
+    try:
+        pipe = StableDiffusionPipeline(
+            vae=components.vae, text_encoder=text_encoder, tokenizer=components.tokenizer,
+            unet=components.unet_for_inference, scheduler=components.noise_scheduler,
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
+        with atomic_dir(target) as tmp:
+            pipe.save_pretrained(tmp)
+    finally:
+        text_encoder.set_input_embeddings(wrapped)
+    return target
+
+
+def _tensorboard_writer(log_dir: Path | None):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("--report-to tensorboard needs tensorboard: pip install 'xeontune[tensorboard]'") from None
+    return SummaryWriter(log_dir=str(log_dir)) if log_dir else None

@@ -1,0 +1,262 @@
+"""TrainOptions: every training flag, its example-script alias, the config file, and validation.
+
+Precedence: built-in default < config file (YAML or TOML, same names) < command line. Flags are
+kebab-case; the snake_case spelling of every flag is accepted too, as are the common example
+script's names (``--pretrained_model_name_or_path``, ``--train_data_dir``, ...), so a command line
+pasted from a guide works unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xeontune.errors import UserError
+
+log = logging.getLogger(__name__)
+
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+
+
+def opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
+        type: Any = None, group: str = "training") -> Any:
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices,
+                                            "type": type, "group": group})
+
+
+@dataclass
+class TrainOptions:
+    # model and data
+    model: str | None = opt(None, "hub id or local path of a Stable Diffusion 1.x/2.x pipeline (required)",
+                            aliases=("--pretrained_model_name_or_path",), group="model and data")
+    revision: str | None = opt(None, "model revision (branch, tag or commit) on the hub", group="model and data")
+    variant: str | None = opt(None, "weights variant, e.g. fp16", group="model and data")
+    data_dir: str | None = opt(None, "folder of training images (required)", aliases=("--train_data_dir",),
+                               group="model and data")
+    placeholder_token: str | None = opt(None, "the new token to learn, e.g. '<cat-toy>' (required)",
+                                        group="model and data")
+    initializer_token: str | None = opt(None, "one existing token to start from, e.g. 'toy' (required)",
+                                        group="model and data")
+    learnable_property: str = opt("object", "what the token captures; picks the prompt templates",
+                                  choices=("object", "style"), group="model and data")
+    num_vectors: int = opt(1, "vectors per placeholder (<tok>, <tok>_1, ...)", group="model and data")
+    repeats: int = opt(100, "times each image appears per epoch", group="model and data")
+    resolution: int = opt(512, "training image side in pixels (a multiple of 8)", group="model and data")
+    center_crop: bool = opt(False, "crop images to a centered square before resizing", group="model and data")
+    random_flip: bool = opt(True, "mirror images at random (flip probability --flip-p)", group="model and data")
+    flip_p: float = opt(0.5, "probability of mirroring an image when --random-flip", group="model and data")
+    # optimisation
+    train_batch_size: int = opt(1, "images per rank per step", aliases=("--batch-size",))
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
+    max_train_steps: int | None = opt(None, "optimizer steps (overrides --num-train-epochs)")
+    num_train_epochs: int = opt(1, "epochs, when --max-train-steps is not given")
+    learning_rate: float = opt(5e-4, "peak learning rate")
+    scale_lr: bool = opt(False, "multiply the learning rate by batch size, accumulation and world size")
+    lr_scheduler: str = opt("constant", "learning-rate schedule", choices=SCHEDULERS)
+    lr_warmup_steps: int = opt(0, "warm-up steps of the schedule")
+    lr_num_cycles: int = opt(1, "hard restarts for cosine_with_restarts")
+    lr_power: float = opt(1.0, "power of the polynomial schedule")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.999, "AdamW beta2")
+    adam_weight_decay: float = opt(1e-2, "AdamW weight decay")
+    adam_epsilon: float = opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float | None = opt(None, "clip the gradient norm of the vectors to this (off by default)")
+    seed: int = opt(0, "seed of every random choice (samples, noise, timesteps, validation)")
+    # hardware
+    mixed_precision: str = opt("auto", "auto: bf16 only where the CPU has AMX or AVX512-BF16, else fp32",
+                               choices=("auto", "bf16", "fp32", "no", "fp16"), group="hardware")
+    ipex: str = opt("auto", "use intel-extension-for-pytorch when installed and compatible",
+                    choices=("auto", "on", "off"), group="hardware")
+    compile: bool = opt(False, "torch.compile the UNet (inductor); measure before relying on it", group="hardware")
+    dist_backend: str = opt("gloo", "torch.distributed backend when launched on several ranks",
+                            choices=("gloo", "ccl"), group="hardware")
+    dist_timeout: float = opt(60.0, "seconds a collective may wait before the job fails", group="hardware")
+    # outputs
+    output_dir: str = opt("textual_inversion_output", "where embeddings, checkpoints and logs go", group="outputs")
+    overwrite: bool = opt(False, "replace the outputs of a previous run in --output-dir", group="outputs")
+    save_format: str = opt("diffusers", "learned_embeds format: diffusers ({token: vectors}) or a1111 (emb_params)",
+                           choices=("diffusers", "a1111"), group="outputs")
+    save_steps: int = opt(500, "also write learned_embeds-steps-N.safetensors every N steps (0: never)",
+                          group="outputs")
+    save_as_full_pipeline: bool = opt(False, "also save the whole pipeline with the new token under "
+                                      "OUTPUT_DIR/pipeline", group="outputs")
+    checkpointing_steps: int = opt(500, "write a resumable checkpoint every N steps (0: never)", group="outputs")
+    checkpoints_total_limit: int | None = opt(None, "keep at most this many checkpoints", group="outputs")
+    resume_from_checkpoint: str | None = opt(None, "a checkpoint dir, or 'latest' in --output-dir",
+                                             group="outputs")
+    validation_prompt: str | None = opt(None, "prompt for sample images, e.g. 'a photo of a <cat-toy>'",
+                                        group="outputs")
+    num_validation_images: int = opt(4, "sample images per validation", group="outputs")
+    validation_steps: int = opt(100, "make sample images every N steps (and at the end)", group="outputs")
+    validation_inference_steps: int = opt(25, "denoising steps per sample image", group="outputs")
+    report_to: str = opt("jsonl", "metrics sink besides metrics.jsonl's always-on log",
+                         choices=("tensorboard", "jsonl", "none"), group="outputs")
+    logging_dir: str = opt("logs", "tensorboard dir, relative to --output-dir", group="outputs")
+    # benchmark switches: the example script's approach, for `xeontune bench`'s baseline
+    cache_latents: bool = opt(True, argparse.SUPPRESS, group="benchmark")
+    train_full_table: bool = opt(False, argparse.SUPPRESS, group="benchmark")
+
+    # set by resolve(): the precision actually used and why
+    config: str | None = None
+
+    @property
+    def placeholder_tokens(self) -> list[str]:
+        assert self.placeholder_token is not None
+        return [self.placeholder_token] + [f"{self.placeholder_token}_{i}" for i in range(1, self.num_vectors)]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Flags of the common example script that mean nothing on a CPU or here; accepted so pasted command
+# lines still work, and reported once.
+IGNORED_FLAGS = {
+    "--enable_xformers_memory_efficient_attention": 0, "--allow_tf32": 0, "--gradient_checkpointing": 0,
+    "--no_safe_serialization": 0, "--push_to_hub": 0, "--local_rank": 1, "--dataloader_num_workers": 1,
+    "--tokenizer_name": 1, "--validation_epochs": 1, "--hub_token": 1, "--hub_model_id": 1,
+}
+
+
+def _fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(TrainOptions) if f.name != "config"]
+
+
+def _base_type(f: dataclasses.Field) -> type:
+    annotation = str(f.type)
+    for name, typ in (("bool", bool), ("int", int), ("float", float)):
+        if annotation.startswith(name):
+            return typ
+    return str
+
+
+def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Learn a new token for a Stable Diffusion pipeline from a few images (textual inversion). "
+        "Only the new token's vectors train; the UNet, VAE and text encoder stay frozen.",
+        argument_default=argparse.SUPPRESS,
+        epilog="Every flag also accepts its snake_case spelling and the example script's names "
+        "(--pretrained_model_name_or_path, --train_data_dir, ...). Values may come from --config FILE "
+        "(YAML or TOML with the same names); the command line wins.",
+    )
+    parser.add_argument("--config", help="YAML or TOML file of options (same names as the flags)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in _fields():
+        meta = f.metadata
+        group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        kebab = "--" + f.name.replace("_", "-")
+        names = [kebab] + (["--" + f.name] if "_" in f.name else []) + list(meta["aliases"])
+        help_text = meta["help"]
+        if help_text is not argparse.SUPPRESS and f.default not in (None, False, True):
+            help_text += f" (default: {f.default})"
+        typ = _base_type(f)
+        if typ is bool:
+            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            group.add_argument(*names, dest=f.name, type=typ, choices=meta["choices"], help=help_text,
+                               metavar=f.name.upper() if not meta["choices"] else None)
+    for flag, nargs in IGNORED_FLAGS.items():
+        if nargs:
+            parser.add_argument(flag, dest=f"ignored{flag}", help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(flag, dest=f"ignored{flag}", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {p} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix.lower() == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    except Exception as exc:  # a parse error in the user's file is the user's mistake
+        raise UserError(f"cannot parse config file {p}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {p} must hold a mapping of option names to values")
+    known = {f.name: f for f in _fields()}
+    aliases = {a.lstrip("-"): f.name for f in _fields() for a in f.metadata["aliases"]}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = aliases.get(str(key), str(key).replace("-", "_"))
+        if name not in known:
+            raise UserError(f"config file {p}: unknown option {key!r}")
+        typ = _base_type(known[name])
+        if value is not None and typ is not str and not isinstance(value, typ):
+            try:
+                value = typ(value) if typ is not bool else str(value).lower() in ("1", "true", "yes")
+            except (TypeError, ValueError):
+                raise UserError(f"config file {p}: {key} must be {typ.__name__}, got {value!r}") from None
+        choices = known[name].metadata["choices"]
+        if choices and value not in choices:
+            raise UserError(f"config file {p}: {key} must be one of {', '.join(choices)}, got {value!r}")
+        out[name] = value
+    return out
+
+
+def parse_args(argv: list[str] | None) -> TrainOptions:
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
+    ignored = [k.removeprefix("ignored") for k in ns if k.startswith("ignored")]
+    if ignored:
+        log.warning("ignoring flags with no meaning on a CPU here: %s", ", ".join(ignored))
+    values: dict[str, Any] = {}
+    config = ns.pop("config", None)
+    if config:
+        values.update(load_config_file(config))
+    values.update({k: v for k, v in ns.items() if not k.startswith("ignored")})
+    options = TrainOptions(**values)
+    options.config = config
+    return validate(options)
+
+
+def validate(o: TrainOptions) -> TrainOptions:
+    """Check what can be checked without loading anything; raise UserError with one line."""
+    missing = [f"--{n.replace('_', '-')}" for n in ("model", "data_dir", "placeholder_token", "initializer_token")
+               if getattr(o, n) in (None, "")]
+    if missing:
+        raise UserError(f"missing required option(s): {', '.join(missing)}")
+    if o.mixed_precision == "no":
+        o.mixed_precision = "fp32"
+    if o.mixed_precision == "fp16":
+        raise UserError("--mixed-precision fp16 is not supported on CPUs; use bf16 (with AMX) or fp32")
+    checks = [
+        (o.num_vectors >= 1, f"--num-vectors must be at least 1, got {o.num_vectors}"),
+        (o.resolution > 0 and o.resolution % 8 == 0, f"--resolution must be a positive multiple of 8, got {o.resolution}"),
+        (o.train_batch_size >= 1, "--train-batch-size must be at least 1"),
+        (o.gradient_accumulation_steps >= 1, "--gradient-accumulation-steps must be at least 1"),
+        (o.max_train_steps is None or o.max_train_steps >= 1, "--max-train-steps must be at least 1"),
+        (o.num_train_epochs >= 1, "--num-train-epochs must be at least 1"),
+        (o.repeats >= 1, "--repeats must be at least 1"),
+        (o.learning_rate > 0, "--learning-rate must be positive"),
+        (0.0 <= o.flip_p <= 1.0, "--flip-p must be between 0 and 1"),
+        (o.num_validation_images >= 1, "--num-validation-images must be at least 1"),
+        (o.validation_steps >= 1, "--validation-steps must be at least 1"),
+        (o.save_steps >= 0 and o.checkpointing_steps >= 0, "--save-steps and --checkpointing-steps must be >= 0"),
+        (o.checkpoints_total_limit is None or o.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1"),
+        (o.max_grad_norm is None or o.max_grad_norm > 0, "--max-grad-norm must be positive"),
+        (o.dist_timeout > 0, "--dist-timeout must be positive"),
+        (" " not in o.placeholder_token.strip(), "--placeholder-token must not contain spaces"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+    if not o.random_flip:
+        o.flip_p = 0.0
+    return o
+
+
+if __name__ == "__main__":  # pragma: no cover - handy for checking a config file
+    print(parse_args(sys.argv[1:]))

@@ -1,0 +1,50 @@
+"""Sample images with the placeholder in the prompt, saved as PNG (and logged to tensorboard)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from xeontune.io import atomic_path
+
+
+@torch.no_grad()
+def generate(
+    components, text_encoder, embedding, prompt: str, *, num_images: int, steps: int, resolution: int,
+    seed: int, autocast
+) -> list:
+    """Run the pipeline on the frozen models with the learned vectors; return PIL images."""
+    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+
+    wrapped = text_encoder.get_input_embeddings()
+    text_encoder.set_input_embeddings(embedding)  # the bare module: no DDP hooks on one rank
+    try:
+        pipe = StableDiffusionPipeline(
+            vae=components.vae, text_encoder=text_encoder, tokenizer=components.tokenizer,
+            unet=components.unet_for_inference,
+            scheduler=DPMSolverMultistepScheduler.from_config(components.noise_scheduler.config),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        generator = torch.Generator().manual_seed(seed)
+        images = []
+        with autocast() if autocast else contextlib.nullcontext():
+            for _ in range(num_images):
+                out = pipe(prompt, num_inference_steps=steps, generator=generator, height=resolution,
+                           width=resolution)
+                images.append(out.images[0])
+        return images
+    finally:
+        text_encoder.set_input_embeddings(wrapped)
+
+
+def save_images(images: list, out_dir: Path, step: int) -> list[Path]:
+    paths = []
+    for i, image in enumerate(images):
+        path = out_dir / f"step-{step:06d}-{i}.png"
+        with atomic_path(path) as tmp:
+            image.save(tmp, format="PNG")
+        paths.append(path)
+    return paths
