@@ -20,7 +20,6 @@ dedicated machine. Both are always in the JSON.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
@@ -212,40 +211,16 @@ def train_argv(model: Path, data: Path, out: Path, args: argparse.Namespace, var
     return argv
 
 
-@contextlib.contextmanager
-def shared_frozen_models(components) -> Iterator[dict[str, Any]]:
-    """Make the trainer's ``setup`` reuse already-loaded frozen models.
-
-    Each variant gets its own tokenizer and text encoder (setup adds the placeholder token and swaps
-    the token embedding); the UNet and VAE, 90 % of the memory, are shared, and the backends
-    (IPEX, compile) are applied to them only once, by the first setup. Yields a dict that gets
-    the backends' notes.
-    """
-    from unittest import mock
-
-    from xeontune.train import backends, loop
-
+def variant_components(components) -> Iterator[Any]:
+    """Fresh tokenizer and text encoder per variant (setup adds the token and swaps the embedding);
+    the UNet and VAE, 90 % of the memory, are shared and prepared once."""
     pristine_tokenizer = copy.deepcopy(components.tokenizer)
     pristine_encoder = copy.deepcopy(components.text_encoder)
-    prepared: dict[str, Any] = {}
-
-    def load(*_args: Any, **_kwargs: Any):
+    while True:
         fresh = copy.copy(components)
         fresh.tokenizer = copy.deepcopy(pristine_tokenizer)
         fresh.text_encoder = copy.deepcopy(pristine_encoder)
-        if prepared:
-            fresh.unet, fresh.vae = prepared["unet"], prepared["vae"]
-        return fresh
-
-    real_prepare = backends.prepare_frozen_models
-
-    def prepare(unet, vae, **kwargs: Any):
-        if not prepared:
-            prepared["unet"], prepared["vae"], prepared["notes"] = real_prepare(unet, vae, **kwargs)
-        return prepared["unet"], prepared["vae"], list(prepared["notes"])
-
-    with mock.patch.object(loop, "load", load), mock.patch.object(backends, "prepare_frozen_models", prepare):
-        yield prepared
+        yield fresh
 
 
 # --- measurements --------------------------------------------------------------------------------
@@ -336,7 +311,9 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
     import torch
 
     from xeontune import models
+    from xeontune.hardware import choose_precision
     from xeontune.train import loop
+    from xeontune.train.backends import prepare_frozen_models
     from xeontune.train.components import load
 
     model = resolve_model(args.model, args.models_dir)
@@ -346,12 +323,15 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         opts = {v: loop_opts(model, data, Path(tmp) / v, args, v) for v in VARIANTS}
         accelerator = loop.make_accelerator(opts["optimized"])
         components = load(str(model))
+        precision, _ = choose_precision(opts["optimized"].mixed_precision)
+        components.unet, components.vae, notes = prepare_frozen_models(
+            components.unet, components.vae, precision=precision, ipex=args.ipex, compile=args.compile)
+        components.unet_for_inference = components.unet
+        fresh = variant_components(components)
         runs = {}
-        with shared_frozen_models(components) as prepared:
-            for variant in VARIANTS if not args.no_baseline else ("optimized",):
-                runs[variant], _ = loop.setup(opts[variant], accelerator)
-        notes = prepared["notes"]
-        del components, prepared
+        for variant in VARIANTS if not args.no_baseline else ("optimized",):
+            runs[variant], _ = loop.setup(opts[variant], accelerator, components=next(fresh))
+        del components, fresh
         precision = runs["optimized"].precision
         log(f"precision {precision}; threads {torch.get_num_threads()}; allocator {loaded_allocator()}; "
             + "; ".join(notes))

@@ -178,8 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Library chatter (optional image backends, deprecations) is noise on a terminal.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if from_command_line and argv[:1] == ["train"]:
+        from xeontune.hardware import reexec_with_allocator  # see xeontune/train/__main__.py
+
+        reexec_with_allocator(["-m", "xeontune.cli", *argv], os.environ.get("XEONTUNE_ALLOCATOR", "auto"))
     if argv and argv[0] in ("train", "bench"):
         # These own their (long) flag lists; argparse.REMAINDER would not pass leading --flags through.
         args = argparse.Namespace(func=_cmd_train if argv[0] == "train" else _cmd_bench,

@@ -49,4 +49,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # An allocator only takes effect when preloaded at process start: re-exec once with tcmalloc
+    # (or jemalloc) when this host has it. XEONTUNE_ALLOCATOR=none turns this off.
+    from xeontune.hardware import reexec_with_allocator
+
+    reexec_with_allocator(["-m", "xeontune.train", *sys.argv[1:]], os.environ.get("XEONTUNE_ALLOCATOR", "auto"))
     sys.exit(main())

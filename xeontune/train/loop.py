@@ -231,7 +231,11 @@ def clear_previous_run(out: Path) -> None:
             shutil.rmtree(p)
 
 
-def setup(opts: TrainOptions, accelerator) -> tuple[Run, checkpoint.TrainState | None]:
+def setup(
+    opts: TrainOptions, accelerator, components: Components | None = None
+) -> tuple[Run, checkpoint.TrainState | None]:
+    """Build a Run. ``components``: frozen models already loaded and prepared by the caller
+    (`xeontune bench` shares one UNet and VAE between its variants); loaded here when None."""
     from diffusers.optimization import get_scheduler
 
     from xeontune.hardware import choose_precision
@@ -243,7 +247,9 @@ def setup(opts: TrainOptions, accelerator) -> tuple[Run, checkpoint.TrainState |
     images, _ = load_images(opts.data_dir, opts.resolution, opts.center_crop)
     if opts.report_to == "tensorboard":
         _tensorboard_writer(None)  # fails now, not after the first outputs are written
-    components = load(opts.model, opts.revision, opts.variant)
+    shared = components is not None
+    if components is None:
+        components = load(opts.model, opts.revision, opts.variant)
     placeholder = tokens.add_placeholder_tokens(
         components.tokenizer, opts.placeholder_token, opts.num_vectors, opts.initializer_token
     )
@@ -251,9 +257,11 @@ def setup(opts: TrainOptions, accelerator) -> tuple[Run, checkpoint.TrainState |
     precision, reason = choose_precision(opts.mixed_precision)
     if precision == "bf16" and "slower" in reason:
         log.warning("--mixed-precision bf16: %s", reason)
-    components.unet, components.vae, notes = prepare_frozen_models(
-        components.unet, components.vae, precision=precision, ipex=opts.ipex, compile=opts.compile
-    )
+    notes: list[str] = []
+    if not shared:
+        components.unet, components.vae, notes = prepare_frozen_models(
+            components.unet, components.vae, precision=precision, ipex=opts.ipex, compile=opts.compile
+        )
     if accelerator.is_main_process:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
 
