@@ -21,10 +21,12 @@ venv: $(BIN)/xeontune
 single-node-test: venv
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/single_node_test.py --model $(MODEL) --data $(DATA) --steps $(STEPS) --output-dir $(OUT)
 
-# Installs what the tests need (system packages too when run as root), then runs all of them.
+# Installs what the tests need (system packages too when run as root), then runs them all:
+# the main suite, then the IPEX tests in their own venv (SKIP_IPEX=1 leaves those out locally).
 test: venv
 	scripts/install-test-deps.sh
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -ra --durations=10
+	@if [ "$(SKIP_IPEX)" = "1" ]; then echo "SKIP_IPEX=1: not running make test-ipex"; else scripts/test-ipex.sh; fi
 
 # The fast subset: no training runs, no clusters.
 test-fast: venv

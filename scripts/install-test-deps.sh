@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# System packages the tests use: sshd and iproute2 for the network-namespace cluster.
+# System packages the tests use: sshd and iproute2 for the network-namespace cluster, tcmalloc
+# (libgoogle-perftools4) for the allocator detection and preload.
 # Installed only when running as root (CI does); otherwise we say what is missing.
 set -euo pipefail
-PKGS=(openssh-server openssh-client iproute2 procps)
+PKGS=(openssh-server openssh-client iproute2 procps libgoogle-perftools4)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
