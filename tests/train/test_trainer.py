@@ -143,3 +143,11 @@ def test_a_broken_gradient_path_stops_the_run(base_args, tmp_path, monkeypatch, 
     assert "received no usable gradient" in capsys.readouterr().err
     with pytest.raises(TrainingError):
         train(base_args + ["--output-dir", str(tmp_path / "again")])
+
+
+def test_validation_without_the_vae_encoder(base_args, tmp_path):
+    """With latents cached the encoder is freed; validation still decodes its sample images."""
+    train(base_args + ["--max-train-steps", "2", "--validation-prompt", "a <toy-bot> on a table",
+                       "--num-validation-images", "1", "--validation-steps", "1", "--validation-inference-steps", "2"])
+    assert sorted(p.name for p in (tmp_path / "out" / "validation").glob("*.png")) == [
+        "step-000001-0.png", "step-000002-0.png"]

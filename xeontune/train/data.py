@@ -167,7 +167,7 @@ class Latents:
     """
 
     def __init__(self, vae: torch.nn.Module, images: torch.Tensor, cached: bool, encode_batch: int = 4) -> None:
-        self.vae = vae
+        self.vae: torch.nn.Module | None = vae  # None once the caller frees it (cached mode)
         self.images = images
         self.cached = cached
         self.scaling = float(getattr(vae.config, "scaling_factor", 0.18215))

@@ -7,6 +7,7 @@ Read ``train_step`` first: it is the whole of the math. ``setup`` builds what it
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -267,6 +268,8 @@ def setup(
 
     embedding = tokens.install(components.text_encoder, placeholder, full_table=opts.train_full_table)
     latents = Latents(components.vae, images, cached=opts.cache_latents)
+    if opts.cache_latents and not shared:
+        release_vae_parts(components, latents, opts)
     prompts = [t.format(placeholder.prompt_text) for t in templates_for(opts.learnable_property)]
     prompt_ids = components.tokenizer(
         prompts, padding="max_length", truncation=True, max_length=components.tokenizer.model_max_length,
@@ -315,6 +318,20 @@ def setup(
         lr_scheduler.load_state_dict(state.lr_scheduler)
         checkpoint.restore_rng(state.rng)
     return run, state
+
+
+def release_vae_parts(components: Components, latents: Latents, opts: TrainOptions) -> None:
+    """With latents cached, the VAE's encoder has done its work: free what nothing will use again
+    (the whole VAE without validation, the encoder with it; all of it is kept to save a pipeline)."""
+    if opts.save_as_full_pipeline:
+        return
+    latents.vae = None
+    if opts.validation_prompt:
+        components.vae.encoder = None  # validation decodes only
+        components.vae.quant_conv = None
+    else:
+        components.vae = None
+    gc.collect()
 
 
 # --- the run -----------------------------------------------------------------------------------
