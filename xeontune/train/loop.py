@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import time
@@ -188,6 +189,11 @@ def make_accelerator(opts: TrainOptions):
 
     info = get_cpu_distributed_information()
     timeout = timedelta(seconds=opts.dist_timeout)
+    if info.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Started by a plain mpirun: share this host's physical cores among the ranks on it.
+        from xeontune.hardware import rank_threads
+
+        torch.set_num_threads(rank_threads())
     if info.world_size > 1 and not torch.distributed.is_initialized():
         if opts.dist_backend == "ccl":
             try:
