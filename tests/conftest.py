@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 
 # No test may reach a model hub; huggingface_hub reads this once, at import.
 os.environ["HF_HUB_OFFLINE"] = "1"
+
+# tests/ipex needs torch 2.8 + IPEX: `make test-ipex` (part of `make test`) runs it in .venv-ipex.
+if importlib.util.find_spec("intel_extension_for_pytorch") is None:
+    collect_ignore = ["ipex"]
 
 
 @pytest.fixture
