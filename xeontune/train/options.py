@@ -150,16 +150,20 @@ def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
         meta = f.metadata
         group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
         kebab = "--" + f.name.replace("_", "-")
-        names = [kebab] + (["--" + f.name] if "_" in f.name else []) + list(meta["aliases"])
+        aliases = (["--" + f.name] if "_" in f.name else []) + list(meta["aliases"])
         help_text = meta["help"]
         if help_text is not argparse.SUPPRESS and f.default not in (None, False, True):
             help_text += f" (default: {f.default})"
         typ = _base_type(f)
-        if typ is bool:
-            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            group.add_argument(*names, dest=f.name, type=typ, choices=meta["choices"], help=help_text,
-                               metavar=f.name.upper() if not meta["choices"] else None)
+        # The kebab flag is shown; aliases work the same but stay out of --help (the epilog names them).
+        for names, shown in (([kebab], help_text), (aliases, argparse.SUPPRESS)):
+            if not names:
+                continue
+            if typ is bool:
+                group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, help=shown)
+            else:
+                group.add_argument(*names, dest=f.name, type=typ, choices=meta["choices"], help=shown,
+                                   metavar=f.name.upper() if not meta["choices"] else None)
     for flag, nargs in IGNORED_FLAGS.items():
         if nargs:
             parser.add_argument(flag, dest=f"ignored{flag}", help=argparse.SUPPRESS)
