@@ -326,7 +326,6 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         precision, _ = choose_precision(opts["optimized"].mixed_precision)
         components.unet, components.vae, notes = prepare_frozen_models(
             components.unet, components.vae, precision=precision, ipex=args.ipex, compile=args.compile)
-        components.unet_for_inference = components.unet
         fresh = variant_components(components)
         runs = {}
         for variant in VARIANTS if not args.no_baseline else ("optimized",):

@@ -182,9 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if from_command_line and argv[:1] == ["train"]:
-        from xeontune.hardware import reexec_with_allocator  # see xeontune/train/__main__.py
+        from xeontune.hardware import reexec_with_allocator
 
-        reexec_with_allocator(["-m", "xeontune.cli", *argv], os.environ.get("XEONTUNE_ALLOCATOR", "auto"))
+        reexec_with_allocator(["-m", "xeontune.cli", *argv])
     if argv and argv[0] in ("train", "bench"):
         # These own their (long) flag lists; argparse.REMAINDER would not pass leading --flags through.
         args = argparse.Namespace(func=_cmd_train if argv[0] == "train" else _cmd_bench,

@@ -252,15 +252,17 @@ def launch_env(
 PRELOAD_MARKER = "XEONTUNE_ALLOCATOR_PRELOADED"
 
 
-def reexec_with_allocator(python_args: list[str], allocator: str = "auto") -> bool:
+def reexec_with_allocator(python_args: list[str], allocator: str | None = None) -> bool:
     """Re-execute this Python process with tcmalloc/jemalloc preloaded, once.
 
-    For single-process commands (`xeontune bench`, and `xeontune train` if wanted) that are not
-    started by the launcher: an allocator only takes effect when preloaded at process start.
+    For `xeontune train` / `python -m xeontune.train` and `xeontune bench`: an allocator only takes
+    effect when preloaded at process start. ``allocator`` None reads XEONTUNE_ALLOCATOR
+    (auto | tcmalloc | jemalloc | none; default auto).
     `python_args` is what follows the interpreter, e.g. ["-m", "xeontune.bench", *argv]. Returns
     False (and carries on in this process) when nothing is found, it is already preloaded, or this
     process is already the re-executed one; otherwise it does not return.
     """
+    allocator = allocator or os.environ.get("XEONTUNE_ALLOCATOR", "auto")
     if allocator == "none" or os.environ.get(PRELOAD_MARKER):
         return False
     preload = launch_env(1, allocator=allocator).get("LD_PRELOAD")

@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # An allocator only takes effect when preloaded at process start: re-exec once with tcmalloc
-    # (or jemalloc) when this host has it. XEONTUNE_ALLOCATOR=none turns this off.
+    # Re-exec once with tcmalloc (or jemalloc) preloaded when this host has it; XEONTUNE_ALLOCATOR=none
+    # turns this off. Only here and in the CLI: a caller importing main() keeps its own process.
     from xeontune.hardware import reexec_with_allocator
 
-    reexec_with_allocator(["-m", "xeontune.train", *sys.argv[1:]], os.environ.get("XEONTUNE_ALLOCATOR", "auto"))
+    reexec_with_allocator(["-m", "xeontune.train", *sys.argv[1:]])
     sys.exit(main())
