@@ -15,6 +15,23 @@ if importlib.util.find_spec("intel_extension_for_pytorch") is None:
     collect_ignore = ["ipex"]
 
 
+# The two kinds of CPU the project meets, as /proc/cpuinfo flags: tests of a decision that depends on
+# the CPU fake these, so both outcomes are asserted on every machine.
+AMX_XEON_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                            "amx_bf16", "amx_tile", "avx_ne_convert"})
+AVX2_ONLY_FLAGS = frozenset({"avx2", "fma"})
+CPU_KINDS = {"amx-xeon": AMX_XEON_FLAGS, "avx2-only": AVX2_ONLY_FLAGS}
+
+
+@pytest.fixture(params=sorted(CPU_KINDS))
+def fake_cpu(request, monkeypatch):
+    """Runs the test once as on an AMX Xeon and once as on an AVX2-only CPU; yields the kind's name."""
+    from xeontune import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: CPU_KINDS[request.param])
+    return request.param
+
+
 @pytest.fixture
 def xeontune_home(tmp_path, monkeypatch):
     """A private state dir, so tests never read or write the user's ~/.xeontune."""

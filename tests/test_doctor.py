@@ -8,9 +8,11 @@ from xeontune import hardware
 from xeontune.cli import main
 
 
-def test_doctor_table(capsys):
+def test_doctor_table(capsys, fake_cpu):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
+    native = next(line for line in out.splitlines() if "native bf16" in line)
+    assert native.startswith("ok") if fake_cpu == "amx-xeon" else native.startswith("warn")
     for item in ("CPU", "ISA flags", "precision", "IPEX", "allocator", "mpirun", "collectives"):
         assert item in out
     # every row that is not ideal says what to do
@@ -20,11 +22,11 @@ def test_doctor_table(capsys):
             assert lines[i + 1].strip().startswith("->")
 
 
-def test_doctor_json(capsys):
+def test_doctor_json(capsys, fake_cpu):
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["precision"] in ("fp32", "bf16")
-    assert report["precision"] == hardware.choose_precision("auto")[0]
+    assert report["precision"] == {"amx-xeon": "bf16", "avx2-only": "fp32"}[fake_cpu]
+    assert report["cpu"]["flags"]["amx_bf16"] == (fake_cpu == "amx-xeon")
     assert set(report["cpu"]["flags"]) == set(hardware.ISA_FLAGS)
     for key in ("sockets", "physical_cores", "numa_nodes", "model"):
         assert key in report["cpu"]
