@@ -23,10 +23,14 @@ single-node-test: venv
 
 # Installs what the tests need (system packages too when run as root), then runs them all:
 # the main suite, then the IPEX tests in their own venv (SKIP_IPEX=1 leaves those out locally).
+# Every suite runs even when an earlier one fails; the exit code is non-zero if any failed.
 test: venv
 	scripts/install-test-deps.sh
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -ra --durations=10
-	@if [ "$(SKIP_IPEX)" = "1" ]; then echo "SKIP_IPEX=1: not running make test-ipex"; else scripts/test-ipex.sh; fi
+	@failed=""; \
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -ra --durations=10 || failed="$$failed main(tests/)"; \
+	if [ "$(SKIP_IPEX)" = "1" ]; then echo "SKIP_IPEX=1: not running make test-ipex"; \
+	else scripts/test-ipex.sh || failed="$$failed ipex(tests/ipex, .venv-ipex)"; fi; \
+	if [ -n "$$failed" ]; then echo "make test: FAILED suites:$$failed" >&2; exit 1; fi
 
 # The fast subset: no training runs, no clusters.
 test-fast: venv
