@@ -112,7 +112,7 @@ def _stock_reference(tiny_model, tmp_path, precision: str) -> tuple[tuple, torch
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
 
 
 def _ipex_modules(model: nn.Module) -> set[str]:
