@@ -4,7 +4,8 @@ Both variants are built by the trainer's own ``setup`` and stepped by its own ``
 
 * optimized: latents cached once per image, only the new rows trainable (the trainer's default);
 * baseline: VAE encode every step, the whole token table trainable, the original rows copied back
-  after every optimizer step (what the common example script does).
+  after every optimizer step, and with bf16 the frozen UNet and VAE cast to bf16 once (what the
+  common example script does with `--mixed_precision bf16`).
 
 They share the frozen UNet and VAE (one copy in memory) and run alternately in one process, with
 the order rotated every round, so that a noisy, shared machine slows both alike and the ratio
@@ -211,6 +212,21 @@ def train_argv(model: Path, data: Path, out: Path, args: argparse.Namespace, var
     return argv
 
 
+def example_components(model: Path, precision: str):
+    """The frozen models as the example script holds them: with bf16, the UNet and the VAE cast to
+    bf16 once (it then encodes every step in bf16); the text encoder, which it trains, in fp32. The
+    optimized variant shares the UNet (the trainer loads it in the same dtype) and uses the VAE only
+    to fill its latent cache, before any step is timed."""
+    import torch
+
+    from xeontune.train.components import load, unet_dtype
+
+    components = load(str(model), unet_dtype=unet_dtype(precision))
+    if precision == "bf16":
+        components.vae.to(torch.bfloat16)
+    return components
+
+
 def variant_components(components) -> Iterator[Any]:
     """Fresh tokenizer and text encoder per variant (setup adds the token and swaps the embedding);
     the UNet and VAE, 90 % of the memory, are shared and prepared once."""
@@ -314,7 +330,6 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
     from xeontune.hardware import choose_precision
     from xeontune.train import loop
     from xeontune.train.backends import prepare_frozen_models
-    from xeontune.train.components import load
 
     model = resolve_model(args.model, args.models_dir)
     with tempfile.TemporaryDirectory(prefix="xeontune-bench-") as tmp:
@@ -322,8 +337,8 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         models.write_sample_data(data, count=4, size=args.resolution)
         opts = {v: loop_opts(model, data, Path(tmp) / v, args, v) for v in VARIANTS}
         accelerator = loop.make_accelerator(opts["optimized"])
-        components = load(str(model))
         precision, _ = choose_precision(opts["optimized"].mixed_precision)
+        components = example_components(model, precision)
         components.unet, components.vae, notes = prepare_frozen_models(
             components.unet, components.vae, precision=precision, ipex=args.ipex, compile=args.compile)
         fresh = variant_components(components)
@@ -447,7 +462,15 @@ def rss_child(args: argparse.Namespace) -> int:
         data = Path(tmp) / "data"
         models.write_sample_data(data, count=4, size=args.resolution)
         opts = loop_opts(model, data, Path(tmp) / "out", args, args.rss_child)
-        run, _ = loop.setup(opts, loop.make_accelerator(opts))
+        accelerator = loop.make_accelerator(opts)
+        if args.rss_child == "baseline":  # the example script's models, not the trainer's
+            from xeontune.hardware import choose_precision
+
+            example = example_components(model, choose_precision(opts.mixed_precision)[0])
+            run, _ = loop.setup(opts, accelerator, components=example)
+            del example
+        else:  # the trainer exactly as `xeontune train` runs it
+            run, _ = loop.setup(opts, accelerator)
         setup_peak, after_setup = peak_rss_mb(), _status_mb("VmRSS")
         windowed = reset_peak_rss()
         for step in range(args.warmup + args.steps):

@@ -172,9 +172,27 @@ def test_a_broken_gradient_path_stops_the_run(base_args, tmp_path, monkeypatch, 
         train(args + ["--output-dir", str(tmp_path / "again")])
 
 
-def test_validation_without_the_vae_encoder(base_args, tmp_path):
-    """With latents cached the encoder is freed; validation still decodes its sample images."""
-    train(base_args + ["--max-train-steps", "2", "--validation-prompt", "a <toy-bot> on a table",
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_validation_without_the_vae_encoder(base_args, tmp_path, precision):
+    """With latents cached the encoder is freed; validation still decodes its sample images (in bf16
+    with the UNet loaded in bf16)."""
+    train(base_args + ["--mixed-precision", precision, "--max-train-steps", "2", "--validation-prompt", "a <toy-bot> on a table",
                        "--num-validation-images", "1", "--validation-steps", "1", "--validation-inference-steps", "2"])
     assert sorted(p.name for p in (tmp_path / "out" / "validation").glob("*.png")) == [
         "step-000001-0.png", "step-000002-0.png"]
+
+
+def test_bf16_trains_on_a_bf16_unet_but_saves_the_original(base_args, tmp_path):
+    """bf16 loads the frozen UNet in bf16 once; a saved full pipeline still holds the model's own UNet."""
+    from diffusers import UNet2DConditionModel
+
+    opts = parse_args(base_args + ["--mixed-precision", "bf16"])
+    run, _ = loop.setup(opts, loop.make_accelerator(opts))
+    assert {p.dtype for p in run.components.unet.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in run.components.text_encoder.parameters()} == {torch.float32}
+
+    train(base_args + ["--mixed-precision", "bf16", "--save-as-full-pipeline", "--max-train-steps", "1"])
+    original = UNet2DConditionModel.from_pretrained(base_args[1], subfolder="unet").state_dict()
+    saved = UNet2DConditionModel.from_pretrained(tmp_path / "out" / "pipeline", subfolder="unet").state_dict()
+    assert saved.keys() == original.keys()
+    assert all(saved[k].dtype == original[k].dtype and torch.equal(saved[k], original[k]) for k in saved)

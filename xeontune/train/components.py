@@ -23,6 +23,7 @@ class Components:
     unet: Any  # what the training step calls (may be compiled or IPEX-optimized)
     noise_scheduler: Any
     unet_for_inference: Any = None  # the plain UNet, for validation and saving
+    unet_cast: bool = False  # the UNet was loaded in another dtype than its files hold (see load)
 
 
 def _check_local(path: Path) -> None:
@@ -38,8 +39,15 @@ def _check_local(path: Path) -> None:
         raise UserError(f"{path} is not a Stable Diffusion pipeline (missing: {', '.join(missing)})")
 
 
-def load(model: str, revision: str | None = None, variant: str | None = None) -> Components:
-    """Load tokenizer, text encoder, VAE, UNet and noise scheduler, all frozen and in eval mode."""
+def load(
+    model: str, revision: str | None = None, variant: str | None = None, unet_dtype: Any = None
+) -> Components:
+    """Load tokenizer, text encoder, VAE, UNet and noise scheduler, all frozen and in eval mode.
+
+    ``unet_dtype`` (torch.bfloat16 for bf16 training): the frozen UNet is loaded in it once, rather
+    than kept in fp32 and cast again by autocast at every step; that made its forward and backward
+    1.24x faster at 256 px on a 2-core AMX Xeon (docs/performance.md) and halves its memory. The VAE
+    stays in its files' dtype: it encodes the latent cache outside autocast."""
     import diffusers
     import transformers
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
@@ -59,7 +67,8 @@ def load(model: str, revision: str | None = None, variant: str | None = None) ->
         tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", **common)
         text_encoder = CLIPTextModel.from_pretrained(model, subfolder="text_encoder", variant=variant, **common)
         vae = AutoencoderKL.from_pretrained(model, subfolder="vae", variant=variant, **common)
-        unet = UNet2DConditionModel.from_pretrained(model, subfolder="unet", variant=variant, **common)
+        unet = UNet2DConditionModel.from_pretrained(
+            model, subfolder="unet", variant=variant, torch_dtype=unet_dtype, **common)
         noise_scheduler = DDPMScheduler.from_pretrained(model, subfolder="scheduler", **common)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
@@ -67,4 +76,21 @@ def load(model: str, revision: str | None = None, variant: str | None = None) ->
     for module in (text_encoder, vae, unet):
         module.requires_grad_(False)
         module.eval()
-    return Components(tokenizer, text_encoder, vae, unet, noise_scheduler, unet_for_inference=unet)
+    return Components(tokenizer, text_encoder, vae, unet, noise_scheduler, unet_for_inference=unet,
+                      unet_cast=unet_dtype is not None)
+
+
+def load_unet(model: str, revision: str | None = None, variant: str | None = None) -> Any:
+    """The UNet as its files hold it (to save a full pipeline without the training dtype's rounding)."""
+    from diffusers import UNet2DConditionModel
+
+    local = Path(model).expanduser()
+    return UNet2DConditionModel.from_pretrained(
+        str(local) if local.exists() else model, subfolder="unet", variant=variant, revision=revision)
+
+
+def unet_dtype(precision: str) -> Any:
+    """The dtype the frozen UNet is loaded in for a training precision (None: as its files hold it)."""
+    import torch
+
+    return torch.bfloat16 if precision == "bf16" else None

@@ -184,7 +184,7 @@ class Latents:
 
     @torch.no_grad()
     def _encode(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dist = self.vae.encode(pixels).latent_dist
+        dist = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist  # the bench's baseline VAE is bf16
         return dist.mean.float(), dist.std.float()
 
     def latent_shape(self) -> tuple[int, int, int]:

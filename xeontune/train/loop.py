@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_dir, atomic_write_json
 from xeontune.train import checkpoint, tokens, validation
-from xeontune.train.components import Components, load
+from xeontune.train.components import Components, load, load_unet, unet_dtype
 from xeontune.train.data import Latents, SamplePlan, load_images, templates_for
 from xeontune.train.options import TrainOptions
 
@@ -254,16 +254,15 @@ def setup(
     images, _ = load_images(opts.data_dir, opts.resolution, opts.center_crop)
     if opts.report_to == "tensorboard":
         _tensorboard_writer(None)  # fails now, not after the first outputs are written
-    shared = components is not None
-    if components is None:
-        components = load(opts.model, opts.revision, opts.variant)
-    placeholder = tokens.add_placeholder_tokens(
-        components.tokenizer, opts.placeholder_token, opts.num_vectors, opts.initializer_token
-    )
-
     precision, reason = choose_precision(opts.mixed_precision)
     if precision == "bf16" and "slower" in reason:
         log.warning("--mixed-precision bf16: %s", reason)
+    shared = components is not None
+    if components is None:
+        components = load(opts.model, opts.revision, opts.variant, unet_dtype=unet_dtype(precision))
+    placeholder = tokens.add_placeholder_tokens(
+        components.tokenizer, opts.placeholder_token, opts.num_vectors, opts.initializer_token
+    )
     notes: list[str] = []
     if not shared:
         components.unet, components.vae, notes = prepare_frozen_models(
@@ -480,13 +479,16 @@ def save_pipeline(run: Run, target: Path) -> Path:
     from diffusers import StableDiffusionPipeline
 
     components, text_encoder = run.components, run.components.text_encoder
+    unet = components.unet_for_inference
+    if components.unet_cast:  # trained on a bf16 copy: save the UNet as the model's files hold it
+        unet = load_unet(run.opts.model, run.opts.revision, run.opts.variant)
     wrapped = text_encoder.get_input_embeddings()
     text_encoder.set_input_embeddings(tokens.merged_table(run.embedding, run.placeholder))
     text_encoder.config.vocab_size = text_encoder.get_input_embeddings().weight.shape[0]
     try:
         pipe = StableDiffusionPipeline(
             vae=components.vae, text_encoder=text_encoder, tokenizer=components.tokenizer,
-            unet=components.unet_for_inference, scheduler=components.noise_scheduler,
+            unet=unet, scheduler=components.noise_scheduler,
             safety_checker=None, feature_extractor=None, requires_safety_checker=False,
         )
         with atomic_dir(target) as tmp:
