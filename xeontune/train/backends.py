@@ -1,10 +1,11 @@
 """IPEX and torch.compile applied to the frozen models, once, after they are loaded.
 
-Precision: the models stay in fp32 and the step runs under bf16 autocast when the precision is
-bf16, with one exception: when IPEX is used with bf16, `ipex.optimize(dtype=bfloat16)` stores the
-frozen UNet's weights in bf16 (half the memory, no per-step weight cast; IPEX's recipe). That is
-safe because the trainer calls the UNet only under autocast when precision is bf16 (the step and
-validation). The VAE is never cast: it also encodes outside autocast.
+Precision: with bf16 the frozen UNet arrives here already in bf16 (`components.load` loads it so,
+once: no per-step weight cast under autocast, half the memory), and the step runs under bf16
+autocast; `ipex.optimize(dtype=bfloat16)` keeps it so. That is safe because the trainer calls the
+UNet only under autocast when precision is bf16 (the step and validation). The text encoder stays
+in fp32 (it holds the trainable rows) and the VAE is never cast: it encodes the latent cache outside
+autocast.
 
 IPEX is optional and used with care:
 - only when it imports and matches the installed torch (its last release, 2.8, needs torch 2.8);
