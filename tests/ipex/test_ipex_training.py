@@ -23,7 +23,6 @@ import torch
 
 pytest.importorskip("intel_extension_for_pytorch", reason="IPEX is not installed here; run `make test-ipex`")
 
-from xeontune import hardware  # noqa: E402
 from xeontune.train import backends  # noqa: E402
 from xeontune.train.tokens import load_learned_embeds  # noqa: E402
 
@@ -33,22 +32,15 @@ VECTOR_TOLERANCE = {"fp32": 1e-3, "bf16": 0.2}
 LOSS_RTOL = {"fp32": 1e-3, "bf16": 2.0**-8}
 
 
-def _prepack(precision: str) -> bool:
-    """Forced on (as on AVX-512 CPUs), so the Linear-gradient trap would show if it came back; bf16
-    weights can be prepacked only where IPEX's kernels allow it (AVX-512 bw/vl/dq or avx_ne_convert)."""
-    if precision == "fp32":
-        return True
-    return hardware.ipex_prepack_supported() or "avx_ne_convert" in hardware.cpu_flags()
-
-
-def _train(model, data, out, ipex: str, precision: str, *extra: str) -> tuple[torch.Tensor, float]:
+def _train(model, data, out, ipex: str, precision: str, prepack: bool, *extra: str) -> tuple[torch.Tensor, float]:
+    """One run in its own process. ``prepack``: forced on in fp32 (as on AVX-512 CPUs), so the
+    Linear-gradient trap would show if it came back; in bf16 only where IPEX's kernels allow it."""
     argv = [
         "--model", str(model), "--data-dir", str(data), "--placeholder-token", "<toy-bot>",
         "--initializer-token", "toy", "--resolution", "64", "--max-train-steps", str(STEPS),
         "--learning-rate", "5e-3", "--output-dir", str(out), "--ipex", ipex, "--report-to", "none",
         "--mixed-precision", precision, *extra,
     ]
-    prepack = _prepack(precision)
     env = {**os.environ, backends.PREPACK_ENV: "on" if prepack else "off"}
     done = subprocess.run(
         [sys.executable, "-m", "xeontune.train", *argv], capture_output=True, text=True, timeout=600, env=env
@@ -63,7 +55,7 @@ def _train(model, data, out, ipex: str, precision: str, *extra: str) -> tuple[to
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_training_steps_with_ipex_match_stock(tiny_model, tmp_path, precision):
+def test_training_steps_with_ipex_match_stock(tiny_model, tmp_path, precision, ipex_can_prepack_bf16):
     from diffusers import StableDiffusionPipeline
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -71,8 +63,9 @@ def test_training_steps_with_ipex_match_stock(tiny_model, tmp_path, precision):
 
     data = tmp_path / "data"
     models.write_sample_data(data, count=3, size=64)
-    stock, stock_loss = _train(tiny_model, data, tmp_path / "stock", "off", precision)
-    ipexed, ipex_loss = _train(tiny_model, data, tmp_path / "ipex", "on", precision, "--save-as-full-pipeline")
+    prepack = precision == "fp32" or ipex_can_prepack_bf16
+    stock, stock_loss = _train(tiny_model, data, tmp_path / "stock", "off", precision, prepack)
+    ipexed, ipex_loss = _train(tiny_model, data, tmp_path / "ipex", "on", precision, prepack, "--save-as-full-pipeline")
 
     tokenizer = CLIPTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
     table = CLIPTextModel.from_pretrained(tiny_model, subfolder="text_encoder").get_input_embeddings().weight
