@@ -31,11 +31,23 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
     _configure_logging()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        from xeontune.train.loop import train
         from xeontune.train.options import parse_args
 
-        opts = parse_args(list(sys.argv[1:] if argv is None else argv))
+        opts = parse_args(argv)
+        from xeontune.train import ranks
+
+        if opts.nproc_per_node != "1" and not ranks.inside_a_launch():
+            plan = _plan_ranks(opts)
+            if plan.ranks > 1:
+                return ranks.run_ranks(opts, argv, plan.ranks)
+        # Before torch starts its threads: they inherit this thread's core affinity.
+        from xeontune.placement import pin_this_rank
+
+        pin_this_rank()
+        from xeontune.train.loop import train
+
         result = train(opts)
         if result.embeds_path:
             print(f"wrote {result.embeds_path} (loss {result.final_loss:.4f} after {result.steps} steps)")
@@ -46,6 +58,19 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def _plan_ranks(opts):
+    """Decide and say how many ranks run here, and what the global batch is."""
+    from xeontune.hardware import choose_precision
+    from xeontune.train import ranks
+
+    plan = ranks.plan_ranks(opts, choose_precision(opts.mixed_precision)[0])
+    accumulation = f" x {opts.gradient_accumulation_steps} accumulation" if opts.gradient_accumulation_steps > 1 else ""
+    global_batch = opts.train_batch_size * plan.ranks * opts.gradient_accumulation_steps
+    print(f"{plan.ranks} rank(s) on this machine, {plan.cores_per_rank} core(s) each ({plan.why}); "
+          f"global batch {opts.train_batch_size} x {plan.ranks} rank(s){accumulation} = {global_batch}")
+    return plan
 
 
 if __name__ == "__main__":

@@ -51,12 +51,14 @@ class TrainOptions:
     random_flip: bool = opt(True, "mirror images at random (flip probability --flip-p)", group="model and data")
     flip_p: float = opt(0.5, "probability of mirroring an image when --random-flip", group="model and data")
     # optimisation
-    train_batch_size: int = opt(1, "images per rank per step", aliases=("--batch-size",))
+    train_batch_size: int = opt(1, "images per rank per step; the global batch is this x ranks x "
+                                "--gradient-accumulation-steps", aliases=("--batch-size",))
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
     max_train_steps: int | None = opt(None, "optimizer steps (overrides --num-train-epochs)")
     num_train_epochs: int = opt(1, "epochs, when --max-train-steps is not given")
     learning_rate: float = opt(5e-4, "peak learning rate")
-    scale_lr: bool = opt(False, "multiply the learning rate by batch size, accumulation and world size")
+    scale_lr: bool = opt(False, "multiply --learning-rate by the global batch (per-rank batch x accumulation x "
+                         "ranks), so more ranks take proportionally larger steps")
     lr_scheduler: str = opt("constant", "learning-rate schedule", choices=SCHEDULERS)
     lr_warmup_steps: int = opt(0, "warm-up steps of the schedule")
     lr_num_cycles: int = opt(1, "hard restarts for cosine_with_restarts")
@@ -73,6 +75,9 @@ class TrainOptions:
     ipex: str = opt("auto", "use intel-extension-for-pytorch when installed and compatible",
                     choices=("auto", "on", "off"), group="hardware")
     compile: bool = opt(False, "torch.compile the UNet (inductor); measure before relying on it", group="hardware")
+    nproc_per_node: str = opt("1", "data-parallel ranks on this machine, each pinned to its own physical cores: "
+                              "a number, or auto (one rank per 2 cores from 4 cores up, one per core below, "
+                              "as many as memory holds); see docs/performance.md", group="hardware")
     dist_backend: str = opt("gloo", "torch.distributed backend when launched on several ranks",
                             choices=("gloo", "ccl"), group="hardware")
     dist_timeout: float = opt(60.0, "seconds a collective may wait before the job fails", group="hardware")
@@ -234,6 +239,7 @@ def validate(o: TrainOptions) -> TrainOptions:
         raise UserError(f"missing required option(s): {', '.join(missing)}")
     if o.mixed_precision == "no":
         o.mixed_precision = "fp32"
+    o.nproc_per_node = str(o.nproc_per_node).strip().lower()  # a config file may give a number
     if o.mixed_precision == "fp16":
         raise UserError("--mixed-precision fp16 is not supported on CPUs; use bf16 (with AMX) or fp32")
     checks = [
@@ -252,6 +258,8 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.checkpoints_total_limit is None or o.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1"),
         (o.max_grad_norm is None or o.max_grad_norm > 0, "--max-grad-norm must be positive"),
         (o.dist_timeout > 0, "--dist-timeout must be positive"),
+        (o.nproc_per_node == "auto" or (o.nproc_per_node.isdigit() and int(o.nproc_per_node) >= 1),
+         f"--nproc-per-node must be a positive number or auto, got {o.nproc_per_node!r}"),
         (" " not in o.placeholder_token.strip(), "--placeholder-token must not contain spaces"),
     ]
     for ok, message in checks:

@@ -1,0 +1,192 @@
+"""Ranks per node: the core placement and the `auto` rule (fake topologies), and
+`xeontune train --nproc-per-node` for real: same result as one process with N times the batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from xeontune import placement
+from xeontune.train.options import parse_args
+from xeontune.train.ranks import frozen_weight_bytes, plan_ranks
+
+GB = 10**9
+
+
+def fake_sysfs(root: Path, layout: list[tuple[int, int, int]]) -> tuple[Path, Path]:
+    """A /sys/devices/system/{cpu,node} with one (numa node, package, core id) per logical CPU."""
+    cpu_dir, node_dir = root / "cpu", root / "node"
+    nodes: dict[int, list[int]] = {}
+    for cpu, (node, package, core) in enumerate(layout):
+        topo = cpu_dir / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{package}\n")
+        (topo / "core_id").write_text(f"{core}\n")
+        nodes.setdefault(node, []).append(cpu)
+    for node, cpus in nodes.items():
+        (node_dir / f"node{node}").mkdir(parents=True)
+        (node_dir / f"node{node}" / "cpulist").write_text(",".join(map(str, cpus)) + "\n")
+    return cpu_dir, node_dir
+
+
+def two_socket_host(tmp_path: Path) -> tuple[Path, Path]:
+    """2 sockets x 4 cores x 2 hyperthreads, one NUMA node per socket, numbered as Linux does:
+    CPUs 0-7 are each core's first thread (socket 0 then 1), 8-15 the siblings."""
+    first = [(s, s, c) for s in range(2) for c in range(4)]
+    return fake_sysfs(tmp_path, first + first)
+
+
+def test_physical_cores_skip_hyperthreads_and_keep_numa_order(tmp_path):
+    cpu_dir, node_dir = two_socket_host(tmp_path)
+    cores = placement.physical_cores(set(range(16)), cpu_dir, node_dir)
+    assert [c.cpu for c in cores] == list(range(8))
+    assert [c.numa_node for c in cores] == [0] * 4 + [1] * 4
+    # an affinity mask that leaves out some first threads: their siblings stand in for them
+    cores = placement.physical_cores({1, 2, 8, 9, 12}, cpu_dir, node_dir)
+    assert [c.cpu for c in cores] == [8, 1, 2, 12]
+
+
+def test_core_slices_are_equal_and_stay_on_one_numa_node(tmp_path):
+    cores = placement.physical_cores(set(range(16)), *two_socket_host(tmp_path))
+    assert placement.core_slices(cores, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert placement.core_slices(cores, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert placement.core_slices(cores, 3) == [[0, 1], [2, 3], [4, 5]]  # cores 6, 7 idle: no slow rank
+    with pytest.raises(ValueError):
+        placement.core_slices(cores, 9)
+
+
+@pytest.mark.parametrize(("physical", "numa", "available", "per_rank", "ranks"), [
+    (16, 1, 128 * GB, 3 * GB, 8),  # measured best on 16 AMX cores: 8 x 2
+    (2, 1, 24 * GB, 3 * GB, 2),  # measured best on 2 cores: 2 x 1
+    (1, 1, 24 * GB, 3 * GB, 1),
+    (16, 1, 12 * GB, 3 * GB, 3),  # memory: 10.8 GB usable holds 3 ranks of 3 GB
+    (16, 1, 2 * GB, 3 * GB, 1),  # never fewer than one
+    (32, 2, 256 * GB, 3 * GB, 16),
+    (16, 2, 17 * GB, 3 * GB, 4),  # memory allows 5; rounded down to a multiple of the 2 NUMA nodes
+])
+def test_auto_rule(physical, numa, available, per_rank, ranks):
+    plan = placement.auto_ranks(physical, numa, available, per_rank)
+    assert plan.ranks == ranks
+    assert plan.cores_per_rank == physical // ranks
+    assert ("memory" in plan.why) == (ranks < physical // placement.threads_per_rank_rule(physical))
+
+
+def test_rank_memory_grows_with_pixels_and_batch():
+    at_256 = placement.rank_memory_bytes(2 * GB, 256, 1)
+    assert placement.rank_memory_bytes(2 * GB, 512, 1) - 2 * GB == pytest.approx(4 * (at_256 - 2 * GB))
+    assert placement.rank_memory_bytes(2 * GB, 256, 2) - 2 * GB == pytest.approx(2 * (at_256 - 2 * GB))
+
+
+def test_frozen_weight_bytes_of_a_local_model(tiny_model):
+    fp32, bf16 = frozen_weight_bytes(str(tiny_model), "fp32"), frozen_weight_bytes(str(tiny_model), "bf16")
+    unet = sum(p.stat().st_size for p in (Path(tiny_model) / "unet").glob("*.safetensors"))
+    assert fp32 - bf16 == unet // 2  # the UNet is held in bf16, the rest as stored
+    assert frozen_weight_bytes("some-org/some-model", "bf16") < frozen_weight_bytes("some-org/some-model", "fp32")
+
+
+PIN_PROBE = """
+import json, os, sys
+from xeontune import placement
+cpus = placement.pin_this_rank()
+print(json.dumps({"cpus": cpus, "affinity": sorted(os.sched_getaffinity(0)),
+                  "threads": os.environ.get("OMP_NUM_THREADS")}))
+"""
+
+
+def probe_pinning(env: dict[str, str]) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", placement.PIN_ENV)}
+    out = subprocess.run([sys.executable, "-c", PIN_PROBE], env={**clean, **env}, capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out)
+
+
+def test_a_rank_pins_itself_to_its_own_cores():
+    cores = [c.cpu for c in placement.physical_cores()]
+    if len(cores) < 2:
+        pytest.skip("needs 2 physical cores")  # every machine this project runs its suite on has them
+    ranks = len(cores)
+    for local_rank in (0, ranks - 1):
+        got = probe_pinning({placement.PIN_ENV: "1", "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(ranks)})
+        assert got["cpus"] == got["affinity"] == [cores[local_rank]]
+        assert got["threads"] == "1"
+    # Hydra's names for the same thing (xeontune launch --ppn)
+    got = probe_pinning({placement.PIN_ENV: "1", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    assert got["affinity"] == placement.core_slices(placement.physical_cores(), 2)[1]
+    # not asked: untouched
+    assert probe_pinning({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})["cpus"] is None
+
+
+def test_nproc_per_node_bad_values(base_args):
+    from xeontune.errors import UserError
+
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(UserError, match="--nproc-per-node"):
+            parse_args(base_args + ["--nproc-per-node", bad])
+    cores = len(placement.physical_cores())
+    with pytest.raises(UserError, match="physical cores"):
+        plan_ranks(parse_args(base_args + ["--nproc-per-node", str(cores + 1)]), "fp32")
+    assert plan_ranks(parse_args(base_args + ["--nproc-per-node", "auto"]), "bf16").ranks >= 1
+
+
+def run_train(args: list[str]) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "xeontune.cli", "train", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def vectors(out: Path):
+    return load_file(str(out / "learned_embeds.safetensors"))
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process_with_twice_the_batch(base_args, tmp_path):
+    """Same sample plan, same result: 2 ranks x batch 1 = 1 process x batch 2 (fp32: exact kernels)."""
+    common = base_args + ["--max-train-steps", "3", "--checkpointing-steps", "0", "--save-steps", "0",
+                          "--mixed-precision", "fp32", "--scale-lr", "--learning-rate", "5e-3", "--no-random-flip"]
+    ranks = run_train(common + ["--output-dir", str(tmp_path / "ranks"), "--nproc-per-node", "2",
+                                "--train-batch-size", "1"])
+    run_train(common + ["--output-dir", str(tmp_path / "one"), "--train-batch-size", "2"])
+    assert "2 rank(s) on this machine" in ranks.stdout and "global batch 1 x 2 rank(s) = 2" in ranks.stdout
+    got, want = vectors(tmp_path / "ranks"), vectors(tmp_path / "one")
+    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert diff <= 1e-5, diff
+    assert all(float(want[k].abs().max()) > 0 for k in want)
+    lines = metrics(tmp_path / "ranks")
+    assert [r["step"] for r in lines] == [1, 2, 3]  # only rank 0 logs
+    assert all(0 < r["allreduce_bytes"] <= 16 * 1024 for r in lines)
+    assert [round(r["loss"], 5) for r in lines] == [round(r["loss"], 5) for r in metrics(tmp_path / "one")]
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_matches_a_straight_run(base_args, tmp_path):
+    """Resuming 2 ranks from step 3 of a 6-step run ends where the straight run ended."""
+    common = base_args + ["--max-train-steps", "6", "--checkpointing-steps", "3", "--save-steps", "0",
+                          "--mixed-precision", "fp32", "--nproc-per-node", "2", "--lr-scheduler", "cosine"]
+    run_train(common + ["--output-dir", str(tmp_path / "straight")])
+    run_train(common + ["--output-dir", str(tmp_path / "resumed"),
+                        "--resume-from-checkpoint", str(tmp_path / "straight" / "checkpoint-3")])
+    got, want = vectors(tmp_path / "resumed"), vectors(tmp_path / "straight")
+    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert diff <= 1e-6, diff
+    assert [r["step"] for r in metrics(tmp_path / "resumed")] == [4, 5, 6]
+
+
+@pytest.mark.slow
+def test_a_user_error_in_the_ranks_is_one_line(base_args, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "xeontune.cli", "train", *base_args, "--nproc-per-node", "2",
+                           "--data-dir", str(tmp_path / "missing")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert errors and all("error:" in line and "missing" in line for line in errors), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,90 @@
+"""`xeontune train --nproc-per-node N|auto`: N data-parallel ranks on this machine.
+
+The ranks are the same trainer (`python -m xeontune.train`, same options, same sample plan) started
+by torch's own elastic launcher (what `torchrun --standalone` runs), which gives each rank RANK,
+LOCAL_RANK, WORLD_SIZE and a rendezvous, and stops every rank when one fails or on Ctrl-C. Each
+rank pins itself to its slice of the physical cores (`placement.pin_this_rank`) before torch
+starts. The result equals one process with N times the per-rank batch, as across nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from xeontune import placement
+from xeontune.errors import UserError
+from xeontune.train.options import TrainOptions
+
+log = logging.getLogger(__name__)
+
+# SD1.5's frozen weights when the model is not a local folder we can measure: UNet 860 M params,
+# text encoder 123 M (kept fp32), VAE 84 M (fp32; its encoder is freed once latents are cached).
+SD15_UNET_PARAMS, SD15_TEXT_ENCODER_BYTES, SD15_VAE_BYTES = 860e6, 492e6, 335e6
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def inside_a_launch(env: dict[str, str] | os._Environ = os.environ) -> bool:
+    """True in a rank that a launcher (this one, mpirun, torchrun) started."""
+    return any(env.get(v, "").isdigit() and int(env[v]) > 1 for v in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*") if p.name.endswith(WEIGHT_SUFFIXES)) if folder.is_dir() else 0
+
+
+def frozen_weight_bytes(model: str, precision: str) -> int:
+    """Bytes of frozen weights one rank holds: the UNet in the training dtype, the rest as stored."""
+    root = Path(model)
+    if not root.is_dir():
+        return int(SD15_UNET_PARAMS * (2 if precision == "bf16" else 4) + SD15_TEXT_ENCODER_BYTES + SD15_VAE_BYTES)
+    unet = _folder_bytes(root / "unet")
+    # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
+    if any((root / "unet").glob("*.safetensors")) and any((root / "unet").glob("*.bin")):
+        unet //= 2
+    if precision == "bf16":
+        unet //= 2  # cast once at load (stored in fp32 in the common pipelines)
+    return unet + _folder_bytes(root / "text_encoder") + _folder_bytes(root / "vae")
+
+
+def plan_ranks(opts: TrainOptions, precision: str) -> placement.RankPlan:
+    """How many ranks `--nproc-per-node` asks for on this machine, and how many cores each gets."""
+    cores = placement.physical_cores()
+    numa_nodes = len({c.numa_node for c in cores})
+    if opts.nproc_per_node == "auto":
+        per_rank = placement.rank_memory_bytes(
+            frozen_weight_bytes(str(opts.model), precision), opts.resolution, opts.train_batch_size)
+        return placement.auto_ranks(len(cores), numa_nodes, placement.available_memory_bytes(), per_rank)
+    ranks = int(opts.nproc_per_node)
+    if ranks > len(cores):
+        raise UserError(f"--nproc-per-node {ranks} is more than this machine's {len(cores)} physical cores "
+                        "(each rank needs a core of its own); try --nproc-per-node auto")
+    return placement.RankPlan(ranks=ranks, cores_per_rank=len(cores) // ranks, why="--nproc-per-node")
+
+
+def run_ranks(opts: TrainOptions, argv: list[str], ranks: int) -> int:
+    """Run `python -m xeontune.train argv` as ``ranks`` pinned ranks; return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ[placement.PIN_ENV] = "1"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are here; don't let gloo guess an interface
+    # the elastic agent narrates its every move at INFO/WARNING; a failure is reported below instead
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.5,
+    )
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "xeontune.train", *argv)
+    except ChildFailedError as exc:
+        _, failure = exc.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 1  # a signal shows as a negative code
+        if code != 2:  # 2: the rank already printed its one-line user error
+            print(f"error: rank {failure.rank} of {ranks} failed (exit code {failure.exitcode}); "
+                  "the other ranks were stopped", file=sys.stderr)
+        return code
+    return 0
