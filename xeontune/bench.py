@@ -21,6 +21,7 @@ dedicated machine. Both are always in the JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -58,6 +59,19 @@ class VariantResult:
 
 
 @dataclass
+class RanksResult:
+    """`xeontune train --nproc-per-node ranks` on this node, timed from its own metrics."""
+
+    ranks: int
+    images_per_s: float  # the whole node, by --statistic over the measured steps
+    s_per_step: float
+    peak_pss_mb: float  # the node's peak, summed over launcher and ranks (shared pages counted once)
+    vs_example: float | None  # images/s over the example script's (one process, all cores)
+    mfu: float
+    auto: bool = False  # what --nproc-per-node auto picks here
+
+
+@dataclass
 class BenchResult:
     optimized: VariantResult
     baseline: VariantResult | None
@@ -71,6 +85,10 @@ class BenchResult:
     steps_rss_ratio: float | None  # the same for the peaks during the training steps
     config: dict[str, Any]
     model_compute_times_s: list[float] = field(default_factory=list)
+    core_peak_gflops: float = 0.0  # one core alone; MFU divides by this x physical cores
+    physical_cores: int = 1
+    mfu: float = 0.0  # optimized, one process: achieved / (core peak x cores)
+    ranks_per_node: list[RanksResult] = field(default_factory=list)
 
 
 # --- arguments ---------------------------------------------------------------------------------
@@ -97,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rss", action="store_true", help="skip the child runs that measure peak RSS")
     p.add_argument("--statistic", default="best", choices=("best", "median"),
                    help="which step time counts (default best: on a shared machine noise only ever adds time)")
+    p.add_argument("--ranks-per-node", default="powers", metavar="LIST",
+                   help="after the side-by-side steps, run `xeontune train --nproc-per-node R` for each R and "
+                   "report the node's images/s, peak memory and MFU: comma-separated counts and/or auto, "
+                   "'powers' (1, 2, 4, ... up to the physical cores, and auto's pick; the default) or none")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
     p.add_argument("--matmul-size", type=int, default=2048, help=argparse.SUPPRESS)
@@ -112,6 +134,23 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--warmup must be at least 0")
     if args.resolution < 32 or args.resolution % 8:
         raise UserError(f"--resolution must be a multiple of 8 and at least 32, got {args.resolution}")
+    rank_counts(args.ranks_per_node, 10**6)  # fails now on a bad list, not after minutes of steps
+
+
+def rank_counts(spec: str, physical: int) -> list[int | str]:
+    """--ranks-per-node as a list of counts and 'auto'."""
+    if spec == "none":
+        return []
+    if spec == "powers":
+        return [*(2**i for i in range(physical.bit_length()) if 2**i <= physical), "auto"]
+    counts: list[int | str] = []
+    for item in spec.split(","):
+        item = item.strip()
+        if item == "auto" or (item.isdigit() and int(item) >= 1):
+            counts.append(item if item == "auto" else int(item))
+        else:
+            raise UserError(f"--ranks-per-node: {item!r} is not a positive count, auto, powers or none")
+    return counts
 
 
 # --- environment: allocator preload ---------------------------------------------------------------
@@ -261,6 +300,51 @@ def machine_peak_gflops(precision: str, size: int = 2048, repeats: int = 5) -> f
     return 2 * size**3 / best / 1e9
 
 
+def core_peak_gflops(precision: str, size: int = 2048) -> float:
+    """The matmul peak of one core (one thread), in the training dtype. MFU is measured against this
+    times the physical cores: a sum of per-core peaks, which no single process reaches on a Xeon."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return machine_peak_gflops(precision, size, repeats=3)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _tree_pss_mb(root) -> float:
+    """Proportional set size of a process and its descendants: shared pages counted once in all."""
+    import psutil
+
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            total += proc.memory_full_info().pss
+    return total / 2**20
+
+
+def ranks_run(argv: list[str], ranks: int | str, out: Path, statistic: str, warmup: int) -> tuple[int, float, float, float]:
+    """Run `xeontune train --nproc-per-node ranks`; (ranks, node images/s, s/step, peak PSS MB)."""
+    import psutil
+
+    cmd = [sys.executable, "-m", "xeontune.train", *argv, "--output-dir", str(out), "--nproc-per-node", str(ranks)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    root, peak = psutil.Process(proc.pid), 0.0
+    while proc.poll() is None:
+        peak = max(peak, _tree_pss_mb(root))
+        time.sleep(0.5)
+    stdout, stderr = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"--nproc-per-node {ranks} run failed:\n{(stdout + stderr)[-3000:]}")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][warmup:]
+    chosen = pick([m["step_time_s"] for m in metrics], statistic)
+    images = next(m["images_per_s"] for m in metrics if m["step_time_s"] == chosen)
+    first = stdout.splitlines()[0] if stdout else ""
+    count = int(first.split()[0]) if first[:1].isdigit() else int(ranks)  # the launcher says what auto chose
+    return count, images, chosen, peak
+
+
 def compute_pass(run, step: int, *, unet=None, timed: bool = True) -> float:
     """Text encoder and UNet forward and backward for one step's batch, timed alone.
 
@@ -382,6 +466,16 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             label = "warm-up" if rnd < args.warmup else f"step {rnd - args.warmup + 1}/{args.steps}"
             log(f"{label}: " + ", ".join(f"{e} {t:.2f} s" for e, t in this_round.items()))
         del runs
+        sweep = []
+        counts = rank_counts(args.ranks_per_node, physical_cores())
+        if counts:
+            argv = train_argv(model, data, Path(tmp), args, "optimized")
+            argv = argv[:argv.index("--output-dir")] + argv[argv.index("--output-dir") + 2:]
+            for ranks in counts:
+                sweep.append(ranks_run(argv, ranks, Path(tmp) / f"ranks-{ranks}", args.statistic, args.warmup))
+                log(f"--nproc-per-node {ranks}: {sweep[-1][0]} rank(s), {sweep[-1][1]:.3f} images/s, "
+                    f"peak {sweep[-1][3]:.0f} MB (PSS, whole node)")
+        core_peak = core_peak_gflops(precision, args.matmul_size)
 
     rss: dict[str, dict[str, float | None]] = {v: {} for v in VARIANTS}
     if not args.no_rss:
@@ -400,6 +494,20 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         if not args.no_baseline else None
     )
     compute = pick(times["compute"], args.statistic)
+    cores = physical_cores()
+    node_peak = core_peak * cores
+
+    def mfu(images_per_s: float) -> float:
+        return images_per_s * gflop / args.batch_size / node_peak
+
+    ranks_results: dict[int, RanksResult] = {}
+    for spec, (count, images, step_s, pss) in zip(counts, sweep, strict=True):
+        known = ranks_results.get(count)
+        if known is None or images > known.images_per_s:  # auto may pick a count also asked for
+            ranks_results[count] = RanksResult(
+                ranks=count, images_per_s=images, s_per_step=step_s, peak_pss_mb=pss,
+                vs_example=images / baseline.images_per_s if baseline else None, mfu=mfu(images))
+        ranks_results[count].auto |= spec == "auto" or bool(known and known.auto)
     return BenchResult(
         optimized=optimized,
         baseline=baseline,
@@ -420,7 +528,17 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             "backend_notes": notes, "targets": TARGETS,
         },
         model_compute_times_s=[round(t, 4) for t in times["compute"]],
+        core_peak_gflops=core_peak,
+        physical_cores=cores,
+        mfu=mfu(optimized.images_per_s),
+        ranks_per_node=[ranks_results[c] for c in sorted(ranks_results)],
     )
+
+
+def physical_cores() -> int:
+    from xeontune import placement
+
+    return len(placement.physical_cores())
 
 
 def _cpu_model() -> str:
@@ -520,6 +638,17 @@ def render_table(r: BenchResult) -> str:
         f"= {100 * r.achieved_gflops / r.machine_peak_gflops:.0f} % of this machine's "
         f"{r.machine_peak_gflops:.0f} GFLOP/s matmul peak"
     )
+    lines.append(
+        f"MFU: {100 * r.mfu:.1f} % of {r.physical_cores} cores x {r.core_peak_gflops:.0f} GFLOP/s "
+        f"(one core's {c['precision']} matmul peak)"
+    )
+    if r.ranks_per_node:
+        lines.append("ranks per node (xeontune train --nproc-per-node R; images/s of the whole node):")
+        lines.append(f"{'  R':<6}{'images/s':>10}{'s/step':>9}{'x example':>11}{'MFU':>8}{'peak MB':>10}")
+        for x in r.ranks_per_node:
+            vs = f"{x.vs_example:>10.2f}x" if x.vs_example else f"{'-':>11}"
+            lines.append(f"{'  ' + str(x.ranks):<6}{x.images_per_s:>10.3f}{x.s_per_step:>9.3f}{vs}"
+                         f"{100 * x.mfu:>7.1f}%{x.peak_pss_mb:>10.0f}" + ("  <- auto" if x.auto else ""))
     return "\n".join(lines)
 
 

@@ -157,8 +157,12 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_cluster)
 
     p = sub.add_parser("launch", help="run distributed training on a cluster with mpirun")
-    p.add_argument("-n", "--num-processes", type=int, required=True, help="total ranks")
-    p.add_argument("--ppn", type=int, default=1, help="ranks per node (default 1)")
+    p.add_argument("-n", "--num-processes", type=int,
+                   help="total ranks (default: every slot, i.e. nodes x --ppn); the global batch is the "
+                   "per-rank --train-batch-size x ranks")
+    p.add_argument("--ppn", default="1", help="ranks per node, each pinned to its own physical cores: a number, or "
+                   "auto (the rule of `xeontune train --nproc-per-node auto`: one rank per 2 cores from 4 cores "
+                   "up, as memory allows; docs/performance.md) (default 1)")
     p.add_argument("--name", default="default", help="cluster name")
     p.add_argument("--dist-backend", choices=["auto", "gloo", "ccl"], default="auto")
     p.add_argument("--dry-run", action="store_true", help="print the exact command and exit")

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xeontune import hardware
+from xeontune import hardware, placement
 from xeontune.cluster import files, state
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
@@ -107,6 +107,38 @@ def threads_per_rank(record: ClusterRecord, world_size: int, ppn: int) -> int | 
     return max(1, cores // ppn) if cores else None
 
 
+def resolve_ppn(record: ClusterRecord, spec: str, train_args: list[str]) -> int:
+    """--ppn as a number: given, or `auto` by the rule `xeontune train --nproc-per-node auto` uses
+    (placement.auto_ranks) applied to one node: its physical cores, and its memory where known."""
+    if spec != "auto":
+        if not spec.isdigit() or int(spec) < 1:
+            raise UserError(f"--ppn must be a positive number or auto, got {spec!r}")
+        return int(spec)
+    from xeontune import placement
+    from xeontune.train.options import TrainOptions, build_parser
+    from xeontune.train.ranks import frozen_weight_bytes
+
+    # what sizes a rank, read leniently: the ranks themselves validate the whole command line
+    given = vars(build_parser().parse_known_args(_strip_dashes(train_args))[0])
+    defaults = TrainOptions()
+    model = str(given.get("model") or "")
+    resolution = int(given.get("resolution", defaults.resolution))
+    batch = int(given.get("train_batch_size", defaults.train_batch_size))
+    requested = given.get("mixed_precision", defaults.mixed_precision)
+    if record.provider in ("local", "localhost"):
+        cores = len(placement.physical_cores())
+        hosts = len(record.nodes) if record.provider == "local" else 1  # namespaces share this machine
+        precision = hardware.choose_precision(requested)[0]
+        cores, memory = max(cores // hosts, 1), placement.available_memory_bytes() // hosts
+    else:
+        # a node's hyperthreads are vCPUs: the provider records physical cores
+        cores, memory = int(record.extra.get("cores_per_node", 1)), 0
+        precision = "bf16" if requested == "bf16" else "fp32"  # sized for the larger when the node decides
+    per_rank = placement.rank_memory_bytes(frozen_weight_bytes(model, precision), resolution, batch)
+    unknown = 2**62  # a cloud node's memory is not recorded: cores decide
+    return placement.auto_ranks(cores, 1, memory or unknown, per_rank).ranks
+
+
 def _has_option(args: list[str], name: str) -> bool:
     return any(a == name or a.startswith(name + "=") for a in args)
 
@@ -162,6 +194,10 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
     threads = threads_per_rank(record, num_processes, ppn)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
+    if record.provider != "local":
+        # Each rank pins itself to its own slice of its node's physical cores (placement.py). Not
+        # for namespace "hosts": they share this machine's cores, and each would pin to the first.
+        env[placement.PIN_ENV] = "1"
     if not remote:
         env["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
         env["HOME"] = os.environ.get("HOME", "/root")
@@ -264,7 +300,9 @@ def _exit_code(rc: int) -> int:
 
 def main(args: argparse.Namespace) -> int:
     record = state.load(state.validate_name(args.name))
-    plan = build_plan(record, args.num_processes, args.ppn, args.dist_backend, list(args.train_args),
+    ppn = resolve_ppn(record, str(args.ppn), list(args.train_args))
+    num_processes = slots(record, ppn) if args.num_processes is None else args.num_processes
+    plan = build_plan(record, num_processes, ppn, args.dist_backend, list(args.train_args),
                       _parse_env(list(getattr(args, "env", None) or [])))
     if args.dry_run:
         print(shlex.join(plan.argv))

@@ -184,3 +184,32 @@ def test_localhost_cluster_lifecycle(xeontune_home, capsys):
 def test_teardown_without_record_is_idempotent(xeontune_home, capsys):
     assert manage.teardown("ghost").ok
     assert main(["teardown", "--name", "ghost"]) == 0
+
+
+def test_ppn_auto_follows_the_ranks_per_node_rule(xeontune_home, capsys, tiny_model):
+    """`launch --ppn auto` applies `train --nproc-per-node auto`'s rule to one node; ranks pin themselves
+    to their own cores on real nodes, not on namespace "hosts" that share this machine's cores."""
+    from xeontune import placement
+
+    rec = cloud_record(xeontune_home)
+    state.save(rec)
+    args = ["--model", str(tiny_model), "--resolution", "512"]
+    assert launch.resolve_ppn(rec, "auto", args) == 8  # 16 physical cores: 8 ranks x 2 (docs/performance.md)
+    rec.extra["cores_per_node"] = "2"
+    assert launch.resolve_ppn(rec, "auto", args) == 2  # 2 cores: 2 x 1
+    assert launch.resolve_ppn(rec, "3", args) == 3
+    rec.extra["cores_per_node"] = "16"
+    state.save(rec)
+    assert main(["launch", "--ppn", "auto", "--name", "sky", "--dry-run", "--", *args]) == 0
+    remote = shlex.split(shlex.split(capsys.readouterr().out)[-1])
+    assert remote[remote.index("-ppn") + 1] == "8" and remote[remote.index("-n") + 1] == "16"  # -n: every slot
+    assert launch.build_plan(rec, 16, 8, "gloo", []).env[placement.PIN_ENV] == "1"
+
+
+def test_namespace_hosts_do_not_pin_and_bad_ppn_is_one_line(record, capsys):
+    from xeontune import placement
+
+    assert placement.PIN_ENV not in launch.build_plan(record, 3, 1, "gloo", []).env
+    assert main(["launch", "--ppn", "two", "--name", "demo", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--ppn must be a positive number or auto" in err
