@@ -17,7 +17,8 @@ from xeontune.cli import main
 from xeontune.errors import UserError
 from xeontune.train.loop import PHASES
 
-FAST = ["--resolution", "64", "--steps", "1", "--warmup", "1", "--allocator", "none", "--matmul-size", "256"]
+FAST = ["--resolution", "64", "--steps", "1", "--warmup", "1", "--allocator", "none", "--matmul-size", "256",
+        "--ranks-per-node", "none"]
 
 
 def test_bench_json_has_the_documented_keys(tiny_model, capsys, tmp_path, fake_cpu):
@@ -44,6 +45,30 @@ def test_bench_table_and_no_baseline(tiny_model, capsys):
     assert "GFLOP per step" in out
 
 
+def test_ranks_per_node_sweep_and_mfu(tiny_model, capsys):
+    """Each count is a real `xeontune train --nproc-per-node R` run; auto is marked with what it chose."""
+    from xeontune import placement
+    from xeontune.train.options import parse_args
+    from xeontune.train.ranks import plan_ranks
+
+    argv = FAST[:-2]  # without --ranks-per-node none
+    assert main(["bench", "--model", str(tiny_model), *argv, "--steps", "2", "--no-rss", "--json",
+                 "--ranks-per-node", "1,auto"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    opts = parse_args(["--model", str(tiny_model), "--data-dir", ".", "--placeholder-token", "<t>",
+                       "--initializer-token", "toy", "--resolution", "64", "--nproc-per-node", "auto"])
+    auto = plan_ranks(opts, result["config"]["precision"]).ranks
+    rows = result["ranks_per_node"]
+    assert [r["ranks"] for r in rows] == sorted({1, auto})
+    assert [r["ranks"] for r in rows if r["auto"]] == [auto]
+    for r in rows:
+        assert r["images_per_s"] > 0 and r["s_per_step"] > 0 and r["peak_pss_mb"] > 50 and r["vs_example"] > 0
+        assert 0 < r["mfu"] < 1
+    assert result["physical_cores"] == len(placement.physical_cores())
+    assert 0 < result["core_peak_gflops"] <= result["machine_peak_gflops"] * 1.05
+    assert 0 < result["mfu"] < 1
+
+
 def test_peak_rss_child_reports_its_own_peak(tiny_model):
     done = subprocess.run(
         [sys.executable, "-m", "xeontune.bench", "--rss-child", "baseline", "--model", str(tiny_model),
@@ -57,7 +82,8 @@ def test_peak_rss_child_reports_its_own_peak(tiny_model):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--steps", "0"], ["--resolution", "60"], ["--model", "/nonexistent/model"], ["--warmup", "-1"]],
+    [["--steps", "0"], ["--resolution", "60"], ["--model", "/nonexistent/model"], ["--warmup", "-1"],
+     ["--ranks-per-node", "1,x"]],
 )
 def test_bad_input_is_a_one_line_error(argv, capsys):
     assert main(["bench", *argv, "--allocator", "none"]) == 2
