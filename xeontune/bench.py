@@ -260,7 +260,10 @@ def example_components(model: Path, precision: str):
 
     from xeontune.train.components import load, unet_dtype
 
-    components = load(str(model), unet_dtype=unet_dtype(precision))
+    components = load(str(model))  # as its files hold it, then cast: not from the trainer's bf16 copy
+    if unet_dtype(precision) is not None:
+        components.unet.to(unet_dtype(precision))
+        components.unet_cast = True
     if precision == "bf16":
         components.vae.to(torch.bfloat16)
     return components

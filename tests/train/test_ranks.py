@@ -190,3 +190,43 @@ def test_a_user_error_in_the_ranks_is_one_line(base_args, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert errors and all("error:" in line and "missing" in line for line in errors), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_bf16_unet_comes_from_a_mapped_copy(tiny_model, tmp_path, monkeypatch):
+    """bf16 loads write a bf16 safetensors copy once; later loads memory-map it (shared by the ranks
+    of a node) and hold the same weights; a changed model file gets a new copy."""
+    import torch
+
+    from xeontune.train import components
+
+    monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
+    first = components.load(str(tiny_model), unet_dtype=torch.bfloat16).unet
+    copy = components.bf16_copy_dir(str(tiny_model), None, None)
+    assert copy is not None and (copy / "config.json").is_file()
+    weights = next(copy.glob("*.safetensors"))
+    assert str(weights.resolve()) not in Path("/proc/self/maps").read_text()
+    second = components.load(str(tiny_model), unet_dtype=torch.bfloat16).unet
+    assert str(weights.resolve()) in Path("/proc/self/maps").read_text()  # mapped, not read and converted
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
+    source = Path(tiny_model) / "unet" / "diffusion_pytorch_model.safetensors"
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))
+    assert components.bf16_copy_dir(str(tiny_model), None, None) != copy
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns - 10**9))
+
+
+def test_an_unwritable_cache_only_costs_speed(tiny_model, tmp_path, monkeypatch, caplog):
+    import torch
+
+    from xeontune.train import components
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(components.BF16_CACHE_ENV, str(blocker / "cache"))  # under a file: cannot be made
+    unet = components.load(str(tiny_model), unet_dtype=torch.bfloat16).unet
+    assert next(unet.parameters()).dtype == torch.bfloat16
+    assert "could not write the bf16 UNet copy" in caplog.text

@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         from xeontune.train import ranks
 
         if opts.nproc_per_node != "1" and not ranks.inside_a_launch():
-            plan = _plan_ranks(opts)
+            plan, precision = _plan_ranks(opts)
             if plan.ranks > 1:
+                ranks.prepare_shared_weights(opts, precision)
                 return ranks.run_ranks(opts, argv, plan.ranks)
         # Before torch starts its threads: they inherit this thread's core affinity.
         from xeontune.placement import pin_this_rank
@@ -65,12 +66,13 @@ def _plan_ranks(opts):
     from xeontune.hardware import choose_precision
     from xeontune.train import ranks
 
-    plan = ranks.plan_ranks(opts, choose_precision(opts.mixed_precision)[0])
+    precision = choose_precision(opts.mixed_precision)[0]
+    plan = ranks.plan_ranks(opts, precision)
     accumulation = f" x {opts.gradient_accumulation_steps} accumulation" if opts.gradient_accumulation_steps > 1 else ""
     global_batch = opts.train_batch_size * plan.ranks * opts.gradient_accumulation_steps
     print(f"{plan.ranks} rank(s) on this machine, {plan.cores_per_rank} core(s) each ({plan.why}); "
           f"global batch {opts.train_batch_size} x {plan.ranks} rank(s){accumulation} = {global_batch}")
-    return plan
+    return plan, precision
 
 
 if __name__ == "__main__":

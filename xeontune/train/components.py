@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +54,7 @@ def load(
     stays in its files' dtype: it encodes the latent cache outside autocast."""
     import diffusers
     import transformers
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from diffusers import AutoencoderKL, DDPMScheduler
     from transformers import CLIPTextModel, CLIPTokenizer
 
     transformers.utils.logging.disable_progress_bar()
@@ -67,8 +71,7 @@ def load(
         tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", **common)
         text_encoder = CLIPTextModel.from_pretrained(model, subfolder="text_encoder", variant=variant, **common)
         vae = AutoencoderKL.from_pretrained(model, subfolder="vae", variant=variant, **common)
-        unet = UNet2DConditionModel.from_pretrained(
-            model, subfolder="unet", variant=variant, torch_dtype=unet_dtype, **common)
+        unet = _load_unet_in(unet_dtype, model, revision, variant)
         noise_scheduler = DDPMScheduler.from_pretrained(model, subfolder="scheduler", **common)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
@@ -78,6 +81,79 @@ def load(
         module.eval()
     return Components(tokenizer, text_encoder, vae, unet, noise_scheduler, unet_for_inference=unet,
                       unet_cast=unet_dtype is not None)
+
+
+BF16_CACHE_ENV = "XEONTUNE_CACHE"
+
+
+def _unet_weights_file(model: str, revision: str | None, variant: str | None) -> Path | None:
+    """The UNet's weights file on this disk (a local pipeline, or the hub cache), or None."""
+    name = f"diffusion_pytorch_model{'.' + variant if variant else ''}"
+    local = Path(model)
+    if local.is_dir():
+        found = [local / "unet" / f"{name}{ext}" for ext in (".safetensors", ".bin")]
+        return next((f for f in found if f.is_file()), None)
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(model, f"unet/{name}.safetensors", revision=revision)
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def bf16_copy_dir(model: str, revision: str | None, variant: str | None) -> Path | None:
+    """Where the bf16 copy of this model's UNet lives: named by its source file's path, size and
+    modification time, so an updated model gets a new copy. None when the source is not on disk."""
+    source = _unet_weights_file(model, revision, variant)
+    if source is None:
+        return None
+    stat = source.resolve().stat()
+    key = hashlib.sha1(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get(BF16_CACHE_ENV) or Path.home() / ".cache" / "xeontune")
+    return root / "unet-bf16" / key
+
+
+def _load_unet_in(dtype: Any, model: str, revision: str | None, variant: str | None) -> Any:
+    """The frozen UNet in ``dtype``. In bf16 it comes from a bf16 safetensors copy, written on first
+    use: loading that copy memory-maps it (no conversion, so no fp32 peak), and every rank on a node
+    maps the same file, so the weights' pages are held once in the page cache, not once per rank."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    copy = bf16_copy_dir(model, revision, variant) if dtype == torch.bfloat16 else None
+    if copy is not None and (copy / "config.json").is_file():
+        return UNet2DConditionModel.from_pretrained(copy, torch_dtype=dtype)
+    unet = UNet2DConditionModel.from_pretrained(
+        model, subfolder="unet", variant=variant, revision=revision, torch_dtype=dtype)
+    copy = copy or (bf16_copy_dir(model, revision, variant) if dtype == torch.bfloat16 else None)  # just downloaded
+    if copy is not None:
+        _write_copy(unet, copy)
+    return unet
+
+
+def ensure_bf16_unet(model: str, revision: str = "", variant: str = "") -> None:
+    """Write the bf16 UNet copy if it is missing (the rank launcher runs this in a child process
+    before starting ranks, so that they all map one file and none converts)."""
+    import torch
+
+    model = str(Path(model).expanduser()) if Path(model).expanduser().exists() else model
+    copy = bf16_copy_dir(model, revision or None, variant or None)
+    if copy is None or not (copy / "config.json").is_file():
+        _load_unet_in(torch.bfloat16, model, revision or None, variant or None)
+
+
+def _write_copy(unet: Any, target: Path) -> None:
+    """Write whole or not at all: into a temporary folder beside the target, then one rename. Ranks
+    that race here each write their own; the first rename wins and the others discard theirs."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        unet.save_pretrained(tmp, safe_serialization=True)
+        try:
+            os.rename(tmp, target)
+            log.info("wrote a bf16 copy of the UNet to %s (later runs map it instead of converting)", target)
+        except OSError:  # another rank or run got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:  # a full or read-only disk costs only speed and memory: say so and go on
+        log.warning("could not write the bf16 UNet copy to %s (%s); loading converts it each time", target, exc)
 
 
 def load_unet(model: str, revision: str | None = None, variant: str | None = None) -> Any:

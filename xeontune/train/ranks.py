@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -63,6 +64,19 @@ def plan_ranks(opts: TrainOptions, precision: str) -> placement.RankPlan:
         raise UserError(f"--nproc-per-node {ranks} is more than this machine's {len(cores)} physical cores "
                         "(each rank needs a core of its own); try --nproc-per-node auto")
     return placement.RankPlan(ranks=ranks, cores_per_rank=len(cores) // ranks, why="--nproc-per-node")
+
+
+def prepare_shared_weights(opts: TrainOptions, precision: str) -> None:
+    """In bf16, make the UNet's bf16 copy before the ranks start, so that they all memory-map one
+    file (its pages held once for the node) and none converts. In a child process: converting
+    peaks at the fp32 size, which this launcher should not keep for the whole run."""
+    if precision != "bf16":
+        return
+    code = "import sys; from xeontune.train.components import ensure_bf16_unet; ensure_bf16_unet(*sys.argv[1:])"
+    done = subprocess.run([sys.executable, "-c", code, str(opts.model), opts.revision or "", opts.variant or ""],
+                          capture_output=True, text=True)
+    if done.returncode != 0:  # the ranks load on their own and report the real problem
+        log.warning("could not prepare the bf16 UNet copy: %s", (done.stderr.strip().splitlines() or ["?"])[-1])
 
 
 def run_ranks(opts: TrainOptions, argv: list[str], ranks: int) -> int:
