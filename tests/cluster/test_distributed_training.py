@@ -211,7 +211,7 @@ def test_ranks_outwait_slow_loading_and_rank0_working_alone(local_cluster, tiny,
            launch_env=("XEONTUNE_TEST_PAUSE=setup:1:10,alone:0:10",))
     took = time.monotonic() - start
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
-    assert (out / "checkpoint-2" / "complete.json").is_file() and (out / "learned_embeds.safetensors").is_file()
+    assert (out / "checkpoint-2" / "state.pt").is_file() and (out / "learned_embeds.safetensors").is_file()
     assert took >= 30  # the three pauses really happened
     print(f"job with 30 s of pauses under a 4 s step timeout: {took:.1f} s")
 
@@ -258,7 +258,7 @@ def test_resume_without_a_shared_filesystem_matches_a_straight_run(local_cluster
     out = tmp_path / "resumed"
     with hidden_from_workers(local_cluster, out):
         launch(local_cluster, tiny, out, 1, 6, *common)
-        assert (out / "checkpoint-6" / "complete.json").is_file()
+        assert (out / "checkpoint-6" / "state.pt").is_file()
         launch(local_cluster, tiny, out, 1, 10, *common, "--resume-from-checkpoint", "latest")
 
     got, want = load_vectors(out), load_vectors(tmp_path / "straight")
