@@ -118,7 +118,7 @@ def read(path: Path) -> bytes:
     """The bytes of a complete, intact, safely loadable checkpoint; a one-line UserError otherwise."""
     if not (path / COMPLETE_FILE).is_file():
         raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE_FILE}): its run stopped while writing it, "
-                        "or another program wrote it")
+                        "or a xeontune older than that marker wrote it")
     try:
         marker = json.loads((path / COMPLETE_FILE).read_text())
         data = (path / STATE_FILE).read_bytes()
