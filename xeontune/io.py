@@ -18,9 +18,29 @@ def _umask() -> int:
     return current
 
 
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file's or a directory's contents (a directory's: its entries, i.e. renames) to disk."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
+
+
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str], mode: int | None = None) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; rename it over ``path`` only if the block succeeds."""
+def atomic_path(path: str | os.PathLike[str], mode: int | None = None, durable: bool = False) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it over ``path`` only if the block succeeds.
+
+    ``durable``: fsync the file before the rename and the directory after it, so that after a power
+    loss ``path`` holds either the old or the whole new content (a rename alone may reach the disk
+    before the data does, leaving an empty file)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -29,7 +49,11 @@ def atomic_path(path: str | os.PathLike[str], mode: int | None = None) -> Iterat
     try:
         os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())  # mkstemp makes 0600
         yield tmp
+        if durable:
+            fsync_path(tmp)
         os.replace(tmp, target)
+        if durable:
+            fsync_path(target.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -50,14 +74,18 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, mode: int | None =
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary directory that replaces ``path`` (a directory) when the block succeeds."""
+def atomic_dir(path: str | os.PathLike[str], durable: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory that replaces ``path`` (a directory) when the block succeeds.
+
+    ``durable``: fsync every file and directory in it before the rename, and the parent after it."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the result should look like a normal dir
     try:
         yield tmp
+        if durable:
+            _fsync_tree(tmp)
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -66,6 +94,8 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
+        if durable:
+            fsync_path(target.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

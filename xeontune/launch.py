@@ -11,7 +11,9 @@ Every rank gets, with ``-genvnone`` so nothing else leaks in from the caller's s
 MASTER_ADDR (the head's private address), MASTER_PORT, GLOO_SOCKET_IFNAME (the cluster's
 interface), OMP_NUM_THREADS (the cores a rank may use), PATH/HOME as the
 node has them, the caller's HF_* offline/cache variables and LD_PRELOAD when set, CCL_* for the
-ccl backend, and each ``--env KEY=VALUE``. Hydra adds PMI_RANK / PMI_SIZE, which accelerate reads.
+ccl backend, launch's backend and step timeout as XEONTUNE_LAUNCH_DIST_* (defaults that the
+user's --dist-backend / --dist-timeout override in any spelling or in --config), and each
+``--env KEY=VALUE``. Hydra adds PMI_RANK / PMI_SIZE, which accelerate reads.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from xeontune import hardware, placement
 from xeontune.cluster import files, state
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
+from xeontune.train.options import LAUNCH_DEFAULTS_ENV
 
 # The caller's variables that ranks inherit when set (offline hub use, cache dirs, allocator).
 PASSTHROUGH_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
@@ -139,10 +142,6 @@ def resolve_ppn(record: ClusterRecord, spec: str, train_args: list[str]) -> int:
     return placement.auto_ranks(cores, 1, memory or unknown, per_rank).ranks
 
 
-def _has_option(args: list[str], name: str) -> bool:
-    return any(a == name or a.startswith(name + "=") for a in args)
-
-
 def _strip_dashes(train_args: list[str]) -> list[str]:
     return train_args[1:] if train_args and train_args[0] == "--" else list(train_args)
 
@@ -217,12 +216,11 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
             env[key] = os.environ[key]
     if chosen == "ccl":
         env.update({"CCL_ATL_TRANSPORT": "ofi", "CCL_WORKER_COUNT": "1"})
+    # Launch's choices reach the ranks as defaults, below --config and the command line: appended
+    # flags would override a value given in --config or in another spelling (--dist_timeout).
+    env[LAUNCH_DEFAULTS_ENV["dist_backend"]] = chosen
+    env[LAUNCH_DEFAULTS_ENV["dist_timeout"]] = str(DEFAULT_DIST_TIMEOUT_S)
     env.update(extra_env or {})
-
-    if not _has_option(train_args, "--dist-backend"):
-        train_args += ["--dist-backend", chosen]
-    if not _has_option(train_args, "--dist-timeout"):
-        train_args += ["--dist-timeout", str(DEFAULT_DIST_TIMEOUT_S)]
 
     mpirun = mpirun_path(record)
     wdir = workdir or (record.work_dir if remote else os.getcwd())

@@ -7,6 +7,7 @@ on three ranks run different kernels and round differently); bf16 has its own te
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -30,10 +31,11 @@ def tiny(tiny_model, sample_images):
 
 
 def train_args(tiny, output_dir, batch: int, steps: int, *extra: str) -> list[str]:
-    return [*extra, "--model", str(tiny["model"]), "--data-dir", str(tiny["data"]), "--placeholder-token", "<cat-toy>",
+    # extra last: it may override the defaults here (the last flag wins)
+    return ["--model", str(tiny["model"]), "--data-dir", str(tiny["data"]), "--placeholder-token", "<cat-toy>",
             "--initializer-token", "toy", "--resolution", "32", "--train-batch-size", str(batch),
             "--max-train-steps", str(steps), "--learning-rate", "5e-3", "--seed", "7", "--output-dir", str(output_dir),
-            "--checkpointing-steps", "0", "--save-steps", "0", "--no-random-flip"]
+            "--checkpointing-steps", "0", "--save-steps", "0", "--no-random-flip", *extra]
 
 
 def load_vectors(path):
@@ -48,9 +50,11 @@ def train_alone(tiny, output_dir, batch: int, steps: int, *extra: str) -> None:
     assert single.returncode == 0, single.stderr[-3000:]
 
 
-def launch(cluster, tiny, output_dir, batch: int, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
-    dist = cli("launch", "-n", "3", "--name", cluster.name, "--", *train_args(tiny, output_dir, batch, steps, *extra),
-               env=OFFLINE)
+def launch(cluster, tiny, output_dir, batch: int, steps: int, *extra: str,
+           launch_env: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    env_flags = [f for pair in launch_env for f in ("--env", pair)]
+    dist = cli("launch", "-n", "3", "--name", cluster.name, *env_flags, "--",
+               *train_args(tiny, output_dir, batch, steps, *extra), env=OFFLINE)
     assert dist.returncode == 0, dist.stdout[-3000:] + dist.stderr[-3000:]
     return dist
 
@@ -195,3 +199,93 @@ def trainer_pids(netns: str, include_hydra: bool = False) -> list[int]:
             found.append(pid)
     return found
 
+
+
+def test_ranks_outwait_slow_loading_and_rank0_working_alone(local_cluster, tiny, tmp_path):
+    """Waits far longer than the 4 s step timeout: node1 loads its model 10 s late, and rank 0 works
+    alone for 10 s at the step-2 checkpoint and again at the end (as validation or saving a real
+    pipeline does for minutes). The job must survive; the short timeout still guards the steps."""
+    out = tmp_path / "run"
+    start = time.monotonic()
+    launch(local_cluster, tiny, out, 1, 4, "--dist-timeout", "4", "--checkpointing-steps", "2",
+           launch_env=("XEONTUNE_TEST_PAUSE=setup:1:10,alone:0:10",))
+    took = time.monotonic() - start
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert (out / "checkpoint-2" / "state.pt").is_file() and (out / "learned_embeds.safetensors").is_file()
+    assert took >= 30  # the three pauses really happened
+    print(f"job with 30 s of pauses under a 4 s step timeout: {took:.1f} s")
+
+
+def sshd_pid(netns: str) -> int:
+    out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, check=True).stdout
+    for pid in out.split():
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"sshd" in f.read():
+                return int(pid)
+    raise AssertionError(f"no sshd in {netns}")
+
+
+@contextlib.contextmanager
+def hidden_from_workers(cluster, path):
+    """Nodes without a shared filesystem: every worker sees an empty tmpfs at ``path``.
+
+    A node's sshd runs in a mount namespace of its own (`ip netns exec` makes one), and so does every
+    rank it starts; a tmpfs mounted there hides ``path`` on that node alone. Rank 0 runs on node0."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "only-on-node0").write_text("")
+    pids = [sshd_pid(node.resource_id) for node in cluster.nodes[1:]]
+    mounted = []
+    try:
+        for pid in pids:
+            assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+            subprocess.run(["nsenter", "-t", str(pid), "-m", "mount", "-t", "tmpfs", "-o", "size=16m",
+                            "xeontune-test", str(path)], check=True)
+            mounted.append(pid)
+            seen = subprocess.run(["nsenter", "-t", str(pid), "-m", "ls", "-A", str(path)], capture_output=True,
+                                  text=True, check=True).stdout
+            assert seen == "", seen
+        yield
+    finally:
+        for pid in mounted:
+            subprocess.run(["nsenter", "-t", str(pid), "-m", "umount", str(path)], check=False)
+
+
+def test_resume_without_a_shared_filesystem_matches_a_straight_run(local_cluster, tiny, tmp_path):
+    """6 steps, then a resume to 10, on nodes where only rank 0 sees the output dir, equal 10 steps."""
+    common = ("--mixed-precision", "fp32", "--checkpointing-steps", "3", "--lr-scheduler", "constant_with_warmup",
+              "--lr-warmup-steps", "2", "--num-vectors", "2")
+    launch(local_cluster, tiny, tmp_path / "straight", 1, 10, *common)
+    out = tmp_path / "resumed"
+    with hidden_from_workers(local_cluster, out):
+        launch(local_cluster, tiny, out, 1, 6, *common)
+        assert (out / "checkpoint-6" / "state.pt").is_file()
+        launch(local_cluster, tiny, out, 1, 10, *common, "--resume-from-checkpoint", "latest")
+
+    got, want = load_vectors(out), load_vectors(tmp_path / "straight")
+    at_six = torch_load_vectors(out / "checkpoint-6")
+    moved = float((want["<cat-toy>"] - at_six).abs().max())
+    diff = float((got["<cat-toy>"] - want["<cat-toy>"]).abs().max())
+    print(f"resume on 3 ranks without a shared filesystem: max abs diff {diff:.2e} (steps 7-10 moved {moved:.2e})")
+    assert moved > 1e-4
+    assert diff <= 1e-6
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 11))
+
+
+def torch_load_vectors(path):
+    import torch
+
+    return torch.load(path / "state.pt", weights_only=True)["vectors"]
+
+
+def test_a_resume_error_on_rank_0_ends_the_job_at_once(local_cluster, tiny, tmp_path):
+    """Rank 0 alone resolves the checkpoint: its one-line error must end the job, not leave the other
+    ranks waiting at a barrier with a long timeout."""
+    (tmp_path / "empty").mkdir()
+    start = time.monotonic()
+    dist = cli("launch", "-n", "3", "--name", local_cluster.name, "--",
+               *train_args(tiny, tmp_path / "empty", 1, 4, "--resume-from-checkpoint", "latest"), env=OFFLINE,
+               timeout=120)
+    took = time.monotonic() - start
+    errors = [line for line in (dist.stdout + dist.stderr).splitlines() if "error:" in line]
+    assert dist.returncode != 0 and took < 60, (took, dist.stdout[-2000:], dist.stderr[-2000:])
+    assert len(errors) == 1 and "no checkpoint in" in errors[0], errors

@@ -106,15 +106,49 @@ def test_dry_run_is_the_command_that_runs(record, capsys, monkeypatch):
     assert genv["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 3))
     assert "-genvnone" in argv and "-prepend-rank" in argv
     tail = argv[argv.index("-m") - 1:]
-    assert tail == [sys.executable, "-m", "xeontune.train", "--max-train-steps", "2", "--dist-backend", "gloo",
-                    "--dist-timeout", str(launch.DEFAULT_DIST_TIMEOUT_S)]
+    assert tail == [sys.executable, "-m", "xeontune.train", "--max-train-steps", "2"]
+    assert genv["XEONTUNE_LAUNCH_DIST_BACKEND"] == "gloo"
+    assert genv["XEONTUNE_LAUNCH_DIST_TIMEOUT"] == str(launch.DEFAULT_DIST_TIMEOUT_S)
 
 
-def test_user_options_win_and_ccl_sets_its_variables(record, monkeypatch):
+def ranks_options(capsys, monkeypatch, *train_args: str):
+    """What a rank of `launch --dry-run -- TRAIN_ARGS` parses: its arguments, under its -genv variables."""
+    from xeontune.train.options import parse_args
+
+    assert main(["launch", "-n", "3", "--name", "demo", "--dry-run", "--", *train_args]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    for i, a in enumerate(argv):
+        if a == "-genv" and argv[i + 1].startswith("XEONTUNE_"):
+            monkeypatch.setenv(argv[i + 1], argv[i + 2])
+    return parse_args(argv[argv.index("xeontune.train") + 1:])
+
+
+@pytest.mark.parametrize("spelling", ["kebab", "snake", "config"])
+def test_the_users_dist_options_win_over_launchs_in_every_spelling(record, capsys, monkeypatch, tmp_path, spelling):
+    required = ["--model", "m", "--data-dir", "d", "--placeholder-token", "<t>", "--initializer-token", "toy"]
+    if spelling == "config":
+        cfg = tmp_path / "run.yaml"
+        cfg.write_text("dist_timeout: 300\ndist_backend: ccl\n")
+        given = ["--config", str(cfg)]
+    else:
+        sep = "-" if spelling == "kebab" else "_"
+        given = [f"--dist{sep}timeout", "300", f"--dist{sep}backend", "ccl"]
+    opts = ranks_options(capsys, monkeypatch, *required, *given)
+    assert (opts.dist_timeout, opts.dist_backend) == (300, "ccl")
+
+
+def test_launchs_dist_defaults_reach_the_ranks(record, capsys, monkeypatch):
+    opts = ranks_options(capsys, monkeypatch, "--model", "m", "--data-dir", "d", "--placeholder-token", "<t>",
+                         "--initializer-token", "toy")
+    assert (opts.dist_timeout, opts.dist_backend) == (launch.DEFAULT_DIST_TIMEOUT_S, "gloo")
+
+
+def test_ccl_sets_its_variables(record, monkeypatch):
     monkeypatch.setattr(launch, "_ccl_available", lambda: (True, "ok"))
     plan = launch.build_plan(record, 2, 1, "auto", ["--dist-timeout", "9"])
     assert plan.backend == "ccl" and plan.env["CCL_ATL_TRANSPORT"] == "ofi" and plan.env["CCL_WORKER_COUNT"] == "1"
-    assert plan.argv[-4:] == ["--dist-timeout", "9", "--dist-backend", "ccl"]
+    assert plan.env["XEONTUNE_LAUNCH_DIST_BACKEND"] == "ccl"
+    assert plan.argv[-2:] == ["--dist-timeout", "9"]
 
 
 def test_ccl_without_bindings_is_a_user_error(record, monkeypatch):

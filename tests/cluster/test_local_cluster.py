@@ -128,7 +128,7 @@ def test_dry_run_prints_the_command(local_cluster):
     assert line.startswith(f"ip netns exec {local_cluster.head.resource_id} ")
     for part in ("-launcher ssh", "-iface eth0", "-ppn 1", f"-genv MASTER_ADDR {local_cluster.head.private_ip}",
                  "-genv GLOO_SOCKET_IFNAME eth0", "-genv OMP_NUM_THREADS", "-m xeontune.train --max-train-steps 2",
-                 "--dist-backend gloo", "--dist-timeout"):
+                 "-genv XEONTUNE_LAUNCH_DIST_BACKEND gloo", "-genv XEONTUNE_LAUNCH_DIST_TIMEOUT 30"):
         assert part in line
 
 

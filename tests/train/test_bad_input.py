@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import shutil
 
+import torch
+
 from xeontune.cli import main
 
 
@@ -94,3 +96,84 @@ def test_output_dir_holding_another_run(capsys, base_args, tmp_path):
     assert rc == 2 and len(errors) == 1 and "--overwrite" in errors[0]
     assert (tmp_path / "out" / "learned_embeds.safetensors").read_bytes() == before
     assert main(["train", *args, "--overwrite"]) == 0
+
+
+def bomb_png(path, width: int, height: int) -> None:
+    """A PNG of a few bytes whose header declares ``width`` x ``height`` pixels."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buf, format="PNG")
+    data = bytearray(buf.getvalue())
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4:ihdr + 12] = struct.pack(">II", width, height)
+    data[ihdr + 17:ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(data[ihdr:ihdr + 17])))
+    path.write_bytes(bytes(data))
+
+
+def test_decompression_bomb_is_skipped_with_a_warning(caplog, base_args, sample_images, tmp_path):
+    from PIL import Image
+
+    from xeontune.train.data import load_images
+
+    caplog.set_level(logging.WARNING, logger="xeontune.train.data")
+    mixed = tmp_path / "mixed"
+    shutil.copytree(sample_images, mixed)
+    side = int((2 * Image.MAX_IMAGE_PIXELS) ** 0.5) + 1  # past PIL's error threshold
+    bomb_png(mixed / "zz_bomb.png", side, side)
+    images, paths = load_images(mixed, 64, center_crop=False)
+    assert len(paths) == len(images) == len(list(sample_images.iterdir()))
+    assert any("zz_bomb.png" in r.getMessage() for r in caplog.records)
+    args = replace(replace(base_args, "--data-dir", str(mixed)), "--max-train-steps", "1")
+    assert main(["train", *args]) == 0
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    """A phone photo stored sideways with orientation 6 ("rotate 90 clockwise to view") trains upright."""
+    from PIL import Image
+
+    from xeontune.train.data import load_images, preprocess
+
+    upright = Image.new("RGB", (32, 64), (0, 0, 255))
+    upright.paste((255, 0, 0), (0, 0, 32, 16))  # a red band at the top of a tall image
+    stored = upright.transpose(Image.Transpose.ROTATE_90)  # how the camera wrote it: wide, band on the left
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    folder = tmp_path / "phone"
+    folder.mkdir()
+    stored.save(folder / "photo.png", exif=exif)
+    images, _ = load_images(folder, 32, center_crop=False)
+    assert torch.equal(images[0], preprocess(upright, 32, False))
+    assert not torch.equal(images[0], preprocess(stored, 32, False))
+
+
+def test_overwrite_clears_only_a_runs_own_outputs(base_args, tmp_path):
+    """--overwrite in a dir that never held a run touches nothing; in a run's dir, only what it wrote."""
+    mine = tmp_path / "project"
+    for rel in ("logs/notes.txt", "pipeline/model.bin", "validation/holiday.png", "learned_embeds-mine.bin"):
+        (mine / rel).parent.mkdir(parents=True, exist_ok=True)
+        (mine / rel).write_text("the user's own file")
+    before = sorted(str(p.relative_to(mine)) for p in mine.rglob("*"))
+    args = replace(replace(base_args, "--output-dir", str(mine)), "--max-train-steps", "2")
+    assert main(["train", *args, "--overwrite", "--checkpointing-steps", "1", "--save-steps", "1"]) == 0
+    assert all((mine / rel).exists() for rel in before), "the user's files were deleted"
+    assert (mine / "checkpoint-1").is_dir() and (mine / "learned_embeds-steps-1.safetensors").is_file()
+
+    # a second --overwrite run clears the first run's outputs, and still not the user's files
+    assert main(["train", *args, "--overwrite", "--checkpointing-steps", "0", "--save-steps", "0"]) == 0
+    assert not (mine / "checkpoint-1").exists() and not (mine / "learned_embeds-steps-1.safetensors").exists()
+    assert (mine / "learned_embeds.safetensors").is_file()
+    assert all((mine / rel).exists() for rel in before), "the user's files were deleted"
+
+
+def test_overwrite_refuses_a_dir_with_outputs_but_no_run(capsys, base_args, tmp_path):
+    stray = tmp_path / "downloads"
+    stray.mkdir()
+    (stray / "learned_embeds.safetensors").write_text("someone else's embedding")
+    rc, errors = run_cli(capsys, replace(base_args, "--output-dir", str(stray)) + ["--overwrite"])
+    assert rc == 2 and len(errors) == 1 and "train_config.json" in errors[0], errors
+    assert (stray / "learned_embeds.safetensors").read_text() == "someone else's embedding"

@@ -210,7 +210,7 @@ def test_bf16_unet_comes_from_a_mapped_copy(tiny_model, tmp_path, monkeypatch):
     from safetensors import safe_open
 
     with safe_open(str(weights), "pt") as f:
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118 (not a dict)
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
     source = Path(tiny_model) / "unet" / "diffusion_pytorch_model.safetensors"

@@ -2,16 +2,28 @@
 
 The data path is a function of (seed, sample position), so the step number is the whole data
 position; RNG states are saved as well so that anything else drawing random numbers (validation)
-also continues where it was. Rank 0 writes and reads; other ranks receive the state by broadcast,
-so a cluster without a shared filesystem resumes the same way.
+also continues where it was.
+
+- Durable: ``state.pt`` and then ``complete.json`` (its size and SHA-256) are fsynced inside a
+  temporary dir, which is renamed to ``checkpoint-N`` and the rename fsynced. A dir without a
+  matching marker is incomplete: ``latest`` skips it (with a warning), pruning never counts it.
+- Safe to load: only tensors and plain data (RNG states included) are stored, and loading uses
+  ``torch.load(weights_only=True)``, which refuses anything that would run code.
+- Rank 0 reads; the other ranks receive the file's bytes by broadcast, so a cluster without a
+  shared filesystem resumes the same way.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import logging
+import pickle
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +33,11 @@ import torch
 from xeontune.errors import UserError
 from xeontune.io import atomic_dir
 
+log = logging.getLogger(__name__)
+
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "state.pt"
+COMPLETE_FILE = "complete.json"
 
 
 @dataclass
@@ -36,58 +51,141 @@ class TrainState:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """The RNG states as tensors and plain values (what ``weights_only`` loading accepts)."""
+    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached_gaussian)},
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+    }
 
 
 def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+
+
+def _all_checkpoint_dirs(output_dir: Path) -> list[tuple[int, Path]]:
+    if not output_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in output_dir.iterdir()
+             if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE_FILE).is_file() and (path / STATE_FILE).is_file()
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    if not output_dir.is_dir():
-        return []
-    found = []
-    for p in output_dir.iterdir():
-        m = CHECKPOINT_RE.match(p.name)
-        if m and (p / STATE_FILE).is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    """Complete checkpoints (marker written), oldest first."""
+    return [(step, p) for step, p in _all_checkpoint_dirs(output_dir) if is_complete(p)]
 
 
 def save(output_dir: Path, state: TrainState, total_limit: int | None) -> Path:
     target = output_dir / f"checkpoint-{state.step}"
-    with atomic_dir(target) as tmp:
-        torch.save(state.__dict__, tmp / STATE_FILE)
+    buffer = io.BytesIO()
+    torch.save(asdict(state), buffer)
+    data = buffer.getvalue()
+    with atomic_dir(target, durable=True) as tmp:
+        (tmp / STATE_FILE).write_bytes(data)
+        marker = {"step": state.step, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        (tmp / COMPLETE_FILE).write_text(json.dumps(marker) + "\n")
+    # Only now, with the new checkpoint complete on disk, may older ones go.
     if total_limit is not None:
-        for _, old in list_checkpoints(output_dir)[:-total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(output_dir, total_limit, keep=target)
     return target
 
 
-def resolve(resume_from: str, output_dir: Path) -> Path:
-    if resume_from == "latest":
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise UserError(f"--resume-from-checkpoint latest: no checkpoint in {output_dir}")
-        return found[-1][1]
-    path = Path(resume_from)
-    if not (path / STATE_FILE).is_file():
-        raise UserError(f"--resume-from-checkpoint: {path} is not a checkpoint dir (no {STATE_FILE})")
-    return path
+def prune(output_dir: Path, total_limit: int, keep: Path) -> None:
+    """Keep ``keep`` and the newest complete others up to ``total_limit``; drop incomplete dirs older
+    than ``keep`` (leftovers of an interrupted write)."""
+    keep_step = int(CHECKPOINT_RE.match(keep.name).group(1))  # type: ignore[union-attr]
+    others = [p for _, p in list_checkpoints(output_dir) if p != keep]
+    doomed = others[: max(0, len(others) - (total_limit - 1))]
+    doomed += [p for step, p in _all_checkpoint_dirs(output_dir) if step < keep_step and not is_complete(p)]
+    for old in doomed:
+        shutil.rmtree(old, ignore_errors=True)
 
 
-def load(path: Path) -> TrainState:
-    data = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    return TrainState(**data)
+def read(path: Path) -> bytes:
+    """The bytes of a complete, intact, safely loadable checkpoint; a one-line UserError otherwise."""
+    if not (path / COMPLETE_FILE).is_file():
+        raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE_FILE}): its run stopped while writing it, "
+                        "or a xeontune older than that marker wrote it")
+    try:
+        marker = json.loads((path / COMPLETE_FILE).read_text())
+        data = (path / STATE_FILE).read_bytes()
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(marker, dict) or marker.get("bytes") != len(data) or \
+            marker.get("sha256") != hashlib.sha256(data).hexdigest():
+        raise UserError(f"checkpoint {path} is damaged: {STATE_FILE} ({len(data)} bytes) does not match "
+                        f"its {COMPLETE_FILE}")
+    decode(data, path)  # so that a bad one fails here, on rank 0, before anything starts
+    return data
 
 
-def load_everywhere(path: Path | None, is_main: bool, distributed: bool) -> TrainState | None:
-    """Rank 0 reads the checkpoint; the others get it by broadcast (a few KB with spliced vectors)."""
-    state = load(path) if (is_main and path is not None) else None
-    if distributed:
-        box = [state]
-        torch.distributed.broadcast_object_list(box, src=0)
-        state = box[0]
-    return state
+def decode(data: bytes, where: Path | str) -> TrainState:
+    try:
+        raw = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # weights_only met something other than tensors and plain data
+        raise UserError(f"checkpoint {where} holds objects other than tensors and plain data; refusing to "
+                        "load it (unpickling them could run code)") from None
+    except Exception as exc:  # truncated or not a torch file at all
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UserError(f"cannot read checkpoint {where}: {type(exc).__name__}: {first}") from None
+    try:
+        return TrainState(**raw)
+    except TypeError:
+        raise UserError(f"checkpoint {where} is not a xeontune checkpoint (unexpected contents)") from None
+
+
+def resolve(resume_from: str, output_dir: Path) -> tuple[Path, bytes]:
+    """The checkpoint to resume from and its bytes. ``latest``: the newest one that is complete and
+    readable, with a warning for every newer one skipped."""
+    if resume_from != "latest":
+        path = Path(resume_from)
+        if not path.is_dir():
+            raise UserError(f"--resume-from-checkpoint: {path} is not a checkpoint dir")
+        return path, read(path)
+    found = _all_checkpoint_dirs(output_dir)
+    if not found:
+        raise UserError(f"--resume-from-checkpoint latest: no checkpoint in {output_dir}")
+    skipped = []
+    for _, path in reversed(found):
+        try:
+            data = read(path)
+        except UserError as exc:
+            log.warning("--resume-from-checkpoint latest: skipping %s", exc)
+            skipped.append(path.name)
+            continue
+        if skipped:
+            log.warning("--resume-from-checkpoint latest: resuming from %s, the newest complete checkpoint "
+                        "(skipped %s)", path.name, ", ".join(skipped))
+        return path, data
+    raise UserError(f"--resume-from-checkpoint latest: no complete, readable checkpoint in {output_dir} "
+                    f"(skipped {', '.join(skipped)})")
+
+
+def share(data: bytes | None, is_main: bool, group: Any) -> bytes:
+    """Rank 0's checkpoint bytes on every rank (a few KB with spliced vectors). ``group``: the process
+    group to broadcast on, or None in a single process."""
+    if group is None:
+        assert data is not None
+        return data
+    size = torch.tensor([len(data) if is_main and data is not None else 0], dtype=torch.int64)
+    torch.distributed.broadcast(size, src=0, group=group)
+    if is_main:
+        assert data is not None
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buf = torch.empty(int(size), dtype=torch.uint8)
+    torch.distributed.broadcast(buf, src=0, group=group)
+    return data if is_main and data is not None else buf.numpy().tobytes()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from xeontune.errors import UserError
 
@@ -68,10 +68,14 @@ def load_images(data_dir: str | Path, resolution: int, center_crop: bool) -> tup
         try:
             with Image.open(path) as img:
                 img.load()
-                images.append(preprocess(img, resolution, center_crop))
+                # Phone photos are stored sideways with an EXIF orientation tag: train on what a viewer shows.
+                images.append(preprocess(ImageOps.exif_transpose(img), resolution, center_crop))
                 paths.append(path)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             log.warning("skipping %s: not a readable image (%s)", path, exc.__class__.__name__)
+        except Image.DecompressionBombError:
+            # A declared size beyond PIL's limit (Image.MAX_IMAGE_PIXELS x 2): possibly a bomb, never decoded.
+            log.warning("skipping %s: its declared size is too large to decode safely (DecompressionBombError)", path)
     if not images:
         raise UserError(f"no readable image in {root} (looked for {', '.join(sorted(IMAGE_SUFFIXES))})")
     return torch.stack(images), paths

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -34,7 +35,10 @@ from xeontune.train.options import TrainOptions
 
 log = logging.getLogger("xeontune.train")
 
-RUN_MARKERS = ("learned_embeds.safetensors", "metrics.jsonl", "train_config.json")
+RUN_CONFIG = "train_config.json"  # written first by every run: it marks a dir as a run's output dir
+# The files a run writes at the top of --output-dir (its dirs: checkpoint-N, validation, pipeline, logs).
+RUN_FILE_RE = re.compile(r"^(learned_embeds(-steps-\d+)?\.safetensors|metrics\.jsonl|train_config\.json)$")
+TFEVENTS_RE = re.compile(r"^events\.out\.tfevents\.")  # tensorboard's files in --logging-dir
 PHASES = ("data", "latents", "text_encoder_forward", "unet_forward", "backward", "optimizer", "allreduce")
 
 
@@ -56,6 +60,38 @@ class Phases:
         out = {name: self.seconds.get(name, 0.0) for name in PHASES}
         self.seconds.clear()
         return out
+
+
+class Sync:
+    """Where ranks wait for each other outside the step.
+
+    The default process group's ``--dist-timeout`` is short on purpose: inside a step a long wait means
+    a rank hangs. Rank 0's work alone (checkpoints, validation, saving) and model loading, which takes
+    each node its own time, can take minutes; ranks wait for those at barriers on a second gloo group
+    whose timeout is ``--dist-wait-timeout``.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group  # None in a single process
+
+    @classmethod
+    def create(cls, world: int, timeout_s: float) -> Sync:
+        if world <= 1:
+            return cls()
+        return cls(torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+
+    def wait(self) -> None:
+        if self.group is not None:
+            torch.distributed.barrier(group=self.group)
+
+
+def pause_for_tests(where: str, rank: int) -> None:
+    """Test hook: XEONTUNE_TEST_PAUSE="WHERE:RANK:SECONDS[,...]" makes a rank sleep at ``setup`` (as a
+    slow model load would) or ``alone`` (rank 0's outputs between steps and at the end)."""
+    for item in os.environ.get("XEONTUNE_TEST_PAUSE", "").split(","):
+        parts = item.split(":")
+        if len(parts) == 3 and parts[0] == where and int(parts[1]) == rank:
+            time.sleep(float(parts[2]))
 
 
 class AllReduceCounter:
@@ -101,6 +137,7 @@ class Run:
     precision: str
     max_steps: int
     output_dir: Path
+    sync: Sync = field(default_factory=Sync)
     phases: Phases = field(default_factory=Phases)
     counter: AllReduceCounter | None = None
     gradient_checked: bool = False
@@ -221,21 +258,44 @@ def check_output_dir(opts: TrainOptions) -> Path:
         return out
     if not out.is_dir():
         raise UserError(f"--output-dir {out} exists and is not a directory")
-    previous = [p.name for p in out.iterdir() if p.name in RUN_MARKERS or checkpoint.CHECKPOINT_RE.match(p.name)]
+    previous = sorted(p.name for p in out.iterdir() if RUN_FILE_RE.match(p.name) or checkpoint.CHECKPOINT_RE.match(p.name))
     if previous and not opts.overwrite:
         raise UserError(
-            f"--output-dir {out} holds another run ({', '.join(sorted(previous)[:3])}); "
+            f"--output-dir {out} holds another run ({', '.join(previous[:3])}); "
             "pass --overwrite to replace it or --resume-from-checkpoint latest to continue it"
+        )
+    if previous and not (out / RUN_CONFIG).is_file():
+        raise UserError(
+            f"--output-dir {out} holds {', '.join(previous[:3])} but no {RUN_CONFIG}, so it is not a run's "
+            "output dir and --overwrite will not clear it; move those files or pick another dir"
         )
     return out
 
 
 def clear_previous_run(out: Path) -> None:
+    """Delete what the run recorded in ``out``'s train_config.json wrote; nothing in a dir without one."""
+    config_path = out / RUN_CONFIG
+    if not config_path.is_file():
+        return
+    try:
+        logging_dir = json.loads(config_path.read_text()).get("logging_dir") or "logs"
+    except (OSError, ValueError, AttributeError):
+        logging_dir = "logs"
     for p in out.iterdir():
-        if p.name in RUN_MARKERS or checkpoint.CHECKPOINT_RE.match(p.name) or p.name.startswith("learned_embeds"):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-        elif p.name in ("validation", "pipeline", "logs") and p.is_dir():
+        if RUN_FILE_RE.match(p.name) and p.is_file():
+            p.unlink()
+        elif checkpoint.CHECKPOINT_RE.match(p.name) and p.is_dir():
             shutil.rmtree(p)
+    if (out / "pipeline" / "model_index.json").is_file():
+        shutil.rmtree(out / "pipeline")
+    # Only the files the run wrote; the dir goes when that leaves it empty.
+    for sub, pattern in ((out / "validation", validation.IMAGE_NAME_RE), (out / logging_dir, TFEVENTS_RE)):
+        if sub.is_dir():
+            for p in sub.iterdir():
+                if pattern.match(p.name) and p.is_file():
+                    p.unlink()
+            with contextlib.suppress(OSError):
+                sub.rmdir()
 
 
 def setup(
@@ -248,9 +308,16 @@ def setup(
     from xeontune.hardware import choose_precision
     from xeontune.train.backends import prepare_frozen_models
 
-    # Everything that can fail on the user's input is checked before anything is written.
-    output_dir = check_output_dir(opts)
-    resume_path = checkpoint.resolve(opts.resume_from_checkpoint, output_dir) if opts.resume_from_checkpoint else None
+    main, world = accelerator.is_main_process, accelerator.num_processes
+    sync = Sync.create(world, opts.dist_wait_timeout)
+    pause_for_tests("setup", accelerator.process_index)
+    # Everything that can fail on the user's input is checked before anything is written. The output
+    # dir and the checkpoint are rank 0's: without a shared filesystem the other ranks have neither.
+    output_dir = check_output_dir(opts) if main else Path(opts.output_dir)
+    resume_path: Path | None = None
+    resume_data: bytes | None = None
+    if opts.resume_from_checkpoint and main:
+        resume_path, resume_data = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
     images, _ = load_images(opts.data_dir, opts.resolution, opts.center_crop)
     if opts.report_to == "tensorboard":
         _tensorboard_writer(None)  # fails now, not after the first outputs are written
@@ -268,7 +335,7 @@ def setup(
         components.unet, components.vae, notes = prepare_frozen_models(
             components.unet, components.vae, precision=precision, ipex=opts.ipex, compile=opts.compile
         )
-    if accelerator.is_main_process:
+    if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
 
     embedding = tokens.install(components.text_encoder, placeholder, full_table=opts.train_full_table)
@@ -286,7 +353,6 @@ def setup(
         num_train_timesteps=components.noise_scheduler.config.num_train_timesteps, flip_p=opts.flip_p,
     )
 
-    world = accelerator.num_processes
     global_batch = opts.train_batch_size * world * opts.gradient_accumulation_steps
     max_steps = opts.max_train_steps or math.ceil(opts.num_train_epochs * plan.epoch_len / global_batch)
     lr = opts.learning_rate * (global_batch if opts.scale_lr else 1)
@@ -302,8 +368,9 @@ def setup(
     run = Run(
         opts=opts, accelerator=accelerator, components=components, placeholder=placeholder,
         embedding=embedding, ddp_embedding=embedding, plan=plan, latents=latents, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, precision=precision, max_steps=max_steps, output_dir=output_dir,
+        lr_scheduler=lr_scheduler, precision=precision, max_steps=max_steps, output_dir=output_dir, sync=sync,
     )
+    sync.wait()  # every rank has its models (each node loads at its own pace) before the first collective
     if world > 1:
         # Only the embedding module is wrapped: DDP then syncs just the trainable rows.
         run.ddp_embedding = accelerator.prepare_model(embedding)
@@ -311,11 +378,13 @@ def setup(
         run.ddp_embedding.register_comm_hook(None, run.counter.hook)
         components.text_encoder.set_input_embeddings(run.ddp_embedding)
 
-    state = checkpoint.load_everywhere(resume_path, accelerator.is_main_process, world > 1)
-    if state is not None:
+    state = None
+    if opts.resume_from_checkpoint:
+        where = resume_path or "rank 0's checkpoint"
+        state = checkpoint.decode(checkpoint.share(resume_data, main, sync.group), where)
         if state.placeholder_tokens != placeholder.tokens or state.vectors.shape != embedding.learned().shape:
             raise UserError(
-                f"checkpoint {resume_path} was trained for {state.placeholder_tokens} with vectors "
+                f"checkpoint {where} was trained for {state.placeholder_tokens} with vectors "
                 f"{tuple(state.vectors.shape)}; this run has {placeholder.tokens} {tuple(embedding.learned().shape)}"
             )
         embedding.load_learned(state.vectors)
@@ -372,6 +441,7 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                                                       "world_size": run.world})
         if opts.report_to == "tensorboard":
             writer = _tensorboard_writer(out / opts.logging_dir)
+    run.sync.wait()  # rank 0 may have cleared a large previous run
     metrics = open(out / "metrics.jsonl", "a") if main else None  # noqa: SIM115 (closed below)
 
     global_batch = opts.train_batch_size * run.world * opts.gradient_accumulation_steps
@@ -410,7 +480,10 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                 if not interactive and (done % log_every == 0 or done == run.max_steps):
                     log.info("step %d/%d  loss %.4f  %.2f s/step  %.1f images/s", done, run.max_steps,
                              loss_value, elapsed, global_batch / elapsed)
-                _between_steps(run, done, writer)
+            if outputs_due(opts, done, run.max_steps):
+                if main:
+                    _between_steps(run, done, writer)
+                run.sync.wait()  # the others wait for rank 0 here, not in the next step's all-reduce
         result_path = _finish(run, writer) if main else None
     finally:
         bar.close()
@@ -418,15 +491,22 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             metrics.close()
         if writer:
             writer.close()
-    accelerator.wait_for_everyone()
+    run.sync.wait()
     return TrainResult(out, run.max_steps, run.embedding.learned(), loss_value, result_path)
+
+
+def outputs_due(opts: TrainOptions, step: int, max_steps: int) -> bool:
+    """Whether rank 0 writes outputs after ``step`` (every rank computes the same answer)."""
+    if step == max_steps:
+        return False  # _finish writes the final outputs
+    every = (opts.save_steps, opts.checkpointing_steps, opts.validation_steps if opts.validation_prompt else 0)
+    return any(n and step % n == 0 for n in every)
 
 
 def _between_steps(run: Run, step: int, writer) -> None:
     """Main process only: intermediate embeddings, checkpoints, validation."""
     opts, out = run.opts, run.output_dir
-    if step == run.max_steps:
-        return  # _finish writes the final outputs
+    pause_for_tests("alone", run.rank)
     if opts.save_steps and step % opts.save_steps == 0:
         tokens.save_learned_embeds(out / f"learned_embeds-steps-{step}.safetensors", run.placeholder,
                                    run.embedding.learned(), opts.save_format, step)
@@ -464,6 +544,7 @@ def run_validation(run: Run, step: int, writer) -> list[Path]:
 
 def _finish(run: Run, writer) -> Path:
     opts, out = run.opts, run.output_dir
+    pause_for_tests("alone", run.rank)
     path = tokens.save_learned_embeds(out / "learned_embeds.safetensors", run.placeholder, run.embedding.learned(),
                                       opts.save_format, run.max_steps)
     if opts.checkpointing_steps and run.max_steps % opts.checkpointing_steps == 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +81,10 @@ class TrainOptions:
                               "as many as memory holds); see docs/performance.md", group="hardware")
     dist_backend: str = opt("gloo", "torch.distributed backend when launched on several ranks",
                             choices=("gloo", "ccl"), group="hardware")
-    dist_timeout: float = opt(60.0, "seconds a collective may wait before the job fails", group="hardware")
+    dist_timeout: float = opt(60.0, "seconds a collective inside a step may wait for a rank before the job fails",
+                              group="hardware")
+    dist_wait_timeout: float = opt(3600.0, "seconds ranks wait while one works alone (model loading, checkpoints, "
+                                   "validation, saving the pipeline) before the job fails", group="hardware")
     # outputs
     output_dir: str = opt("textual_inversion_output", "where embeddings, checkpoints and logs go", group="outputs")
     overwrite: bool = opt(False, "replace the outputs of a previous run in --output-dir", group="outputs")
@@ -215,13 +219,24 @@ def load_config_file(path: str) -> dict[str, Any]:
     return out
 
 
+# Defaults that `xeontune launch` gives its ranks through the environment. They sit below the config
+# file and the command line, so the user's own value wins in any spelling or from --config.
+LAUNCH_DEFAULTS_ENV = {"dist_backend": "XEONTUNE_LAUNCH_DIST_BACKEND", "dist_timeout": "XEONTUNE_LAUNCH_DIST_TIMEOUT"}
+
+
+def launch_defaults() -> dict[str, Any]:
+    known = {f.name: f for f in _fields()}
+    return {name: _base_type(known[name])(os.environ[var]) for name, var in LAUNCH_DEFAULTS_ENV.items()
+            if os.environ.get(var)}
+
+
 def parse_args(argv: list[str] | None) -> TrainOptions:
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
     ignored = [k.removeprefix("ignored") for k in ns if k.startswith("ignored")]
     if ignored:
         log.warning("ignoring flags with no meaning on a CPU here: %s", ", ".join(ignored))
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = launch_defaults()
     config = ns.pop("config", None)
     if config:
         values.update(load_config_file(config))
@@ -260,6 +275,7 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.dist_timeout > 0, "--dist-timeout must be positive"),
         (o.nproc_per_node == "auto" or (o.nproc_per_node.isdigit() and int(o.nproc_per_node) >= 1),
          f"--nproc-per-node must be a positive number or auto, got {o.nproc_per_node!r}"),
+        (o.dist_wait_timeout > 0, "--dist-wait-timeout must be positive"),
         (" " not in o.placeholder_token.strip(), "--placeholder-token must not contain spaces"),
     ]
     for ok, message in checks:

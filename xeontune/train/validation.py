@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 import torch
@@ -38,6 +39,9 @@ def generate(
         return images
     finally:
         text_encoder.set_input_embeddings(wrapped)
+
+
+IMAGE_NAME_RE = re.compile(r"^step-\d{6,}-\d+\.png$")  # what save_images names its files
 
 
 def save_images(images: list, out_dir: Path, step: int) -> list[Path]:

@@ -1,0 +1,150 @@
+"""Checkpoints: durable, safe to load, `latest` falls back past a broken one, pruning keeps the newest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from xeontune.cli import main
+from xeontune.errors import UserError
+from xeontune.train import checkpoint, loop
+from xeontune.train.options import parse_args
+
+
+def run_cli(capsys, args):
+    rc = main(["train", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    return rc, [line for line in err if line.startswith("error:")], err
+
+
+def a_state(step: int) -> checkpoint.TrainState:
+    param = torch.nn.Parameter(torch.randn(2, 4))
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return checkpoint.TrainState(step=step, vectors=param.detach().clone(), optimizer=optimizer.state_dict(),
+                                 lr_scheduler=scheduler.state_dict(), placeholder_tokens=["<t>"],
+                                 rng=checkpoint.rng_state())
+
+
+def plant_broken(out: Path, step: int) -> Path:
+    """What a crash mid-write leaves behind on a filesystem that reordered the writes: an empty state.pt."""
+    broken = out / f"checkpoint-{step}"
+    broken.mkdir(parents=True)
+    (broken / checkpoint.STATE_FILE).write_bytes(b"")
+    return broken
+
+
+def test_rng_states_round_trip_through_a_weights_only_load(tmp_path):
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    np.random.standard_normal()  # leaves a cached gaussian in numpy's state
+    path = checkpoint.save(tmp_path, a_state(1), None)
+    expected = (random.random(), np.random.standard_normal(), torch.rand(1).item())
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    state = checkpoint.decode(checkpoint.read(path), path)
+    checkpoint.restore_rng(state.rng)
+    assert (random.random(), np.random.standard_normal(), torch.rand(1).item()) == expected
+
+
+def test_save_fsyncs_the_file_and_the_dirs_and_marks_it_complete_last(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    out = tmp_path / "out"
+    out.mkdir()
+    target = checkpoint.save(out, a_state(7), None)
+    names = [Path(p).name for p in synced]
+    assert target == out / "checkpoint-7"
+    # both files reached the disk before the rename, and the rename itself after it
+    assert checkpoint.STATE_FILE in names and checkpoint.COMPLETE_FILE in names
+    assert any(Path(p).name.startswith(".checkpoint-7.") for p in synced), synced  # the temp dir's entries
+    assert synced[-1] == str(out), synced  # the parent, after the rename
+    marker = json.loads((target / checkpoint.COMPLETE_FILE).read_text())
+    data = (target / checkpoint.STATE_FILE).read_bytes()
+    assert marker == {"step": 7, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_total_limit_keeps_the_new_checkpoint_when_a_broken_newer_one_lies_around(tmp_path):
+    out = tmp_path / "out"
+    checkpoint.save(out, a_state(4), 1)
+    plant_broken(out, 8)  # a crashed earlier attempt got further than this resumed run
+    checkpoint.save(out, a_state(6), 1)
+    assert [p.name for _, p in checkpoint.list_checkpoints(out)] == ["checkpoint-6"]
+    assert checkpoint.resolve("latest", out)[0] == out / "checkpoint-6"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_carrying_a_pickled_object_is_refused(base_args, tmp_path, capsys):
+    canary = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.write_text, (canary, "code ran"))
+
+    state = a_state(3)
+    state.rng["extra"] = Payload()
+    path = tmp_path / "sent-to-me" / "checkpoint-3"
+    path.mkdir(parents=True)
+    torch.save(state.__dict__, path / checkpoint.STATE_FILE)
+    data = (path / checkpoint.STATE_FILE).read_bytes()
+    (path / checkpoint.COMPLETE_FILE).write_text(json.dumps(  # a marker that matches: only the pickle is wrong
+        {"step": 3, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    rc, errors, err = run_cli(capsys, base_args + ["--placeholder-token", "<t>", "--resume-from-checkpoint", str(path)])
+    assert rc == 2 and len(errors) == 1 and "objects other than tensors" in errors[0], err
+    assert not canary.exists()
+
+
+@pytest.mark.slow
+def test_latest_falls_back_past_an_unreadable_checkpoint(base_args, tmp_path, caplog, capsys):
+    caplog.set_level(logging.WARNING, logger="xeontune.train.checkpoint")
+    out = tmp_path / "out"
+    common = base_args + ["--checkpointing-steps", "2", "--save-steps", "0", "--mixed-precision", "fp32"]
+    loop.train(parse_args(common + ["--max-train-steps", "4"]))
+    plant_broken(out, 200)
+
+    # an explicit path to it: one line, no traceback
+    rc, errors, err = run_cli(capsys, common + ["--max-train-steps", "6", "--resume-from-checkpoint",
+                                               str(out / "checkpoint-200")])
+    assert rc == 2 and len(errors) == 1 and "checkpoint-200" in errors[0], err
+    assert not any("Traceback" in line for line in err)
+
+    # latest: warns and resumes from the newest complete one
+    result = loop.train(parse_args(common + ["--max-train-steps", "6", "--resume-from-checkpoint", "latest"]))
+    assert any("checkpoint-200" in r.getMessage() and "checkpoint-4" in r.getMessage() for r in caplog.records)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert result.steps == 6
+
+    # nothing complete left: one line naming what was skipped
+    for _, path in checkpoint.list_checkpoints(out):
+        shutil.rmtree(path)
+    rc, errors, err = run_cli(capsys, common + ["--max-train-steps", "6", "--resume-from-checkpoint", "latest"])
+    assert rc == 2 and len(errors) == 1 and "no complete, readable checkpoint" in errors[0], err
+
+
+def test_a_damaged_state_file_is_a_one_line_error(tmp_path):
+    path = checkpoint.save(tmp_path, a_state(2), None)
+    data = (path / checkpoint.STATE_FILE).read_bytes()
+    (path / checkpoint.STATE_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match="is damaged"):
+        checkpoint.read(path)
+    (path / checkpoint.COMPLETE_FILE).unlink()
+    with pytest.raises(UserError, match="incomplete"):
+        checkpoint.read(path)
