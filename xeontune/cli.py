@@ -56,10 +56,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from xeontune import hardware
+    from xeontune import doctor
 
-    report = hardware.collect()
-    print(hardware.render_json(report) if args.json else hardware.render_table(report))
+    report = doctor.collect()
+    print(doctor.render_json(report) if args.json else doctor.render_table(report))
     return 0
 
 
@@ -129,11 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
+    from xeontune.cluster import providers  # the registry only: provider modules load on use
+
     cluster = sub.add_parser("cluster", help="create, inspect and log into clusters")
     csub = cluster.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
 
     p = csub.add_parser("up", help="create a cluster and write its hosts, SSH and accelerate files")
-    p.add_argument("--provider", required=True, choices=["local", "localhost", "aws", "azure"])
+    p.add_argument("--provider", required=True, choices=providers.names())
     p.add_argument("-n", "--nodes", type=int, default=2, help="number of nodes (default 2)")
     p.add_argument("--name", default="default", help="cluster name (default: default)")
     p.add_argument("--region", help="cloud region (aws: e.g. us-east-1; azure: e.g. eastus)")
@@ -168,7 +170,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("teardown", help="delete a cluster and everything it created")
     p.add_argument("--name", default="default", help="cluster name")
-    p.add_argument("--provider", choices=["local", "localhost", "aws", "azure"],
+    p.add_argument("--provider", choices=providers.names(),
                    help="needed only when the state file is lost (find leftovers by tag)")
     p.add_argument("--region", help="cloud region, when the state file is lost")
     p.set_defaults(func=_cmd_teardown)

@@ -110,7 +110,7 @@ def test_gloo_allreduce_one_rank_per_host(local_cluster):
 
 def test_cloud_style_launch_runs_mpirun_on_the_head_over_ssh(local_cluster):
     """The path a cloud cluster takes (ssh -tt to the head, mpirun there), on the namespace hosts."""
-    remote = dataclasses.replace(local_cluster, provider="aws", extra={**local_cluster.extra, "venv": sys.prefix})
+    remote = dataclasses.replace(local_cluster, provider="aws", venv=sys.prefix)
     plan = launch.build_plan(remote, 3, 1, "gloo", [], extra_env={"PYTHONPATH": str(REPO)}, workdir=str(REPO),
                              module=PROBE)
     assert plan.argv[0] == "ssh" and "OMP_NUM_THREADS" not in plan.env  # unknown node cores: torch decides
