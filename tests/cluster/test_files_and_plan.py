@@ -182,10 +182,16 @@ def test_a_record_written_before_the_typed_fields_still_loads(xeontune_home):
     """Older state files kept these keys as strings in `extra`; they load into the typed fields."""
     from xeontune.io import atomic_write_json
 
-    old = ClusterRecord(name="old", provider="aws", extra={
-        "venv": "/opt/xeontune/venv", "remote_key_path": "/opt/xeontune/keys/id_ed25519", "cores_per_node": "8",
-        "instance_type": "m7i.4xlarge", "skip_bootstrap": "1", "mixed_precision": "bf16", "vpc": "vpc-1"})
-    atomic_write_json(state.record_path("old"), old.to_json())
+    old = {  # the fields of the record before, as `up` wrote them
+        "name": "old", "provider": "aws", "nodes": [{"name": "node0", "role": "head", "private_ip": "172.31.0.10",
+                                                     "public_ip": None, "resource_id": "i-1"}],
+        "ssh_user": "ubuntu", "key_path": "/k", "known_hosts_path": "/kh", "work_dir": "/opt/xeontune/work",
+        "iface": None, "region": "us-east-1", "resources": [{"kind": "instance", "id": "i-1", "region": "us-east-1"}],
+        "extra": {"venv": "/opt/xeontune/venv", "remote_key_path": "/opt/xeontune/keys/id_ed25519",
+                  "cores_per_node": "8", "instance_type": "m7i.4xlarge", "skip_bootstrap": "1",
+                  "mixed_precision": "bf16", "vpc": "vpc-1"},
+    }
+    atomic_write_json(state.record_path("old"), old)
     rec = state.load("old")
     assert (rec.venv, rec.remote_key_path, rec.cores_per_node, rec.instance_type, rec.skip_bootstrap) == (
         "/opt/xeontune/venv", "/opt/xeontune/keys/id_ed25519", 8, "m7i.4xlarge", True)
