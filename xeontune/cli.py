@@ -8,12 +8,12 @@ message and exit code 2. Heavy imports (torch, cloud SDKs) happen inside the han
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
 from xeontune import __version__
 from xeontune.errors import UserError
+from xeontune.quiet import quiet_libraries
 
 DESCRIPTION = """\
 Fine-tune Stable Diffusion with textual inversion on Xeon CPUs, on one machine or a small cluster.
@@ -177,9 +177,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Library chatter (optional image backends, deprecations) is noise on a terminal.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    quiet_libraries()
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()

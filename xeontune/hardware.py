@@ -256,15 +256,21 @@ def reexec_with_allocator(python_args: list[str], allocator: str | None = None) 
 
     For `xeontune train` / `python -m xeontune.train` and `xeontune bench`: an allocator only takes
     effect when preloaded at process start. ``allocator`` None reads XEONTUNE_ALLOCATOR
-    (auto | tcmalloc | jemalloc | none; default auto).
+    (auto | tcmalloc | jemalloc | none; default auto); one the caller names (`bench --allocator`)
+    must exist, else UserError.
     `python_args` is what follows the interpreter, e.g. ["-m", "xeontune.bench", *argv]. Returns
     False (and carries on in this process) when nothing is found, it is already preloaded, or this
     process is already the re-executed one; otherwise it does not return.
     """
+    named = allocator
     allocator = allocator or os.environ.get("XEONTUNE_ALLOCATOR", "auto")
     if allocator == "none" or os.environ.get(PRELOAD_MARKER):
         return False
     preload = launch_env(1, allocator=allocator).get("LD_PRELOAD")
+    if named not in (None, "auto") and not preload:
+        from xeontune.errors import UserError
+
+        raise UserError(f"--allocator {named}: library not found (see `xeontune doctor`)")
     if not preload or preload == os.environ.get("LD_PRELOAD"):
         return False
     # OMP_NUM_THREADS is left alone: torch's default is the physical cores, right for one process.
