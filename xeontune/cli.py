@@ -134,7 +134,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     cluster = sub.add_parser("cluster", help="create, inspect and log into clusters")
     csub = cluster.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
 
-    p = csub.add_parser("up", help="create a cluster and write its hosts, SSH and accelerate files")
+    p = csub.add_parser("up", help="create a cluster and write its hosts and SSH files")
     p.add_argument("--provider", required=True, choices=providers.names())
     p.add_argument("-n", "--nodes", type=int, default=2, help="number of nodes (default 2)")
     p.add_argument("--name", default="default", help="cluster name (default: default)")

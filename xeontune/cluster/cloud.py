@@ -5,7 +5,7 @@ failed ``up``.
 Paths on every cloud node are the same absolute ones (Hydra needs that)::
 
     /opt/xeontune/venv                  the project's virtualenv (bootstrap)
-    /opt/xeontune/work                  the cluster's files (hosts, ssh config, accelerate configs)
+    /opt/xeontune/work                  the cluster's files (hosts, ssh configs, pinned known_hosts)
     /opt/xeontune/keys/id_ed25519       a key generated on the head for head -> worker SSH
 
 The caller's own private key never leaves this machine; the head's key never leaves the head.
@@ -145,6 +145,8 @@ class CloudPlan:
     image: str  # as the "creating ..." line names it
     cores_per_node: int | None  # physical cores, when the API says
     estimate: pricing.CostEstimate
+    errors: tuple[type[BaseException], ...]  # the SDK's exceptions that ``create`` may raise ...
+    user_error: Callable[[BaseException, str], UserError]  # ... and how each becomes one line
     extra: dict[str, str] = field(default_factory=dict)  # the provider's own keys for the record
     client: Any = None  # the provider's SDK client(s), reused by ``create``
 
@@ -163,12 +165,11 @@ class CloudProvider(Provider):
         """Create every resource of the cluster, recording each as soon as it exists."""
         raise NotImplementedError
 
-    def sdk_errors(self) -> tuple[type[BaseException], ...]:
-        """The SDK's exceptions that ``user_error`` turns into one line."""
+    def estimate(self, record: ClusterRecord) -> pricing.CostEstimate:
         raise NotImplementedError
 
-    def user_error(self, exc: BaseException, doing: str) -> UserError:
-        raise NotImplementedError
+    def cost_per_hour(self, record: ClusterRecord) -> float | None:
+        return self.estimate(record).usd_per_hour
 
     def up(self, spec: ClusterSpec) -> ClusterRecord:
         state.validate_name(spec.name)
@@ -185,7 +186,7 @@ class CloudProvider(Provider):
               f"from {plan.image}; {plan.estimate.line()}", flush=True)
         try:
             self.create(record, spec, plan)
-        except self.sdk_errors() as exc:
-            error = self.user_error(exc, f"creating cluster {spec.name!r}")
+        except plan.errors as exc:
+            error = plan.user_error(exc, f"creating cluster {spec.name!r}")
             raise rollback(record, error, lambda: self.terminate(spec.name, record)) from None
         return record

@@ -5,7 +5,7 @@ Layout of the state dir::
     $XEONTUNE_HOME/clusters/<name>/cluster.json   the ClusterRecord (written atomically)
     $XEONTUNE_HOME/clusters/<name>/id_ed25519     the cluster's private key (0600)
     $XEONTUNE_HOME/clusters/<name>/known_hosts    host keys pinned for this cluster only
-    $XEONTUNE_HOME/clusters/<name>/work/          hosts, ssh_config, accelerate configs
+    $XEONTUNE_HOME/clusters/<name>/work/          hosts, ssh_config, ssh wrapper
 
 Cloud providers call ``record.add_resource(...)`` and ``save(record)`` right after each create call
 returns, so an interrupted ``up`` still leaves a record that ``teardown`` can work from.

@@ -217,26 +217,6 @@ def _pick_subnet(ec2: Any, subnet: str | None, instance_type: str) -> tuple[str,
     return usable[0]["SubnetId"], vpc
 
 
-def _plan(spec: ClusterSpec) -> cloud.CloudPlan:
-    region = resolve_region(spec.region)
-    instance_type = spec.instance_type or DEFAULT_INSTANCE_TYPE
-    ssh_cidr = cloud.ssh_cidr(spec.ssh_cidr)
-    ec2 = _client(region)
-    # Everything here only reads: a bad type, AMI or subnet fails before anything exists.
-    try:
-        cores = _check_instance_type(ec2, instance_type)
-        ami, root_device = _image(ec2, spec.image) if spec.image else latest_ubuntu_lts(ec2)
-        subnet, vpc = _pick_subnet(ec2, spec.subnet, instance_type)
-    except _aws_errors() as exc:
-        raise _user_error(exc, "checking the region, instance type, image and network") from None
-    return cloud.CloudPlan(
-        region=region, instance_type=instance_type, image=ami, cores_per_node=cores,
-        estimate=pricing.aws(instance_type, spec.num_nodes, DISK_GB, spec.spot), client=ec2,
-        extra={"ami": ami, "root_device": root_device, "vpc": vpc, "subnet": subnet, "spot": "1" if spec.spot else "0",
-               "ssh_cidr": ssh_cidr, "disk_gb": str(DISK_GB)},
-    )
-
-
 def _create(ec2: Any, record: ClusterRecord, spec: ClusterSpec) -> None:
     name, region = record.name, record.region
     sg = ec2.create_security_group(
@@ -328,11 +308,6 @@ def _describe(ec2: Any, ids: list[str]) -> dict[str, dict]:
         for iid in ids:
             out.update(_describe(ec2, [iid]))
     return out
-
-
-def cost(record: ClusterRecord) -> pricing.CostEstimate:
-    return pricing.aws(record.instance_type or DEFAULT_INSTANCE_TYPE, len(record.nodes),
-                       int(record.extra.get("disk_gb", DISK_GB)), record.extra.get("spot") == "1")
 
 
 # --- teardown -----------------------------------------------------------------------------------
@@ -433,20 +408,32 @@ class Aws(cloud.CloudProvider):
     ssh_user = SSH_USER
 
     def plan(self, spec: ClusterSpec) -> cloud.CloudPlan:
-        return _plan(spec)
+        region = resolve_region(spec.region)
+        instance_type = spec.instance_type or DEFAULT_INSTANCE_TYPE
+        ssh_cidr = cloud.ssh_cidr(spec.ssh_cidr)
+        ec2 = _client(region)
+        # Everything here only reads: a bad type, AMI or subnet fails before anything exists.
+        try:
+            cores = _check_instance_type(ec2, instance_type)
+            ami, root_device = _image(ec2, spec.image) if spec.image else latest_ubuntu_lts(ec2)
+            subnet, vpc = _pick_subnet(ec2, spec.subnet, instance_type)
+        except _aws_errors() as exc:
+            raise _user_error(exc, "checking the region, instance type, image and network") from None
+        return cloud.CloudPlan(
+            region=region, instance_type=instance_type, image=ami, cores_per_node=cores,
+            errors=_aws_errors(), user_error=_user_error,
+            estimate=pricing.aws(instance_type, spec.num_nodes, DISK_GB, spec.spot), client=ec2,
+            extra={"ami": ami, "root_device": root_device, "vpc": vpc, "subnet": subnet, "spot": "1" if spec.spot else "0",
+                   "ssh_cidr": ssh_cidr, "disk_gb": str(DISK_GB)},
+        )
 
     def create(self, record: ClusterRecord, spec: ClusterSpec, plan: cloud.CloudPlan) -> None:
         _create(plan.client, record, spec)
         _refresh_addresses(plan.client, record)
 
-    def sdk_errors(self) -> tuple[type[BaseException], ...]:
-        return _aws_errors()
-
-    def user_error(self, exc: BaseException, doing: str) -> UserError:
-        return _user_error(exc, doing)
-
-    def cost_per_hour(self, record: ClusterRecord) -> float | None:
-        return cost(record).usd_per_hour
+    def estimate(self, record: ClusterRecord) -> pricing.CostEstimate:
+        return pricing.aws(record.instance_type or DEFAULT_INSTANCE_TYPE, len(record.nodes),
+                           int(record.extra.get("disk_gb", DISK_GB)), record.extra.get("spot") == "1")
 
     def wait(self, record: ClusterRecord, timeout_s: float) -> None:
         """Until every instance runs (addresses recorded), then its host key is known and SSH logs in."""

@@ -176,28 +176,6 @@ def _image_ref(urn: str) -> dict[str, str]:
     return dict(zip(("publisher", "offer", "sku", "version"), parts, strict=True))
 
 
-def _plan(spec: ClusterSpec) -> cloud.CloudPlan:
-    if spec.spot or spec.subnet:
-        raise UserError("--spot and --subnet are aws-only options")
-    location = (spec.region or DEFAULT_LOCATION).lower()
-    if not re.fullmatch(r"[a-z0-9]+", location):
-        raise UserError(f"unknown Azure region {location!r}: use a name like eastus or westeurope (no spaces)")
-    size = spec.instance_type or DEFAULT_SIZE
-    ssh_cidr = cloud.ssh_cidr(spec.ssh_cidr)
-    c = _Clients()
-    try:  # read-only checks: a bad region, size or image fails before anything exists
-        cores = _check_location_and_size(c, location, size)
-        image = ":".join((_image_ref(spec.image) if spec.image else latest_ubuntu_lts(c, location)).values())
-    except _azure_errors() as exc:
-        raise _user_error(exc, "checking the region, VM size and image") from None
-    return cloud.CloudPlan(
-        region=location, instance_type=size, image=image, cores_per_node=cores,
-        estimate=pricing.azure(size, spec.num_nodes), client=c,
-        extra={"image": image, "ssh_cidr": ssh_cidr, "resource_group": group_name(spec.name),
-               "subscription": c.subscription},
-    )
-
-
 def _create(c: _Clients, record: ClusterRecord, spec: ClusterSpec) -> None:
     name, location = record.name, record.region
     image = _image_ref(record.extra["image"])
@@ -279,10 +257,6 @@ def _power_state(vm: dict) -> str:
     return vm.get("properties", {}).get("provisioningState", "unknown").lower()
 
 
-def cost(record: ClusterRecord) -> pricing.CostEstimate:
-    return pricing.azure(record.instance_type or DEFAULT_SIZE, len(record.nodes), public_ips=1)
-
-
 # --- teardown -----------------------------------------------------------------------------------
 
 
@@ -291,19 +265,32 @@ class Azure(cloud.CloudProvider):
     ssh_user = SSH_USER
 
     def plan(self, spec: ClusterSpec) -> cloud.CloudPlan:
-        return _plan(spec)
+        if spec.spot or spec.subnet:
+            raise UserError("--spot and --subnet are aws-only options")
+        location = (spec.region or DEFAULT_LOCATION).lower()
+        if not re.fullmatch(r"[a-z0-9]+", location):
+            raise UserError(f"unknown Azure region {location!r}: use a name like eastus or westeurope (no spaces)")
+        size = spec.instance_type or DEFAULT_SIZE
+        ssh_cidr = cloud.ssh_cidr(spec.ssh_cidr)
+        c = _Clients()
+        try:  # read-only checks: a bad region, size or image fails before anything exists
+            cores = _check_location_and_size(c, location, size)
+            image = ":".join((_image_ref(spec.image) if spec.image else latest_ubuntu_lts(c, location)).values())
+        except _azure_errors() as exc:
+            raise _user_error(exc, "checking the region, VM size and image") from None
+        return cloud.CloudPlan(
+            region=location, instance_type=size, image=image, cores_per_node=cores,
+            errors=_azure_errors(), user_error=_user_error,
+            estimate=pricing.azure(size, spec.num_nodes), client=c,
+            extra={"image": image, "ssh_cidr": ssh_cidr, "resource_group": group_name(spec.name),
+                   "subscription": c.subscription},
+        )
 
     def create(self, record: ClusterRecord, spec: ClusterSpec, plan: cloud.CloudPlan) -> None:
         _create(plan.client, record, spec)
 
-    def sdk_errors(self) -> tuple[type[BaseException], ...]:
-        return _azure_errors()
-
-    def user_error(self, exc: BaseException, doing: str) -> UserError:
-        return _user_error(exc, doing)
-
-    def cost_per_hour(self, record: ClusterRecord) -> float | None:
-        return cost(record).usd_per_hour
+    def estimate(self, record: ClusterRecord) -> pricing.CostEstimate:
+        return pricing.azure(record.instance_type or DEFAULT_SIZE, len(record.nodes), public_ips=1)
 
     def wait(self, record: ClusterRecord, timeout_s: float) -> None:
         """Until every VM runs, its host key is read through ARM and pinned, and SSH logs in."""
