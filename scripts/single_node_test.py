@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+from xeontune.quiet import quiet_libraries  # noqa: E402  (after HF_HUB_OFFLINE: the hub reads it at import)
+
+quiet_libraries()
 
 
 def main() -> int:

@@ -94,11 +94,10 @@ def test_bad_input_is_a_one_line_error(argv, capsys):
 def test_missing_requested_allocator_is_a_user_error(monkeypatch):
     monkeypatch.delenv(hardware.PRELOAD_MARKER, raising=False)
     monkeypatch.setattr(hardware, "launch_env", lambda *a, **k: {"OMP_NUM_THREADS": "2"})
-    args = bench.build_parser().parse_args(["--allocator", "tcmalloc"])
     with pytest.raises(UserError, match="tcmalloc"):
-        bench._reexec_with_allocator(args, [])
-    args = bench.build_parser().parse_args(["--allocator", "auto"])
-    assert bench._reexec_with_allocator(args, []) is None  # nothing found: runs on as it is
+        hardware.reexec_with_allocator(["-m", "xeontune.bench"], "tcmalloc")
+    assert not hardware.reexec_with_allocator(["-m", "xeontune.bench"], "auto")  # nothing found: runs on as it is
+    assert main(["bench", "--allocator", "jemalloc", "--steps", "1"]) == 2  # one line, before any model is built
 
 
 def test_reexec_preloads_once(monkeypatch):

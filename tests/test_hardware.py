@@ -87,12 +87,32 @@ def test_launch_env_intel_openmp_and_existing_preload(tmp_path, monkeypatch):
         hardware.launch_env(0)
 
 
-def test_rank_threads_reads_the_mpi_environment():
-    assert hardware.ranks_on_this_host({"MPI_LOCALNRANKS": "2"}) == 2
-    assert hardware.ranks_on_this_host({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == 4
-    assert hardware.ranks_on_this_host({}) == 1
-    assert hardware.rank_threads({"MPI_LOCALNRANKS": "2"}, physical_cores=8) == 4
-    assert hardware.rank_threads({"OMP_NUM_THREADS": "3", "MPI_LOCALNRANKS": "2"}, physical_cores=8) == 3
+def test_rank_threads_reads_the_mpi_environment(monkeypatch):
+    for var in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                "MV2_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert hardware.rank_threads(physical_cores=8) == 8
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")  # Hydra's name
+    assert hardware.rank_threads(physical_cores=8) == 4
+    monkeypatch.delenv("MPI_LOCALNRANKS")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")  # Open MPI's
+    assert hardware.rank_threads(physical_cores=8) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the launcher's word wins
+    assert hardware.rank_threads(physical_cores=8) == 3
+
+
+def test_find_mpirun_prefers_this_venvs(tmp_path, monkeypatch):
+    """`launch` runs and `doctor` reports the same mpirun: this venv's before one on PATH."""
+    venv_bin, other = tmp_path / "venv" / "bin", tmp_path / "other"
+    for d in (venv_bin, other):
+        d.mkdir(parents=True)
+        (d / "mpirun").write_text("#!/bin/sh\n")
+        (d / "mpirun").chmod(0o755)
+    monkeypatch.setenv("PATH", str(other))
+    monkeypatch.setattr(hardware.sys, "prefix", str(tmp_path / "venv"))
+    assert hardware.find_mpirun() == str(venv_bin / "mpirun")
+    (venv_bin / "mpirun").unlink()
+    assert hardware.find_mpirun() == str(other / "mpirun")
 
 
 @pytest.mark.parametrize(
@@ -105,7 +125,9 @@ def test_rank_threads_reads_the_mpi_environment():
     ],
 )
 def test_mpi_flavour(text, flavour):
-    assert hardware.mpi_flavour(text) == flavour
+    from xeontune import doctor
+
+    assert doctor.mpi_flavour(text) == flavour
 
 
 def test_ipex_for_another_torch_is_not_imported(monkeypatch):

@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import copy
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -36,7 +35,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xeontune import hardware
 from xeontune.errors import UserError
+from xeontune.quiet import quiet_libraries
 
 VARIANTS = ("optimized", "baseline")
 BUILT_IN = ("tiny", "sd15-arch")
@@ -153,18 +154,7 @@ def rank_counts(spec: str, physical: int) -> list[int | str]:
     return counts
 
 
-# --- environment: allocator preload ---------------------------------------------------------------
-
-
-def _reexec_with_allocator(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    """An allocator must be preloaded at process start: re-execute once with it (see hardware)."""
-    from xeontune import hardware
-
-    if args.allocator == "none" or os.environ.get(hardware.PRELOAD_MARKER):
-        return
-    if args.allocator != "auto" and "LD_PRELOAD" not in hardware.launch_env(1, allocator=args.allocator):
-        raise UserError(f"--allocator {args.allocator}: library not found (see `xeontune doctor`)")
-    hardware.reexec_with_allocator(["-m", "xeontune.bench", *argv], args.allocator)
+# --- environment ----------------------------------------------------------------------------------
 
 
 def loaded_allocator() -> str:
@@ -236,19 +226,16 @@ def resolve_model(model: str, models_dir: str) -> Path:
     return path
 
 
-def train_argv(model: Path, data: Path, out: Path, args: argparse.Namespace, variant: str) -> list[str]:
-    argv = [
-        "--model", str(model), "--data-dir", str(data), "--placeholder-token", TOKEN,
-        "--initializer-token", "toy", "--resolution", str(args.resolution),
-        "--train-batch-size", str(args.batch_size), "--max-train-steps", str(args.warmup + args.steps),
-        "--output-dir", str(out), "--mixed-precision", args.mixed_precision, "--ipex", args.ipex,
-        "--report-to", "none",
-    ]
-    if args.compile:
-        argv.append("--compile")
-    if variant == "baseline":
-        argv += ["--no-cache-latents", "--train-full-table"]
-    return argv
+def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace, variant: str):
+    """The trainer's options for one variant: the baseline differs only in the two benchmark switches."""
+    from xeontune.train.options import TrainOptions, validate
+
+    return validate(TrainOptions(
+        model=str(model), data_dir=str(data), placeholder_token=TOKEN, initializer_token="toy",
+        resolution=args.resolution, train_batch_size=args.batch_size, max_train_steps=args.warmup + args.steps,
+        output_dir=str(out), mixed_precision=args.mixed_precision, ipex=args.ipex, compile=args.compile,
+        report_to="none", cache_latents=variant != "baseline", train_full_table=variant == "baseline",
+    ))
 
 
 def example_components(model: Path, precision: str):
@@ -422,7 +409,7 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
     with tempfile.TemporaryDirectory(prefix="xeontune-bench-") as tmp:
         data = Path(tmp) / "data"
         models.write_sample_data(data, count=4, size=args.resolution)
-        opts = {v: loop_opts(model, data, Path(tmp) / v, args, v) for v in VARIANTS}
+        opts = {v: variant_options(model, data, Path(tmp) / v, args, v) for v in VARIANTS}
         accelerator = loop.make_accelerator(opts["optimized"])
         precision, _ = choose_precision(opts["optimized"].mixed_precision)
         components = example_components(model, precision)
@@ -473,8 +460,11 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         sweep = []
         counts = rank_counts(args.ranks_per_node, physical_cores())
         if counts:
-            argv = train_argv(model, data, Path(tmp), args, "optimized")
-            argv = argv[:argv.index("--output-dir")] + argv[argv.index("--output-dir") + 2:]
+            # the optimized variant's options, as a config file for the `xeontune train` runs
+            config = Path(tmp) / "ranks-config.json"
+            opts_json = variant_options(model, data, Path(tmp), args, "optimized").to_json()
+            config.write_text(json.dumps({k: v for k, v in opts_json.items() if k not in ("output_dir", "config")}))
+            argv = ["--config", str(config)]
             for ranks in counts:
                 sweep.append(ranks_run(argv, ranks, Path(tmp) / f"ranks-{ranks}", args.statistic, args.warmup))
                 log(f"--nproc-per-node {ranks}: {sweep[-1][0]} rank(s), {sweep[-1][1]:.3f} images/s, "
@@ -546,16 +536,8 @@ def physical_cores() -> int:
 
 
 def _cpu_model() -> str:
-    from xeontune import hardware
-
     info = hardware.cpu_info()
     return f"{info.model}, {info.physical_cores} cores, {' '.join(f for f, on in info.flags.items() if on)}"
-
-
-def loop_opts(model: Path, data: Path, out: Path, args: argparse.Namespace, variant: str):
-    from xeontune.train.options import parse_args
-
-    return parse_args(train_argv(model, data, out, args, variant))
 
 
 def rss_in_child(args: argparse.Namespace, variant: str, model: Path) -> dict[str, float | None]:
@@ -583,7 +565,7 @@ def rss_child(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="xeontune-bench-") as tmp:
         data = Path(tmp) / "data"
         models.write_sample_data(data, count=4, size=args.resolution)
-        opts = loop_opts(model, data, Path(tmp) / "out", args, args.rss_child)
+        opts = variant_options(model, data, Path(tmp) / "out", args, args.rss_child)
         accelerator = loop.make_accelerator(opts)
         if args.rss_child == "baseline":  # the example script's models, not the trainer's
             from xeontune.hardware import choose_precision
@@ -660,10 +642,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     _check(args)
-    _quiet_libraries()
+    quiet_libraries("xeontune.train")  # the trainer's per-step log lines would drown the bench's
     if args.rss_child:
         return rss_child(args)
-    _reexec_with_allocator(args, argv)
+    hardware.reexec_with_allocator(["-m", "xeontune.bench", *argv], args.allocator)
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -676,17 +658,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         atomic_write_text(Path(args.json_out), text + "\n")
     print(text if args.json else render_table(result))
     return 0
-
-
-def _quiet_libraries() -> None:
-    import logging
-    import warnings
-
-    for name in ("diffusers", "transformers", "accelerate", "huggingface_hub", "xeontune.train"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,12 @@ message and exit code 2. Heavy imports (torch, cloud SDKs) happen inside the han
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
 from xeontune import __version__
 from xeontune.errors import UserError
+from xeontune.quiet import quiet_libraries
 
 DESCRIPTION = """\
 Fine-tune Stable Diffusion with textual inversion on Xeon CPUs, on one machine or a small cluster.
@@ -56,10 +56,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from xeontune import hardware
+    from xeontune import doctor
 
-    report = hardware.collect()
-    print(hardware.render_json(report) if args.json else hardware.render_table(report))
+    report = doctor.collect()
+    print(doctor.render_json(report) if args.json else doctor.render_table(report))
     return 0
 
 
@@ -129,11 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
+    from xeontune.cluster import providers  # the registry only: provider modules load on use
+
     cluster = sub.add_parser("cluster", help="create, inspect and log into clusters")
     csub = cluster.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
 
-    p = csub.add_parser("up", help="create a cluster and write its hosts, SSH and accelerate files")
-    p.add_argument("--provider", required=True, choices=["local", "localhost", "aws", "azure"])
+    p = csub.add_parser("up", help="create a cluster and write its hosts and SSH files")
+    p.add_argument("--provider", required=True, choices=providers.names())
     p.add_argument("-n", "--nodes", type=int, default=2, help="number of nodes (default 2)")
     p.add_argument("--name", default="default", help="cluster name (default: default)")
     p.add_argument("--region", help="cloud region (aws: e.g. us-east-1; azure: e.g. eastus)")
@@ -172,16 +174,14 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("teardown", help="delete a cluster and everything it created")
     p.add_argument("--name", default="default", help="cluster name")
-    p.add_argument("--provider", choices=["local", "localhost", "aws", "azure"],
+    p.add_argument("--provider", choices=providers.names(),
                    help="needed only when the state file is lost (find leftovers by tag)")
     p.add_argument("--region", help="cloud region, when the state file is lost")
     p.set_defaults(func=_cmd_teardown)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Library chatter (optional image backends, deprecations) is noise on a terminal.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    quiet_libraries()
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()

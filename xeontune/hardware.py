@@ -1,24 +1,23 @@
-"""CPU facts, the precision decision, and the thread/allocator environment for launching ranks.
+"""CPU facts and the policy built on them: precision, IPEX, threads, allocator, mpirun, ccl.
 
-`collect()` gathers everything `xeontune doctor` shows; `choose_precision()` is what the trainer
-uses; `launch_env()` is what the launcher passes to every rank. Nothing here imports IPEX or any
+`choose_precision()` is the one precision decision (the trainer's, on each rank's own CPU);
+`launch_env()` is what the launcher passes to every rank; `reexec_with_allocator()` preloads
+tcmalloc at process start; `find_mpirun()` and `ccl_available()` answer for both `launch` and
+`doctor` (which renders all of this, in `xeontune.doctor`). Nothing here imports IPEX or any
 optional package at module level: each probe imports inside its function and reports failure.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import importlib.util
-import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import sysconfig
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -257,15 +256,21 @@ def reexec_with_allocator(python_args: list[str], allocator: str | None = None) 
 
     For `xeontune train` / `python -m xeontune.train` and `xeontune bench`: an allocator only takes
     effect when preloaded at process start. ``allocator`` None reads XEONTUNE_ALLOCATOR
-    (auto | tcmalloc | jemalloc | none; default auto).
+    (auto | tcmalloc | jemalloc | none; default auto); one the caller names (`bench --allocator`)
+    must exist, else UserError.
     `python_args` is what follows the interpreter, e.g. ["-m", "xeontune.bench", *argv]. Returns
     False (and carries on in this process) when nothing is found, it is already preloaded, or this
     process is already the re-executed one; otherwise it does not return.
     """
+    named = allocator
     allocator = allocator or os.environ.get("XEONTUNE_ALLOCATOR", "auto")
     if allocator == "none" or os.environ.get(PRELOAD_MARKER):
         return False
     preload = launch_env(1, allocator=allocator).get("LD_PRELOAD")
+    if named not in (None, "auto") and not preload:
+        from xeontune.errors import UserError
+
+        raise UserError(f"--allocator {named}: library not found (see `xeontune doctor`)")
     if not preload or preload == os.environ.get("LD_PRELOAD"):
         return False
     # OMP_NUM_THREADS is left alone: torch's default is the physical cores, right for one process.
@@ -276,52 +281,45 @@ def reexec_with_allocator(python_args: list[str], allocator: str | None = None) 
     return True  # not reached
 
 
-# MPI launchers say how many ranks share this host under different names.
-_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
-
-
-def ranks_on_this_host(env: Mapping[str, str] | None = None) -> int:
-    env = os.environ if env is None else env
-    for var in _LOCAL_SIZE_VARS:
-        if env.get(var, "").isdigit() and int(env[var]) > 0:
-            return int(env[var])
-    return 1
-
-
-def rank_threads(env: Mapping[str, str] | None = None, physical_cores: int | None = None) -> int:
+def rank_threads(physical_cores: int | None = None) -> int:
     """Threads for this rank: OMP_NUM_THREADS if the launcher set it, else physical cores divided
-    by the ranks on this host (from the MPI environment)."""
-    env = os.environ if env is None else env
-    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
-        return int(env["OMP_NUM_THREADS"])
+    by the ranks on this host, as accelerate reads them from the MPI environment (Hydra's
+    MPI_LOCALNRANKS, Open MPI's and MVAPICH's names, LOCAL_WORLD_SIZE)."""
+    from accelerate.utils import get_cpu_distributed_information
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        return int(threads)
     info = cpu_info()
     cores = physical_cores or min(info.physical_cores, info.usable_cpus)
-    return max(cores // ranks_on_this_host(env), 1)
+    return max(cores // max(get_cpu_distributed_information().local_world_size, 1), 1)
 
 
-# --- torch, IPEX, MPI, collectives -----------------------------------------------------------
+def find_mpirun() -> str | None:
+    """The mpirun that `xeontune launch` runs on this machine and `doctor` reports: the one the
+    mpich / impi-rt wheels put into this venv (Hydra needs the same path on every host), else
+    the first on PATH."""
+    beside = Path(sys.prefix) / "bin" / "mpirun"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mpirun")
 
 
-@dataclass
-class TorchInfo:
-    version: str
-    onednn: bool  # oneDNN (mkldnn) built in and enabled: the CPU conv/matmul kernels
-    onednn_version: str | None
-    cpu_capability: str  # the widest ISA torch's own kernels dispatch to (e.g. AVX2, AVX512)
-    threads: int
+def ccl_available() -> tuple[bool, str]:
+    """Whether the ccl backend can be used here: oneCCL's torch bindings import and were built
+    for this torch's major.minor. (ok, why not)."""
+    try:
+        import oneccl_bindings_for_pytorch as ccl  # type: ignore[import-not-found]
+        import torch
+    except Exception as exc:  # absent or broken against this torch: either way not usable
+        return False, f"it does not import ({type(exc).__name__}: {exc})"
+    version = getattr(ccl, "__version__", "")
+    if version and _major_minor(version) != _major_minor(torch.__version__):
+        return False, f"it is {version}, built for another torch than {torch.__version__}"
+    return True, "ok"
 
 
-def torch_info() -> TorchInfo:
-    import torch
-
-    match = re.search(r"(?:oneDNN|MKL-DNN) v([\w.]+)", torch.__config__.show())
-    return TorchInfo(
-        version=torch.__version__,
-        onednn=bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
-        onednn_version=match.group(1) if match else None,
-        cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        threads=torch.get_num_threads(),
-    )
+# --- IPEX ------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -371,178 +369,3 @@ def ipex_info(torch_version: str | None = None) -> IpexInfo:
             "than stock torch here, so --ipex auto skips it",
         )
     return IpexInfo(version, True, prepack, "imports and matches torch; CPU has AVX-512")
-
-
-@dataclass
-class MpiInfo:
-    path: str | None
-    on_path: bool  # False when only the venv's bin/ has it (the venv is not activated)
-    flavour: str | None  # "Intel MPI", "MPICH", "Open MPI", or "unknown"
-    version: str | None
-
-
-def mpi_flavour(version_text: str) -> str:
-    text = version_text.lower()
-    if "intel(r) mpi" in text or "intel mpi" in text:
-        return "Intel MPI"
-    if "open mpi" in text or "openrte" in text:
-        return "Open MPI"
-    if "mpich" in text or "hydra" in text:
-        return "MPICH"
-    return "unknown"
-
-
-def find_mpirun() -> str | None:
-    """mpirun on PATH, else the one the mpich / impi-rt wheels put beside this Python."""
-    found = shutil.which("mpirun")
-    if found:
-        return found
-    beside = Path(sys.executable).parent / "mpirun"
-    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
-
-
-def mpi_info() -> MpiInfo:
-    path = find_mpirun()
-    if path is None:
-        return MpiInfo(None, False, None, None)
-    text = ""
-    for flag in ("--version", "-version"):
-        try:
-            done = subprocess.run([path, flag], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        text = (done.stdout + done.stderr).strip()
-        if text:
-            break
-    match = re.search(r"Version:?\s+([\w.]+)", text) or re.search(r"\b(\d+\.\d+[\w.]*)", text)
-    return MpiInfo(
-        path, shutil.which("mpirun") == path, mpi_flavour(text) if text else "unknown", match.group(1) if match else None
-    )
-
-
-@dataclass
-class CollectivesInfo:
-    gloo: bool
-    ccl: bool  # oneccl_bindings_for_pytorch importable (end-of-life; not on PyPI)
-
-
-def collectives_info() -> CollectivesInfo:
-    import torch.distributed as dist
-
-    gloo = bool(dist.is_available() and dist.is_gloo_available())
-    return CollectivesInfo(gloo=gloo, ccl=importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None)
-
-
-# --- the report ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Check:
-    """One row of the doctor table: `advice` is set when the row is not ideal."""
-
-    item: str
-    value: str
-    ok: bool = True
-    advice: str = ""
-
-
-@dataclass
-class HardwareReport:
-    cpu: CpuInfo
-    torch: TorchInfo
-    precision: str
-    precision_reason: str
-    ipex: IpexInfo
-    libraries: Libraries
-    mpi: MpiInfo
-    collectives: CollectivesInfo
-    launch_env: dict[str, str]
-    checks: list[Check] = field(default_factory=list)
-
-
-def collect() -> HardwareReport:
-    cpu = cpu_info()
-    torch = torch_info()
-    precision, reason = choose_precision("auto")
-    report = HardwareReport(
-        cpu=cpu,
-        torch=torch,
-        precision=precision,
-        precision_reason=reason,
-        ipex=ipex_info(torch.version),
-        libraries=libraries(),
-        mpi=mpi_info(),
-        collectives=collectives_info(),
-        launch_env=launch_env(1, physical_cores=min(cpu.physical_cores, cpu.usable_cpus)),
-    )
-    report.checks = checks(report)
-    return report
-
-
-def checks(r: HardwareReport) -> list[Check]:
-    """The table rows, each with what to do when it is not ideal."""
-    c = r.cpu
-    flags_on = [f for f, on in c.flags.items() if on]
-    onednn = ("v" + r.torch.onednn_version if r.torch.onednn_version else "on") if r.torch.onednn else "OFF"
-    rows = [
-        Check("CPU", c.model),
-        Check("sockets / physical cores / logical CPUs", f"{c.sockets} / {c.physical_cores} / {c.logical_cpus}"),
-        Check(
-            "CPUs usable by this process", str(c.usable_cpus), c.usable_cpus >= c.physical_cores,
-            "fewer CPUs than physical cores: check taskset/cgroup limits",
-        ),
-        Check(
-            "NUMA nodes", str(c.numa_nodes), c.numa_nodes == 1,
-            "run one rank per NUMA node (xeontune launch --ppn) so each rank uses local memory",
-        ),
-        Check("ISA flags", " ".join(flags_on) or "none of interest"),
-        Check(
-            "native bf16 (amx_bf16 / avx512_bf16)", "yes" if r.precision == "bf16" else "no",
-            r.precision == "bf16",
-            "training runs in fp32; a Xeon with AMX (Sapphire Rapids or later) trains in bf16 several times faster",
-        ),
-        Check(
-            "torch", f"{r.torch.version}, oneDNN {onednn}, kernels {r.torch.cpu_capability}, "
-            f"{r.torch.threads} threads",
-            r.torch.onednn, "oneDNN is off: install the PyPI CPU build of torch",
-        ),
-        Check("precision (--mixed-precision auto)", f"{r.precision}: {r.precision_reason}"),
-        Check(
-            "IPEX", f"{r.ipex.installed}: {r.ipex.reason}" if r.ipex.installed else r.ipex.reason,
-            r.ipex.usable or r.ipex.installed is None,
-            "uninstall it or use `make test-ipex`'s venv (torch 2.8 + IPEX 2.8); stock torch is used meanwhile",
-        ),
-        Check(
-            "allocator", r.libraries.tcmalloc or r.libraries.jemalloc or "none found", bool(r.libraries.tcmalloc),
-            "apt-get install libgoogle-perftools4 (tcmalloc): training steps 1.2-1.3x faster here, "
-            "preloaded by the launch environment and `xeontune bench`",
-        ),
-        Check("Intel OpenMP (libiomp5)", r.libraries.iomp or "not found (torch uses GNU OpenMP; fine)"),
-        Check(
-            "mpirun", f"{r.mpi.flavour} {r.mpi.version or ''} at {r.mpi.path}" if r.mpi.path else "not found",
-            r.mpi.path is not None and r.mpi.on_path,
-            "pip install mpich (or impi-rt) into this venv; needed for `xeontune launch`" if r.mpi.path is None
-            else "not on PATH: activate the venv (or call mpirun by this path)",
-        ),
-        Check(
-            "collectives", f"gloo {'yes' if r.collectives.gloo else 'no'}, ccl {'yes' if r.collectives.ccl else 'no'}",
-            r.collectives.gloo, "this torch lacks gloo: install the PyPI CPU build of torch",
-        ),
-        Check("launch environment", " ".join(f"{k}={v}" for k, v in r.launch_env.items())),
-    ]
-    return rows
-
-
-def render_table(report: HardwareReport) -> str:
-    width = max(len(c.item) for c in report.checks)
-    lines = []
-    for c in report.checks:
-        mark = "ok  " if c.ok else "warn"
-        lines.append(f"{mark} {c.item:<{width}}  {c.value}")
-        if not c.ok and c.advice:
-            lines.append(f"     {'':<{width}}  -> {c.advice}")
-    return "\n".join(lines)
-
-
-def render_json(report: HardwareReport) -> str:
-    return json.dumps(dataclasses.asdict(report), indent=2)

@@ -1,4 +1,9 @@
-"""Atomic writers: every file the project writes goes through here, so nothing is half-written."""
+"""Atomic writers: every file the project writes whole goes through here, so nothing is half-written.
+
+The one file written piecemeal is the trainer's ``metrics.jsonl``: appended a line per step, so a
+crash loses at most the line being written. Throwaway files in a temporary directory (the
+tokenizer files ``models`` reads back at once) need no atomicity either.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """`xeontune launch`: one Hydra `mpirun` over SSH that starts `python -m xeontune.train` on every rank.
 
 ``build_plan`` is the one place that builds the command; ``--dry-run`` prints exactly what
-``run_plan`` executes. Where mpirun runs:
-
-- ``local``: inside the head's network namespace (``ip netns exec <head> mpirun ...``);
-- ``localhost``: on this machine, with Hydra's fork launcher (no SSH);
-- a cloud provider: on the head, through ``ssh -F <cluster ssh_config> -tt node0 ...``.
+``run_plan`` executes. Where mpirun runs is the provider's to say (``Provider.wrap_launch`` and
+``launcher_args``): on a remote cluster, on the head through ``ssh -F <cluster ssh_config> -tt
+node0 ...``; on the local namespace hosts, inside the head's namespace; on localhost, right here
+with Hydra's fork launcher.
 
 Every rank gets, with ``-genvnone`` so nothing else leaks in from the caller's shell:
 MASTER_ADDR (the head's private address), MASTER_PORT, GLOO_SOCKET_IFNAME (the cluster's
@@ -21,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xeontune import hardware, placement
-from xeontune.cluster import files, state
+from xeontune.cluster import files, providers, state
+from xeontune.cluster.providers import Provider
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
 from xeontune.train.options import LAUNCH_DEFAULTS_ENV
@@ -52,61 +51,40 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)  # what every rank gets via -genv
 
 
-def slots(record: ClusterRecord, ppn: int) -> int:
-    """How many ranks the cluster holds: hosts x ppn, or the localhost cluster's -n."""
-    if record.provider == "localhost":
-        return max(int(record.extra.get("slots", 1)), ppn)
-    return len(record.nodes) * ppn
-
-
-def mpirun_path(record: ClusterRecord) -> str:
-    """mpirun on the head: $XEONTUNE_MPIRUN, else the venv's (Hydra needs the same path on every host)."""
+def mpirun_path(record: ClusterRecord, provider: Provider) -> str:
+    """mpirun on the head: $XEONTUNE_MPIRUN, else the nodes' venv's (Hydra needs the same path on
+    every host), else, where ranks run on this machine, the one ``doctor`` reports."""
     override = os.environ.get("XEONTUNE_MPIRUN")
     if override:
         return override
-    if record.provider not in ("local", "localhost"):
-        return record.extra.get("mpirun", f"{record.extra.get('venv', sys.prefix)}/bin/mpirun")
-    beside = Path(sys.prefix) / "bin" / "mpirun"
-    return str(beside) if beside.exists() else (shutil.which("mpirun") or str(beside))
+    if provider.remote:
+        return f"{record.venv or sys.prefix}/bin/mpirun"
+    return hardware.find_mpirun() or str(Path(sys.prefix) / "bin" / "mpirun")
 
 
-def python_path(record: ClusterRecord) -> str:
-    if record.provider not in ("local", "localhost"):
-        return record.extra.get("python", f"{record.extra.get('venv', sys.prefix)}/bin/python")
-    return sys.executable
+def python_path(record: ClusterRecord, provider: Provider) -> str:
+    return f"{record.venv or sys.prefix}/bin/python" if provider.remote else sys.executable
 
 
 def choose_backend(requested: str) -> str:
     """auto -> ccl when oneCCL's torch bindings import here and match torch, else gloo."""
     if requested == "gloo":
         return "gloo"
-    ok, why = _ccl_available()
+    ok, why = hardware.ccl_available()
     if requested == "ccl" and not ok:
         raise UserError(f"--dist-backend ccl needs oneccl_bindings_for_pytorch: {why}; use --dist-backend gloo")
     return "ccl" if ok else "gloo"
 
 
-def _ccl_available() -> tuple[bool, str]:
-    try:
-        import oneccl_bindings_for_pytorch as ccl  # type: ignore[import-not-found]  # noqa: F401
-        import torch
-    except Exception as exc:  # absent or broken against this torch: either way not usable
-        return False, f"it does not import ({type(exc).__name__}: {exc})"
-    version = getattr(ccl, "__version__", "")
-    if version and version.split("+")[0].rsplit(".", 1)[0] != torch.__version__.split("+")[0].rsplit(".", 1)[0]:
-        return False, f"it is {version}, built for another torch than {torch.__version__}"
-    return True, "ok"
-
-
-def threads_per_rank(record: ClusterRecord, world_size: int, ppn: int) -> int | None:
-    """Cores a rank may use. Local and localhost ranks all share this machine's cores; on a cloud
-    node it is the node's cores (``extra["cores_per_node"]``, set by the provider) over ``--ppn``.
-    None when unknown: torch then uses the node's own core count."""
+def threads_per_rank(record: ClusterRecord, provider: Provider, world_size: int, ppn: int) -> int | None:
+    """Cores a rank may use. Ranks of a provider that is not remote all share this machine's cores;
+    on a remote node it is the node's cores (``record.cores_per_node``, set by the provider) over
+    ``--ppn``. None when unknown: torch then uses the node's own core count."""
     if "OMP_NUM_THREADS" in os.environ:
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    if record.provider in ("local", "localhost"):
+    if not provider.remote:
         return int(hardware.launch_env(world_size, allocator="none")["OMP_NUM_THREADS"])
-    cores = int(record.extra.get("cores_per_node", 0))
+    cores = record.cores_per_node or 0
     return max(1, cores // ppn) if cores else None
 
 
@@ -128,14 +106,15 @@ def resolve_ppn(record: ClusterRecord, spec: str, train_args: list[str]) -> int:
     resolution = int(given.get("resolution", defaults.resolution))
     batch = int(given.get("train_batch_size", defaults.train_batch_size))
     requested = given.get("mixed_precision", defaults.mixed_precision)
-    if record.provider in ("local", "localhost"):
+    provider = providers.get(record.provider)
+    if not provider.remote:
         cores = len(placement.physical_cores())
-        hosts = len(record.nodes) if record.provider == "local" else 1  # namespaces share this machine
+        hosts = len(record.nodes) if provider.hosts_share_cores else 1  # namespaces share this machine
         precision = hardware.choose_precision(requested)[0]
         cores, memory = max(cores // hosts, 1), placement.available_memory_bytes() // hosts
     else:
         # a node's hyperthreads are vCPUs: the provider records physical cores
-        cores, memory = int(record.extra.get("cores_per_node", 1)), 0
+        cores, memory = record.cores_per_node or 1, 0
         precision = "bf16" if requested == "bf16" else "fp32"  # sized for the larger when the node decides
     per_rank = placement.rank_memory_bytes(frozen_weight_bytes(model, precision), resolution, batch)
     unknown = 2**62  # a cloud node's memory is not recorded: cores decide
@@ -171,29 +150,28 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
     with ``python -m`` (tests launch small probes through the same path)."""
     if num_processes < 1 or ppn < 1:
         raise UserError("-n and --ppn must be at least 1")
-    capacity = slots(record, ppn)
-    if num_processes > capacity:
-        what = (f"{capacity} slots" if record.provider == "localhost"
-                else f"{len(record.nodes)} hosts x --ppn {ppn} = {capacity}")
-        raise UserError(f"-n {num_processes} is more ranks than cluster {record.name!r} holds ({what})")
+    provider = providers.get(record.provider)
+    if num_processes > provider.slots(record, ppn):
+        raise UserError(f"-n {num_processes} is more ranks than cluster {record.name!r} holds "
+                        f"({provider.slots_text(record, ppn)})")
     train_args = _strip_dashes(train_args)
     chosen = choose_backend(backend)
-    remote = record.provider not in ("local", "localhost")
-    iface = record.iface or ("lo" if record.provider == "localhost" else "eth0")
+    remote = provider.remote
+    iface = provider.iface(record)
 
     env: dict[str, str] = {
         "MASTER_ADDR": record.head.private_ip,
-        "MASTER_PORT": str(files.master_port(record)),
+        "MASTER_PORT": str(files.MASTER_PORT),
         "GLOO_SOCKET_IFNAME": iface,
         # c10d warns on every rank that namespaces share a hostname; real errors still show.
         "TORCH_CPP_LOG_LEVEL": "ERROR",
         # No PYTHONUNBUFFERED: unbuffered print() writes text and newline separately, and Hydra's
         # -prepend-rank then glues lines of different ranks together.
     }
-    threads = threads_per_rank(record, num_processes, ppn)
+    threads = threads_per_rank(record, provider, num_processes, ppn)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    if record.provider != "local":
+    if not provider.hosts_share_cores:
         # Each rank pins itself to its own slice of its node's physical cores (placement.py). Not
         # for namespace "hosts": they share this machine's cores, and each would pin to the first.
         env[placement.PIN_ENV] = "1"
@@ -222,41 +200,30 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
     env[LAUNCH_DEFAULTS_ENV["dist_timeout"]] = str(DEFAULT_DIST_TIMEOUT_S)
     env.update(extra_env or {})
 
-    mpirun = mpirun_path(record)
+    mpirun = mpirun_path(record, provider)
     wdir = workdir or (record.work_dir if remote else os.getcwd())
-    argv = [mpirun, "-n", str(num_processes)]
-    if record.provider == "localhost":
-        argv += ["-launcher", "fork"]
-    else:
-        argv += ["-f", files.remote_path(record, "hosts"), "-ppn", str(ppn),
-                 "-launcher", "ssh", "-launcher-exec", files.remote_path(record, "ssh")]
+    argv = [mpirun, "-n", str(num_processes), *provider.launcher_args(record, ppn)]
     argv += ["-iface", iface, "-wdir", wdir, "-prepend-rank", "-genvnone"]
     for key, value in env.items():
         argv += ["-genv", key, value]
-    argv += [python_path(record), "-m", module, *train_args]
+    argv += [python_path(record, provider), "-m", module, *train_args]
 
     if not remote:
         # -genvnone governs only ranks reached over SSH; the head's rank is forked by mpirun and
         # would inherit this shell's whole environment. `env -i` gives it the same clean slate.
         base = [f"{k}={os.environ[k]}" for k in ("PATH", "HOME", "USER", "LOGNAME", "LANG") if k in os.environ]
         argv = ["env", "-i", *base, *argv]
-    if record.provider == "local":
-        argv = ["ip", "netns", "exec", record.head.resource_id or "", *argv]
-    elif remote:
-        argv = ["ssh", "-F", str(files.files_dir(record) / "ssh_config"), "-tt", record.head.name, "--",
-                shlex.join(argv)]
-    return LaunchPlan(argv=argv, mpirun=mpirun, world_size=num_processes, backend=chosen, env=env)
+    return LaunchPlan(argv=provider.wrap_launch(record, argv), mpirun=mpirun, world_size=num_processes, backend=chosen, env=env)
 
 
 def preflight(record: ClusterRecord, plan: LaunchPlan) -> None:
     """One-line UserErrors before anything starts: mpirun missing on the head, a node not answering SSH."""
-    if record.provider == "local" and os.geteuid() != 0:
-        raise UserError(f"launching on local cluster {record.name!r} needs root (mpirun runs in the head's namespace)")
-    local = record.provider in ("local", "localhost")
-    if local and not (os.path.isfile(plan.mpirun) and os.access(plan.mpirun, os.X_OK)):
+    provider = providers.get(record.provider)
+    provider.check_launch(record)
+    if not provider.remote and not (os.path.isfile(plan.mpirun) and os.access(plan.mpirun, os.X_OK)):
         raise UserError(f"no mpirun on the head node (looked for {plan.mpirun}); install MPICH's Hydra "
                         "with `pip install mpich` in this venv, or set XEONTUNE_MPIRUN")
-    if record.provider == "localhost":
+    if not provider.uses_ssh:
         return
     from xeontune.cluster import ssh
 
@@ -264,7 +231,7 @@ def preflight(record: ClusterRecord, plan: LaunchPlan) -> None:
         futures = [pool.submit(ssh.wait_for_ssh, record, node, SSH_CHECK_TIMEOUT_S, 0.5) for node in record.nodes]
         for fut in futures:
             fut.result()  # re-raises the UserError that names the node
-    if record.provider != "local":
+    if provider.remote:
         rc, _, _ = ssh.run(record, record.head, ["test", "-x", plan.mpirun])
         if rc != 0:
             raise UserError(f"no mpirun on the head node {record.head.name} (looked for {plan.mpirun})")
@@ -301,7 +268,8 @@ def _exit_code(rc: int) -> int:
 def main(args: argparse.Namespace) -> int:
     record = state.load(state.validate_name(args.name))
     ppn = resolve_ppn(record, str(args.ppn), list(args.train_args))
-    num_processes = slots(record, ppn) if args.num_processes is None else args.num_processes
+    num_processes = (providers.get(record.provider).slots(record, ppn) if args.num_processes is None
+                     else args.num_processes)
     plan = build_plan(record, num_processes, ppn, args.dist_backend, list(args.train_args),
                       _parse_env(list(getattr(args, "env", None) or [])))
     if args.dry_run:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xeontune.errors import UserError
-from xeontune.io import atomic_dir
+from xeontune.io import atomic_dir, atomic_path
 
 SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
 # Words the tiny tokenizer knows as single tokens: the prompt templates' words and a few usable
@@ -210,7 +210,8 @@ def write_sample_data(out_dir: str | Path, count: int = 6, size: int = 128, seed
         bg.paste(toy, (ox, oy), toy)
         img = bg.resize((size, size), Image.LANCZOS)
         path = out / f"toy_{i:02d}.png"
-        img.save(path)
+        with atomic_path(path) as tmp:
+            img.save(tmp, format="PNG")
         files.append(path)
     return files
 

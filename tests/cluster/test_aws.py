@@ -144,9 +144,9 @@ def test_up_creates_tagged_nodes_two_rules_key_and_files_then_teardown_removes_a
     assert ssh_config.count("ProxyJump node0") == 2 and f"HostName {head['PublicIpAddress']}" in ssh_config
     kinds = sorted(r.kind for r in record.resources)
     assert kinds == ["instance"] * 3 + ["key_pair", "security_group"]
-    assert record.extra["mixed_precision"] == "bf16"
-    assert record.extra["cores_per_node"] == "8"  # m7i.4xlarge: 16 vCPUs on 8 cores
-    assert record.extra["venv"] == "/opt/xeontune/venv" and record.work_dir == "/opt/xeontune/work"
+    assert "mixed_precision" not in record.extra  # each rank decides on its own CPU
+    assert record.cores_per_node == 8 and record.instance_type == "m7i.4xlarge"  # 16 vCPUs on 8 cores
+    assert record.venv == "/opt/xeontune/venv" and record.work_dir == "/opt/xeontune/work"
     assert json.dumps(record.to_json()).count("testing") == 0  # no credential in the state file
 
     assert cli.main(["cluster", "status", "--name", "t1"]) == 0
@@ -342,7 +342,7 @@ def test_wait_pins_the_host_key_from_the_console_then_waits_for_ssh(env, capsys,
     (the first read is still booting, no keys yet) is pinned before any SSH connection."""
     assert cli.main(up_argv("w", 2)) == 0
     record = state.load("w")
-    del record.extra["skip_bootstrap"]
+    record.skip_bootstrap = False
     keys = {n.resource_id: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAI" + chr(65 + i) * 43 for i, n in enumerate(record.nodes)}
 
     asked: list[str] = []
@@ -365,7 +365,7 @@ def test_wait_pins_the_host_key_from_the_console_then_waits_for_ssh(env, capsys,
     proxy = _Proxy(env, answer)
     with proxy as url:
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
-        aws.wait(record, timeout_s=30)
+        aws.PROVIDER.wait(record, timeout_s=30)
     assert sorted(asked) == sorted(list(keys) * 2)  # each instance: booting, then its keys
     assert waited == ["node0", "node1"]
     known = Path(record.known_hosts_path).read_text().splitlines()
@@ -381,7 +381,7 @@ def test_wait_pins_the_host_key_from_the_console_then_waits_for_ssh(env, capsys,
 def test_wait_names_the_node_that_did_not_come_up(env, capsys, monkeypatch):
     assert cli.main(up_argv("slow", 2)) == 0
     record = state.load("slow")
-    del record.extra["skip_bootstrap"]
+    record.skip_bootstrap = False
     # A console that never shows host keys: the error names the node, after the timeout.
     proxy = _Proxy(env, lambda action, count, params: (200, (
         b'<GetConsoleOutputResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"><requestId>r</requestId>'
@@ -390,12 +390,12 @@ def test_wait_names_the_node_that_did_not_come_up(env, capsys, monkeypatch):
     with proxy as url:
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
         with pytest.raises(UserError, match=r"node node0 \(i-[0-9a-f]+\) of cluster 'slow' did not report its SSH host key"):
-            aws.wait(record, timeout_s=0.3)
+            aws.PROVIDER.wait(record, timeout_s=0.3)
     monkeypatch.setenv("AWS_ENDPOINT_URL", env)
     # An instance that died while starting is named at once, with its state.
     ec2().terminate_instances(InstanceIds=[record.nodes[1].resource_id])
     with pytest.raises(UserError, match=r"node node1 \(i-[0-9a-f]+\) of cluster 'slow' is (shutting-down|terminated)"):
-        aws.wait(record, timeout_s=30)
+        aws.PROVIDER.wait(record, timeout_s=30)
     assert teardown("slow", capsys)[0] == 0
 
 

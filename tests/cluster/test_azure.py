@@ -119,7 +119,7 @@ def test_up_creates_the_group_network_and_vms_then_teardown_deletes_the_group(ar
     assert sorted(hosts) == sorted(n["properties"]["ipConfigurations"][0]["properties"]["privateIPAddress"] for n in nics)
     assert record.head.public_ip and all(n.public_ip is None for n in record.nodes if n.role == "worker")
     assert {r.kind for r in record.resources} >= {"resource_group", "virtual_machine", "network_interface"}
-    assert record.extra["cores_per_node"] == "8" and record.extra["mixed_precision"] == "bf16"
+    assert record.cores_per_node == 8 and "mixed_precision" not in record.extra
     # Long-running operations really were polled through the SDK.
     assert any("/operations/" in p for m, p in arm.arm.requests if m == "GET")
 
@@ -248,12 +248,12 @@ def test_wait_pins_host_keys_read_through_arm_then_waits_for_ssh(arm, capsys, mo
     through the authenticated ARM API, and that key is pinned before any SSH connection."""
     assert cli.main(up_argv("w", 2)) == 0
     record = state.load("w")
-    del record.extra["skip_bootstrap"]
+    record.skip_bootstrap = False
     keys = {n.name: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAI" + chr(65 + i) * 43 for i, n in enumerate(record.nodes)}
     arm.arm.host_keys.update(keys)
     waited: list[str] = []
     monkeypatch.setattr(cloud, "wait_for_ssh", lambda rec, deadline: waited.extend(n.name for n in rec.nodes))
-    azure.wait(record, timeout_s=30)
+    azure.PROVIDER.wait(record, timeout_s=30)
     assert waited == ["node0", "node1"]
     assert sum(m == "POST" and p.endswith("/runCommand") for m, p in arm.arm.requests) == 2
     known = Path(record.known_hosts_path).read_text().splitlines()

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from xeontune import launch
+from xeontune import hardware, launch
 from xeontune.cli import main
 from xeontune.cluster import files, manage, ssh, state
 from xeontune.cluster.state import ClusterRecord, Node
@@ -23,7 +22,7 @@ def record(xeontune_home) -> ClusterRecord:
     cdir = state.cluster_dir("demo")
     rec = ClusterRecord(
         name="demo", provider="local", key_path=str(cdir / "id_ed25519"), known_hosts_path=str(cdir / "known_hosts"),
-        work_dir=str(cdir / "work"), iface="eth0", extra={"mixed_precision": "no"},
+        work_dir=str(cdir / "work"), iface="eth0",
         nodes=[Node("node0", "head", "10.231.9.11", resource_id="xeontune-demo-node0"),
                Node("node1", "worker", "10.231.9.12", resource_id="xeontune-demo-node1"),
                Node("node2", "worker", "10.231.9.13", resource_id="xeontune-demo-node2")])
@@ -34,8 +33,8 @@ def record(xeontune_home) -> ClusterRecord:
 def cloud_record(xeontune_home) -> ClusterRecord:
     return ClusterRecord(
         name="sky", provider="aws", key_path="/k/id", known_hosts_path="/k/known_hosts", work_dir="/opt/xt/work",
-        iface="ens5", extra={"remote_key_path": "/opt/xt/id", "remote_known_hosts_path": "/opt/xt/known_hosts",
-                             "venv": "/opt/xt/venv", "cores_per_node": "16", "mixed_precision": "bf16"},
+        iface="ens5", remote_key_path="/opt/xt/id", remote_known_hosts_path="/opt/xt/known_hosts",
+        venv="/opt/xt/venv", cores_per_node=16,
         nodes=[Node("node0", "head", "172.31.0.10", public_ip="3.3.3.3"), Node("node1", "worker", "172.31.0.11")])
 
 
@@ -72,16 +71,9 @@ def test_cluster_files(record):
     assert os.access(work / "ssh", os.X_OK)
     assert shlex.split((work / "ssh").read_text().splitlines()[-1]) == [
         "exec", "ssh", "-F", str(work / "ssh_config.internal"), "$@"]
-    assert sorted(n for n in written if n.startswith("accelerate/")) == [f"accelerate/rank{r}.yaml" for r in range(3)]
-    for rank in range(3):
-        cfg = yaml.safe_load((work / "accelerate" / f"rank{rank}.yaml").read_text())
-        assert cfg["distributed_type"] == "MULTI_CPU" and cfg["machine_rank"] == rank
-        assert cfg["num_machines"] == 3 and cfg["num_processes"] == 3
-        assert cfg["main_process_ip"] == "10.231.9.11" and cfg["main_process_port"] == 29500
-        assert cfg["mixed_precision"] == "no" and "mpirun_config" not in cfg
-    from accelerate.commands.config.config_args import ClusterConfig
-
-    assert ClusterConfig.from_yaml_file(str(work / "accelerate" / "rank1.yaml")).machine_rank == 1
+    # No accelerate configs: ranks take everything from mpirun's environment (docs/cluster.md).
+    assert sorted(written) == ["hosts", "ssh", "ssh_config", "ssh_config.internal"]
+    assert sorted(p.name for p in work.iterdir()) == sorted(written)
 
 
 def test_cloud_ssh_configs_jump_through_the_head(xeontune_home):
@@ -144,7 +136,7 @@ def test_launchs_dist_defaults_reach_the_ranks(record, capsys, monkeypatch):
 
 
 def test_ccl_sets_its_variables(record, monkeypatch):
-    monkeypatch.setattr(launch, "_ccl_available", lambda: (True, "ok"))
+    monkeypatch.setattr(hardware, "ccl_available", lambda: (True, "ok"))
     plan = launch.build_plan(record, 2, 1, "auto", ["--dist-timeout", "9"])
     assert plan.backend == "ccl" and plan.env["CCL_ATL_TRANSPORT"] == "ofi" and plan.env["CCL_WORKER_COUNT"] == "1"
     assert plan.env["XEONTUNE_LAUNCH_DIST_BACKEND"] == "ccl"
@@ -152,7 +144,7 @@ def test_ccl_sets_its_variables(record, monkeypatch):
 
 
 def test_ccl_without_bindings_is_a_user_error(record, monkeypatch):
-    monkeypatch.setattr(launch, "_ccl_available", lambda: (False, "it does not import"))
+    monkeypatch.setattr(hardware, "ccl_available", lambda: (False, "it does not import"))
     with pytest.raises(UserError, match="oneccl_bindings_for_pytorch"):
         launch.build_plan(record, 2, 1, "ccl", [])
     assert launch.build_plan(record, 2, 1, "auto", []).backend == "gloo"
@@ -229,10 +221,10 @@ def test_ppn_auto_follows_the_ranks_per_node_rule(xeontune_home, capsys, tiny_mo
     state.save(rec)
     args = ["--model", str(tiny_model), "--resolution", "512"]
     assert launch.resolve_ppn(rec, "auto", args) == 8  # 16 physical cores: 8 ranks x 2 (docs/performance.md)
-    rec.extra["cores_per_node"] = "2"
+    rec.cores_per_node = 2
     assert launch.resolve_ppn(rec, "auto", args) == 2  # 2 cores: 2 x 1
     assert launch.resolve_ppn(rec, "3", args) == 3
-    rec.extra["cores_per_node"] = "16"
+    rec.cores_per_node = 16
     state.save(rec)
     assert main(["launch", "--ppn", "auto", "--name", "sky", "--dry-run", "--", *args]) == 0
     remote = shlex.split(shlex.split(capsys.readouterr().out)[-1])
@@ -247,3 +239,25 @@ def test_namespace_hosts_do_not_pin_and_bad_ppn_is_one_line(record, capsys):
     assert main(["launch", "--ppn", "two", "--name", "demo", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--ppn must be a positive number or auto" in err
+
+
+def test_a_record_written_before_the_typed_fields_still_loads(xeontune_home):
+    """Older state files kept these keys as strings in `extra`; they load into the typed fields."""
+    from xeontune.io import atomic_write_json
+
+    old = {  # the fields of the record before, as `up` wrote them
+        "name": "old", "provider": "aws", "nodes": [{"name": "node0", "role": "head", "private_ip": "172.31.0.10",
+                                                     "public_ip": None, "resource_id": "i-1"}],
+        "ssh_user": "ubuntu", "key_path": "/k", "known_hosts_path": "/kh", "work_dir": "/opt/xeontune/work",
+        "iface": None, "region": "us-east-1", "resources": [{"kind": "instance", "id": "i-1", "region": "us-east-1"}],
+        "extra": {"venv": "/opt/xeontune/venv", "remote_key_path": "/opt/xeontune/keys/id_ed25519",
+                  "cores_per_node": "8", "instance_type": "m7i.4xlarge", "skip_bootstrap": "1",
+                  "mixed_precision": "bf16", "vpc": "vpc-1"},
+    }
+    atomic_write_json(state.record_path("old"), old)
+    rec = state.load("old")
+    assert (rec.venv, rec.remote_key_path, rec.cores_per_node, rec.instance_type, rec.skip_bootstrap) == (
+        "/opt/xeontune/venv", "/opt/xeontune/keys/id_ed25519", 8, "m7i.4xlarge", True)
+    assert rec.extra == {"vpc": "vpc-1"}  # the provider's own key stays; the precision is no longer recorded
+    state.save(rec)
+    assert state.load("old") == rec

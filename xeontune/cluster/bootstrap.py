@@ -2,12 +2,11 @@
 
 For every node, in parallel: copy the project's wheel (built here, so every node runs exactly
 this code) and ``scripts/bootstrap-node.sh``, run the script (venv at the same absolute path on
-every node, the wheel installed into it), copy the cluster's files (hosts, ssh config, accelerate
-configs, pinned known_hosts) into ``record.work_dir`` and sync the training data to
-``<work_dir>/data/<name>``.
+every node, the wheel installed into it), copy the cluster's files (hosts, ssh config, pinned
+known_hosts) into ``record.work_dir`` and sync the training data to ``<work_dir>/data/<name>``.
 
-Cloud clusters also get a head -> worker login for Hydra: the head generates its own ed25519 key
-(``extra["remote_key_path"]``) and every node authorizes its public half. The caller's private
+Remote clusters (the provider's ``remote``) also get a head -> worker login for Hydra: the head
+generates its own ed25519 key (``record.remote_key_path``) and every node authorizes its public half. The caller's private
 key never leaves this machine and the head's never leaves the head.
 """
 
@@ -21,14 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from xeontune.cluster import files, ssh, state
+from xeontune.cluster import files, providers, ssh, state
 from xeontune.cluster.cloud import REMOTE_ROOT
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NODE_SCRIPT = REPO_ROOT / "scripts" / "bootstrap-node.sh"
-CLOUD_PROVIDERS = ("aws", "azure")
 DEFAULT_ROOT = REMOTE_ROOT  # /opt/xeontune on every cloud node
 
 
@@ -69,7 +67,7 @@ def run(record: ClusterRecord, options: BootstrapOptions) -> None:
     """Bootstrap every node of ``record``; raise UserError naming the first node that failed."""
     if options.data_dir and not Path(options.data_dir).is_dir():
         raise UserError(f"--data-dir {options.data_dir} is not a directory")
-    cloud = record.provider in CLOUD_PROVIDERS
+    remote = providers.get(record.provider).remote  # nodes that do not share this disk
     with tempfile.TemporaryDirectory(prefix="xeontune-wheel-") as tmp:
         wheel = build_wheel(Path(tmp))
         print(f"bootstrapping {len(record.nodes)} node(s) with {wheel.name} into {options.root}/venv", flush=True)
@@ -77,7 +75,7 @@ def run(record: ClusterRecord, options: BootstrapOptions) -> None:
         remote_wheel = posixpath.join(stage, wheel.name)
         remote_script = posixpath.join(stage, "bootstrap-node.sh")
         head_pub = None
-        if cloud:
+        if remote:
             head_pub = _head_key(record, record.head, remote_script, options.root)
 
         def one(node: Node) -> None:
@@ -90,8 +88,8 @@ def run(record: ClusterRecord, options: BootstrapOptions) -> None:
             if head_pub:
                 argv += ["--authorize-key", head_pub]
             _check(node, "installing the venv", ssh.run(record, node, argv, timeout_s=options.timeout_s))
-            if cloud:
-                # The local provider's nodes share this disk, where these files already are.
+            if remote:
+                # Nodes that share this disk (local namespaces) already have these files.
                 ssh.put_tree(record, node, files.files_dir(record), record.work_dir)
                 ssh.put_file(record, node, record.known_hosts_path, files.remote_known_hosts_path(record))
             if options.data_dir:
@@ -100,7 +98,7 @@ def run(record: ClusterRecord, options: BootstrapOptions) -> None:
             ssh.run(record, node, ["rm", "-rf", stage], timeout_s=60)
             print(f"  {node.name} ready", flush=True)
 
-        if cloud:
+        if remote:
             _record_iface(record)
         if options.parallel and len(record.nodes) > 1:
             with ThreadPoolExecutor(max_workers=min(8, len(record.nodes))) as pool:
@@ -138,6 +136,5 @@ def _record_iface(record: ClusterRecord) -> None:
 
 
 def options_for(record: ClusterRecord, data_dir: str | None) -> BootstrapOptions:
-    """What `cluster up` uses: parallel on cloud nodes; one at a time where nodes share this disk."""
-    return BootstrapOptions(root=record.extra.get("remote_root", DEFAULT_ROOT), data_dir=data_dir,
-                            parallel=record.provider in CLOUD_PROVIDERS)
+    """What `cluster up` uses: parallel on remote nodes; one at a time where nodes share this disk."""
+    return BootstrapOptions(data_dir=data_dir, parallel=providers.get(record.provider).remote)

@@ -1,10 +1,11 @@
-"""What the cloud providers (aws, azure) share: the record they start from, the caller's SSH
-address, host-key pinning from an authenticated API, and rolling back a failed ``up``.
+"""What the cloud providers share: the ``up`` skeleton (``CloudProvider``), the record they start
+from, the caller's SSH address, host-key pinning from an authenticated API, and rolling back a
+failed ``up``.
 
 Paths on every cloud node are the same absolute ones (Hydra needs that)::
 
     /opt/xeontune/venv                  the project's virtualenv (bootstrap)
-    /opt/xeontune/work                  the cluster's files (hosts, ssh config, accelerate configs)
+    /opt/xeontune/work                  the cluster's files (hosts, ssh configs, pinned known_hosts)
     /opt/xeontune/keys/id_ed25519       a key generated on the head for head -> worker SSH
 
 The caller's own private key never leaves this machine; the head's key never leaves the head.
@@ -19,9 +20,11 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from xeontune.cluster import ssh, state
-from xeontune.cluster.providers import TeardownReport
+from xeontune.cluster import pricing, ssh, state
+from xeontune.cluster.providers import ClusterSpec, Provider, TeardownReport
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
 
@@ -73,9 +76,8 @@ def new_record(name: str, provider: str, region: str, ssh_user: str) -> ClusterR
     known_hosts.touch(mode=0o644, exist_ok=True)
     return ClusterRecord(
         name=name, provider=provider, ssh_user=ssh_user, key_path=str(key), known_hosts_path=str(known_hosts),
-        work_dir=REMOTE_WORK, region=region,
-        extra={"remote_key_path": REMOTE_KEY, "remote_known_hosts_path": f"{REMOTE_WORK}/known_hosts",
-               "venv": REMOTE_VENV},
+        work_dir=REMOTE_WORK, region=region, venv=REMOTE_VENV, remote_key_path=REMOTE_KEY,
+        remote_known_hosts_path=f"{REMOTE_WORK}/known_hosts",
     )
 
 
@@ -134,8 +136,57 @@ def wait_for_ssh(record: ClusterRecord, deadline: float) -> None:
         ssh.wait_for_ssh(record, node, timeout_s=max(5.0, deadline - time.monotonic()), interval_s=5.0)
 
 
-def mixed_precision_for_type(instance_type: str) -> str:
-    """accelerate's mixed_precision for a node type: bf16 where the CPU has AMX (4th-gen Xeon on)."""
-    t = instance_type.lower()
-    amx = bool(re.match(r"^[a-z]+[78]i[a-z-]*\.", t)) or bool(re.search(r"_v6$", t))
-    return "bf16" if amx else "no"
+@dataclass
+class CloudPlan:
+    """What a cloud provider's read-only checks found; nothing exists yet."""
+
+    region: str
+    instance_type: str
+    image: str  # as the "creating ..." line names it
+    cores_per_node: int | None  # physical cores, when the API says
+    estimate: pricing.CostEstimate
+    errors: tuple[type[BaseException], ...]  # the SDK's exceptions that ``create`` may raise ...
+    user_error: Callable[[BaseException, str], UserError]  # ... and how each becomes one line
+    extra: dict[str, str] = field(default_factory=dict)  # the provider's own keys for the record
+    client: Any = None  # the provider's SDK client(s), reused by ``create``
+
+
+class CloudProvider(Provider):
+    """``up`` for a cloud: check everything read-only, then save a fresh record, then create
+    (the provider saves the record after each resource), rolling back on an SDK error."""
+
+    ssh_user: str = "ubuntu"
+
+    def plan(self, spec: ClusterSpec) -> CloudPlan:
+        """Validate ``spec`` against the cloud without creating anything; UserError if it cannot work."""
+        raise NotImplementedError
+
+    def create(self, record: ClusterRecord, spec: ClusterSpec, plan: CloudPlan) -> None:
+        """Create every resource of the cluster, recording each as soon as it exists."""
+        raise NotImplementedError
+
+    def estimate(self, record: ClusterRecord) -> pricing.CostEstimate:
+        raise NotImplementedError
+
+    def cost_per_hour(self, record: ClusterRecord) -> float | None:
+        return self.estimate(record).usd_per_hour
+
+    def up(self, spec: ClusterSpec) -> ClusterRecord:
+        state.validate_name(spec.name)
+        if spec.num_nodes < 1:
+            raise UserError("a cluster needs at least one node (-n 1 or more)")
+        check_data_dir(spec.data_dir)
+        plan = self.plan(spec)
+        record = new_record(spec.name, self.name, plan.region, self.ssh_user)
+        record.instance_type, record.cores_per_node = plan.instance_type, plan.cores_per_node or None
+        record.skip_bootstrap = spec.skip_bootstrap
+        record.extra.update(plan.extra)
+        state.save(record)
+        print(f"creating {spec.num_nodes} x {plan.instance_type}{' (spot)' if spec.spot else ''} in {plan.region} "
+              f"from {plan.image}; {plan.estimate.line()}", flush=True)
+        try:
+            self.create(record, spec, plan)
+        except plan.errors as exc:
+            error = plan.user_error(exc, f"creating cluster {spec.name!r}")
+            raise rollback(record, error, lambda: self.terminate(spec.name, record)) from None
+        return record

@@ -1,4 +1,4 @@
-"""The files a cluster's head needs: the hosts file, SSH configs, the ssh wrapper, accelerate configs.
+"""The files a cluster's head needs: the hosts file, SSH configs and the ssh wrapper.
 
 ``write_cluster_files(record)`` writes them into ``files_dir(record)`` (the cluster's ``work/``
 in the state dir)::
@@ -7,11 +7,13 @@ in the state dir)::
     ssh_config             for this machine: head by public address, workers through the head
     ssh_config.internal    for the head: every node by private address (what Hydra uses)
     ssh                    the launcher wrapper Hydra execs: ssh -F ssh_config.internal "$@"
-    accelerate/rank<R>.yaml  one multi-CPU accelerate config per rank (no mpirun section: the
-                           ranks already run under mpirun)
 
-For the local provider ``record.work_dir`` is that same directory, so the head (a namespace on
-this machine) reads the files in place. A cloud provider copies the directory to
+No accelerate config is written: every rank runs under mpirun, and accelerate takes rank, world
+size and master address from the environment `xeontune launch` gives it; each rank decides its
+precision on its own CPU (``hardware.choose_precision``).
+
+For providers whose nodes share this disk ``record.work_dir`` is that same directory, so the head (a namespace on
+this machine) reads the files in place. A remote provider's bootstrap copies the directory to
 ``record.work_dir`` on the head; the paths written inside ``ssh_config.internal`` and ``ssh`` are
 those of ``record.work_dir`` and of the key and known_hosts as they will be on the head (see
 ``remote_key_path``).
@@ -26,7 +28,7 @@ from xeontune.cluster import state
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.io import atomic_write_text
 
-DEFAULT_MASTER_PORT = 29500
+MASTER_PORT = 29500  # on the head, for torch.distributed's rendezvous
 
 
 def files_dir(record: ClusterRecord) -> Path:
@@ -41,15 +43,11 @@ def remote_path(record: ClusterRecord, name: str) -> str:
 
 def remote_key_path(record: ClusterRecord) -> str:
     """The login key's path on the head (the local key itself when the head shares this disk)."""
-    return record.extra.get("remote_key_path", record.key_path)
+    return record.remote_key_path or record.key_path
 
 
 def remote_known_hosts_path(record: ClusterRecord) -> str:
-    return record.extra.get("remote_known_hosts_path", record.known_hosts_path)
-
-
-def master_port(record: ClusterRecord) -> int:
-    return int(record.extra.get("master_port", DEFAULT_MASTER_PORT))
+    return record.remote_known_hosts_path or record.known_hosts_path
 
 
 def hosts_text(record: ClusterRecord) -> str:
@@ -114,38 +112,7 @@ def ssh_wrapper_text(record: ClusterRecord) -> str:
     return f'#!/bin/sh\n# Hydra execs this instead of plain ssh, so every hop uses the cluster\'s pinned keys.\nexec ssh -F {shlex.quote(config)} "$@"\n'
 
 
-def accelerate_config_text(record: ClusterRecord, rank: int, world_size: int, num_machines: int,
-                           machine_rank: int, mixed_precision: str) -> str:
-    """A multi-CPU accelerate config for one rank. No ``mpirun_config``: under mpirun already."""
-    return "\n".join([
-        f"# xeontune cluster {record.name!r}, rank {rank} of {world_size}",
-        "compute_environment: LOCAL_MACHINE",
-        "distributed_type: MULTI_CPU",
-        "use_cpu: true",
-        f"num_machines: {num_machines}",
-        f"num_processes: {world_size}",
-        f"machine_rank: {machine_rank}",
-        f"main_process_ip: {record.head.private_ip}",
-        f"main_process_port: {master_port(record)}",
-        "rdzv_backend: static",
-        "same_network: true",
-        f"mixed_precision: '{mixed_precision}'",  # quoted: a bare `no` is YAML false
-        "debug: false",
-        "",
-    ])
-
-
-def mixed_precision_for(record: ClusterRecord) -> str:
-    """accelerate's ``mixed_precision``: from the record (set by a cloud provider that knows the
-    nodes' CPU), else this machine's decision (the local clusters run on this CPU)."""
-    if "mixed_precision" in record.extra:
-        return record.extra["mixed_precision"]
-    from xeontune.hardware import choose_precision
-
-    return "bf16" if choose_precision("auto")[0] == "bf16" else "no"
-
-
-def write_cluster_files(record: ClusterRecord, ppn: int = 1) -> dict[str, Path]:
+def write_cluster_files(record: ClusterRecord) -> dict[str, Path]:
     """Write every file the head needs; return ``{name: path}`` of what was written."""
     out = files_dir(record)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,11 +126,4 @@ def write_cluster_files(record: ClusterRecord, ppn: int = 1) -> dict[str, Path]:
     put("ssh_config", ssh_config_text(record, internal=False))
     put("ssh_config.internal", ssh_config_text(record, internal=True))
     put("ssh", ssh_wrapper_text(record), mode=0o755)
-    precision = mixed_precision_for(record)
-    slots = int(record.extra.get("slots", 0)) or len(record.nodes) * ppn
-    num_machines = len(record.nodes)
-    per_machine = max(1, slots // num_machines)
-    for rank in range(slots):
-        put(f"accelerate/rank{rank}.yaml",
-            accelerate_config_text(record, rank, slots, num_machines, min(rank // per_machine, num_machines - 1), precision))
     return written

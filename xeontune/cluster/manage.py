@@ -1,7 +1,8 @@
 """`xeontune cluster up | status | ssh` and `xeontune teardown`: the provider-independent flow.
 
 ``up``: provider.up (the record is saved as resources appear), provider.wait (every node answers
-SSH), then the hosts / ssh / accelerate files are written and their paths printed.
+SSH), then the hosts and ssh files are written and their paths printed, then the nodes of a
+provider that needs it are bootstrapped.
 ``teardown``: provider.terminate from the record (or by name when the record is lost), then the
 state dir entry is removed. Both are safe to re-run.
 """
@@ -18,9 +19,6 @@ from xeontune.cluster import files, providers, state
 from xeontune.cluster.providers import ClusterSpec
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
-
-WAIT_TIMEOUT_S = {"local": 60.0, "localhost": 1.0}
-DEFAULT_WAIT_TIMEOUT_S = 600.0
 
 
 def run_cluster_command(args: argparse.Namespace) -> int:
@@ -60,11 +58,11 @@ def up(spec: ClusterSpec, provider_name: str) -> tuple[ClusterRecord, dict]:
     provider = providers.get(provider_name)
     try:
         record = provider.up(spec)
-        skip_wait = provider_name not in ("local", "localhost") and spec.skip_bootstrap
-        if not skip_wait:
-            provider.wait(record, WAIT_TIMEOUT_S.get(provider_name, DEFAULT_WAIT_TIMEOUT_S))
+        skipped = provider.needs_bootstrap and spec.skip_bootstrap
+        if not skipped:  # with the bootstrap skipped, the nodes need not answer SSH yet
+            provider.wait(record, provider.wait_timeout_s)
         written = files.write_cluster_files(record)
-        if provider_name in ("aws", "azure") and not spec.skip_bootstrap:
+        if provider.needs_bootstrap and not skipped:
             from xeontune.cluster import bootstrap
 
             bootstrap.run(record, bootstrap.options_for(record, spec.data_dir))
@@ -83,26 +81,13 @@ def up_command(args: argparse.Namespace) -> int:
     _print_nodes(record)
     print(f"files in {files.files_dir(record)}:")
     for name in sorted(written):
-        if not name.startswith("accelerate/"):
-            print(f"  {name}")
-    n_acc = sum(1 for n in written if n.startswith("accelerate/"))
-    print(f"  accelerate/rank0.yaml .. rank{n_acc - 1}.yaml (one per rank)")
-    cost = _cost(record)
+        print(f"  {name}")
+    provider = providers.get(record.provider)
+    cost = provider.cost_per_hour(record)
     if cost is not None:
         print(f"estimated cost: ${cost:.2f}/hour")
-    slots = int(record.extra.get("slots", 0)) or len(record.nodes)
-    print(f"next: xeontune launch -n {slots} --name {record.name} -- <train options>")
+    print(f"next: xeontune launch -n {provider.slots(record, 1)} --name {record.name} -- <train options>")
     return 0
-
-
-def _cost(record: ClusterRecord) -> float | None:
-    provider = providers.get(record.provider)
-    fn = getattr(provider, "cost_per_hour", None)
-    if fn is not None:
-        return fn(record)
-    if "cost_per_hour" in record.extra:
-        return float(record.extra["cost_per_hour"])
-    return None
 
 
 def _print_nodes(record: ClusterRecord, statuses: dict[str, str] | None = None) -> None:
@@ -127,7 +112,7 @@ def status_command(args: argparse.Namespace) -> int:
         print(f"cluster {record.name!r}: provider {record.provider}, {len(record.nodes)} node(s), "
               f"files in {files.files_dir(record)}")
         _print_nodes(record, statuses)
-        cost = _cost(record)
+        cost = provider.cost_per_hour(record)
         if cost is not None:
             print(f"  estimated cost: ${cost:.2f}/hour")
     return 0
@@ -136,7 +121,7 @@ def status_command(args: argparse.Namespace) -> int:
 def ssh_argv(record: ClusterRecord, node_name: str, command: list[str]) -> list[str]:
     """The OpenSSH command line that logs into a node with the cluster's pinned config."""
     node = record.node(node_name)
-    if record.provider == "localhost":
+    if not providers.get(record.provider).uses_ssh:  # the node is this machine
         return command or [os.environ.get("SHELL", "/bin/sh")]
     argv = ["ssh", "-F", str(files.files_dir(record) / "ssh_config")]
     if not command:
@@ -161,17 +146,12 @@ def teardown(name: str, provider_name: str | None = None, region: str | None = N
     record = state.load(name) if state.exists(name) else None
     provider_name = record.provider if record else provider_name
     if provider_name is None:
-        # No record and no --provider: only the local provider can look for leftovers by name alone.
-        from xeontune.cluster.providers import local
-
-        report = local.terminate(name, None) if os.geteuid() == 0 else providers.TeardownReport()
+        # No record and no --provider: ask every provider that can look for leftovers by name alone.
+        report = providers.TeardownReport()
+        for provider in providers.all_providers():
+            report.merge(provider.sweep(name))
     else:
-        provider = providers.get(provider_name)
-        # Cloud providers take the region too, for a teardown by tag when the record is lost.
-        if provider_name in ("aws", "azure"):
-            report = provider.terminate(name, record, region=region)
-        else:
-            report = provider.terminate(name, record)
+        report = providers.get(provider_name).terminate(name, record, region)
     if report.ok:
         state.delete(name)
     return report

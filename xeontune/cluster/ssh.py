@@ -1,6 +1,9 @@
-"""The one SSH client of the project: paramiko with host keys pinned per cluster.
+"""The project's Python SSH client (paramiko), for what xeontune itself runs on the nodes: `up`'s
+wait, the bootstrap, launch's preflight. What mpirun and `cluster ssh` run goes through OpenSSH
+with the ``ssh_config`` files that ``files.py`` writes. Both trust the same thing only: the host
+keys pinned in the cluster's own ``known_hosts``.
 
-Every connection checks the node's host key against the cluster's own ``known_hosts`` file
+Every connection here checks the node's host key against the cluster's own ``known_hosts`` file
 (``record.known_hosts_path``), filled at ``up`` time from a key the provider knows (the local
 provider generates the sshd host keys itself; a cloud provider reads them from the instance's
 console output or its own bootstrap). Unknown or changed keys are refused: there is no

@@ -5,7 +5,7 @@ Layout of the state dir::
     $XEONTUNE_HOME/clusters/<name>/cluster.json   the ClusterRecord (written atomically)
     $XEONTUNE_HOME/clusters/<name>/id_ed25519     the cluster's private key (0600)
     $XEONTUNE_HOME/clusters/<name>/known_hosts    host keys pinned for this cluster only
-    $XEONTUNE_HOME/clusters/<name>/work/          hosts, ssh_config, accelerate configs
+    $XEONTUNE_HOME/clusters/<name>/work/          hosts, ssh_config, ssh wrapper
 
 Cloud providers call ``record.add_resource(...)`` and ``save(record)`` right after each create call
 returns, so an interrupted ``up`` still leaves a record that ``teardown`` can work from.
@@ -48,7 +48,7 @@ class Resource:
 @dataclass
 class ClusterRecord:
     name: str
-    provider: str  # "local" | "localhost" | "aws" | "azure"
+    provider: str  # a registered provider's name (xeontune.cluster.providers)
     nodes: list[Node] = field(default_factory=list)
     ssh_user: str = "root"
     key_path: str = ""
@@ -57,7 +57,15 @@ class ClusterRecord:
     iface: str | None = None  # network interface Hydra and gloo must use
     region: str | None = None
     resources: list[Resource] = field(default_factory=list)
-    extra: dict[str, str] = field(default_factory=dict)  # provider-specific strings
+    # Where the nodes keep the project, when that is not this machine's paths (remote providers):
+    venv: str = ""  # the venv on every node ("" = this Python's)
+    remote_key_path: str = ""  # the head's own key for head -> worker SSH ("" = key_path)
+    remote_known_hosts_path: str = ""  # the pinned host keys as the head sees them ("" = known_hosts_path)
+    # What the nodes are, when the provider knows:
+    instance_type: str | None = None
+    cores_per_node: int | None = None  # physical cores: OMP_NUM_THREADS = cores / --ppn on remote nodes
+    skip_bootstrap: bool = False  # `up --skip-bootstrap`: the nodes only run, nothing is installed
+    extra: dict[str, str] = field(default_factory=dict)  # the provider's own keys, read by it alone
 
     @property
     def head(self) -> Node:
@@ -84,7 +92,21 @@ class ClusterRecord:
         data = dict(data)
         data["nodes"] = [Node(**n) for n in data.get("nodes", [])]
         data["resources"] = [Resource(**r) for r in data.get("resources", [])]
+        extra = dict(data.get("extra", {}))
+        # Records written before these keys became fields kept them as strings in `extra`.
+        for key, convert in _FIELDS_ONCE_IN_EXTRA.items():
+            if key in extra:
+                value = extra.pop(key)
+                data.setdefault(key, convert(value))
+        extra.pop("mixed_precision", None)  # no longer recorded: each rank decides on its own CPU
+        data["extra"] = extra
         return cls(**data)
+
+
+_FIELDS_ONCE_IN_EXTRA = {
+    "venv": str, "remote_key_path": str, "remote_known_hosts_path": str, "instance_type": str,
+    "cores_per_node": int, "skip_bootstrap": lambda v: v == "1",
+}
 
 
 def home() -> Path:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
 
 from xeontune.errors import TrainingError, UserError
+from xeontune.quiet import quiet_libraries
 
 
 def _configure_logging() -> None:
@@ -16,13 +16,7 @@ def _configure_logging() -> None:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format="%(levelname)s %(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s %(message)s",
     )
-    # Library chatter (model config notes, deprecations) is noise for a training run.
-    for name in ("diffusers", "transformers", "accelerate", "huggingface_hub"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    quiet_libraries()
 
 
 def main(argv: list[str] | None = None) -> int:

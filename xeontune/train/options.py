@@ -110,7 +110,7 @@ class TrainOptions:
     cache_latents: bool = opt(True, argparse.SUPPRESS, group="benchmark")
     train_full_table: bool = opt(False, argparse.SUPPRESS, group="benchmark")
 
-    # set by resolve(): the precision actually used and why
+    # the --config file these options were read from, if any (set by parse_args, not a flag itself)
     config: str | None = None
 
     @property

@@ -1,31 +1,25 @@
-"""Cluster providers: one module per provider, each exporting the same four functions.
+"""Cluster providers: the interface, declared once, and the registry that routes a name to a provider.
 
-A provider module implements::
+A provider is one module that defines ``PROVIDER``, an instance of a ``Provider`` subclass, and
+is made known by one ``register(name, module)`` call (the built-in ones at the end of this file).
+``Provider`` declares every operation with its signature: the four a provider must implement
+(``up``, ``wait``, ``query``, ``terminate``) and the capabilities the rest of the project asks
+about (remote or not, SSH or not, wait timeout, bootstrap, slots, how mpirun is started and
+wrapped, the network interface, cost), whose default bodies describe a cloud-like provider:
+nodes are other machines, reached over SSH, that need the project installed at ``up``. A provider
+overrides only what differs.
 
-    up(spec: ClusterSpec) -> ClusterRecord
-        Create the nodes (saving the record after every resource it creates), then return the
-        record. Raise UserError for the user's mistakes (missing root, unknown region, quota).
-    wait(record: ClusterRecord, timeout_s: float) -> None
-        Block until every node is running and answers SSH; raise UserError naming a node that
-        did not come up in time.
-    query(record: ClusterRecord) -> list[NodeStatus]
-        What the provider sees now, for `xeontune cluster status`.
-    terminate(name: str, record: ClusterRecord | None) -> TeardownReport
-        Delete everything of the cluster, from the record and, when it is lost, by tag/name.
-        Idempotent: a second call deletes nothing and succeeds.
-
-Modules are imported on demand so the cloud SDKs stay optional.
+Modules are imported on first use, so the cloud SDKs stay optional.
 """
 
 from __future__ import annotations
 
 import importlib
+import shlex
 from dataclasses import dataclass, field
-from types import ModuleType
 
+from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
-
-PROVIDERS = ("local", "localhost", "aws", "azure")
 
 
 @dataclass
@@ -40,7 +34,6 @@ class ClusterSpec:
     subnet: str | None = None
     skip_bootstrap: bool = False
     data_dir: str | None = None  # training data synced to every node at bootstrap
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -60,8 +53,123 @@ class TeardownReport:
     def ok(self) -> bool:
         return not self.failed
 
+    def merge(self, other: TeardownReport) -> TeardownReport:
+        self.deleted += other.deleted
+        self.failed += other.failed
+        return self
 
-def get(provider: str) -> ModuleType:
-    if provider not in PROVIDERS:
-        raise UserError(f"unknown provider {provider!r} (choose from: {', '.join(PROVIDERS)})")
-    return importlib.import_module(f"xeontune.cluster.providers.{provider}")
+
+class Provider:
+    """One provider's operations and capabilities. ``name`` is what records store in ``provider``."""
+
+    name: str = ""
+    # The nodes are other machines: mpirun runs on the head over SSH, with the nodes' venv
+    # (``record.venv``) and work dir; ranks size their threads by the node's cores. False: every
+    # rank runs on this machine, from this venv, sharing its cores.
+    remote: bool = True
+    # Nodes are reached over SSH (pinned host keys); False: Hydra forks ranks here, no SSH at all.
+    uses_ssh: bool = True
+    # `cluster up` installs the project on every node over SSH (skipped with --skip-bootstrap).
+    needs_bootstrap: bool = True
+    wait_timeout_s: float = 600.0  # how long `cluster up` waits for the nodes to answer
+    default_iface: str = "eth0"  # the interface for Hydra and gloo when the record names none
+    # The nodes are slices of one machine (network namespaces): their ranks share its cores, so
+    # no rank pins itself to "its node's" cores, and --ppn auto divides the machine among nodes.
+    hosts_share_cores: bool = False
+
+    # --- the operations every provider implements --------------------------------------------
+
+    def up(self, spec: ClusterSpec) -> ClusterRecord:
+        """Create the nodes (saving the record after every resource it creates), then return the
+        record. Raise UserError for the user's mistakes (missing root, unknown region, quota)."""
+        raise NotImplementedError
+
+    def wait(self, record: ClusterRecord, timeout_s: float) -> None:
+        """Block until every node is running and answers SSH; raise UserError naming a node that
+        did not come up in time."""
+        raise NotImplementedError
+
+    def query(self, record: ClusterRecord) -> list[NodeStatus]:
+        """What the provider sees now, for `xeontune cluster status`."""
+        raise NotImplementedError
+
+    def terminate(self, name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
+        """Delete everything of the cluster, from the record and, when it is lost, by tag/name
+        (``region``: where to look then, from `teardown --region`). Idempotent: a second call
+        deletes nothing and succeeds."""
+        raise NotImplementedError
+
+    # --- capabilities, with the defaults of a cloud-like provider --------------------------------
+
+    def sweep(self, name: str) -> TeardownReport:
+        """Delete what cluster ``name`` left behind when neither its record nor its provider is
+        known (`teardown` without --provider). Only a provider whose names are unique on this
+        machine can look by name alone; the others find nothing."""
+        return TeardownReport()
+
+    def cost_per_hour(self, record: ClusterRecord) -> float | None:
+        """Estimated USD per hour of the whole cluster; None when free or unknown."""
+        return None
+
+    def iface(self, record: ClusterRecord) -> str:
+        return record.iface or self.default_iface
+
+    def slots(self, record: ClusterRecord, ppn: int) -> int:
+        """How many ranks the cluster holds with ``ppn`` ranks per node."""
+        return len(record.nodes) * ppn
+
+    def slots_text(self, record: ClusterRecord, ppn: int) -> str:
+        """How ``slots`` came about, for the error that says -n is too large."""
+        return f"{len(record.nodes)} hosts x --ppn {ppn} = {self.slots(record, ppn)}"
+
+    def launcher_args(self, record: ClusterRecord, ppn: int) -> list[str]:
+        """Hydra's options that say how ranks are started: over SSH, through the cluster's wrapper."""
+        from xeontune.cluster import files
+
+        return ["-f", files.remote_path(record, "hosts"), "-ppn", str(ppn),
+                "-launcher", "ssh", "-launcher-exec", files.remote_path(record, "ssh")]
+
+    def wrap_launch(self, record: ClusterRecord, argv: list[str]) -> list[str]:
+        """The command that runs ``argv`` (mpirun) where it must run: on the head, over SSH."""
+        from xeontune.cluster import files
+
+        return ["ssh", "-F", str(files.files_dir(record) / "ssh_config"), "-tt", record.head.name, "--",
+                shlex.join(argv)]
+
+    def check_launch(self, record: ClusterRecord) -> None:
+        """Raise UserError when this machine cannot launch on the cluster (e.g. root is missing)."""
+
+
+_REGISTRY: dict[str, str] = {}  # provider name -> module that defines PROVIDER
+
+
+def register(name: str, module: str) -> None:
+    """Make provider ``name`` known: ``module`` (imported on first use) defines ``PROVIDER``."""
+    _REGISTRY[name] = module
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> Provider:
+    if name not in _REGISTRY:
+        raise UserError(f"unknown provider {name!r} (choose from: {', '.join(_REGISTRY)})")
+    provider = importlib.import_module(_REGISTRY[name]).PROVIDER
+    if not isinstance(provider, Provider) or provider.name != name:
+        raise TypeError(f"{_REGISTRY[name]}.PROVIDER must be a Provider named {name!r}")
+    return provider
+
+
+def all_providers() -> list[Provider]:
+    return [get(name) for name in _REGISTRY]
+
+
+register("local", "xeontune.cluster.providers.local")
+register("localhost", "xeontune.cluster.providers.localhost")
+register("aws", "xeontune.cluster.providers.aws")
+register("azure", "xeontune.cluster.providers.azure")

@@ -217,45 +217,7 @@ def _pick_subnet(ec2: Any, subnet: str | None, instance_type: str) -> tuple[str,
     return usable[0]["SubnetId"], vpc
 
 
-def up(spec: ClusterSpec) -> ClusterRecord:
-    state.validate_name(spec.name)
-    if spec.num_nodes < 1:
-        raise UserError("a cluster needs at least one node (-n 1 or more)")
-    cloud.check_data_dir(spec.data_dir)
-    region = resolve_region(spec.region)
-    instance_type = spec.instance_type or DEFAULT_INSTANCE_TYPE
-    ssh_cidr = cloud.ssh_cidr(spec.ssh_cidr)
-    ec2 = _client(region)
-    # Everything here only reads: a bad type, AMI or subnet fails before anything exists.
-    try:
-        cores = _check_instance_type(ec2, instance_type)
-        ami, root_device = _image(ec2, spec.image) if spec.image else latest_ubuntu_lts(ec2)
-        subnet, vpc = _pick_subnet(ec2, spec.subnet, instance_type)
-    except _aws_errors() as exc:
-        raise _user_error(exc, "checking the region, instance type, image and network") from None
-
-    record = cloud.new_record(spec.name, "aws", region, SSH_USER)
-    record.extra.update({"instance_type": instance_type, "ami": ami, "vpc": vpc, "subnet": subnet,
-                         "spot": "1" if spec.spot else "0", "ssh_cidr": ssh_cidr, "disk_gb": str(DISK_GB),
-                         "mixed_precision": cloud.mixed_precision_for_type(instance_type)})
-    if cores:
-        record.extra["cores_per_node"] = str(cores)
-    if spec.skip_bootstrap:
-        record.extra["skip_bootstrap"] = "1"
-    state.save(record)
-    estimate = pricing.aws(instance_type, spec.num_nodes, DISK_GB, spec.spot)
-    print(f"creating {spec.num_nodes} x {instance_type}{' (spot)' if spec.spot else ''} in {region} from {ami}; "
-          f"{estimate.line()}", flush=True)
-    try:
-        _create(ec2, record, spec, root_device)
-        _refresh_addresses(ec2, record)
-    except _aws_errors() as exc:
-        error = _user_error(exc, f"creating cluster {spec.name!r}")
-        raise cloud.rollback(record, error, lambda: terminate(spec.name, record)) from None
-    return record
-
-
-def _create(ec2: Any, record: ClusterRecord, spec: ClusterSpec, root_device: str) -> None:
+def _create(ec2: Any, record: ClusterRecord, spec: ClusterSpec) -> None:
     name, region = record.name, record.region
     sg = ec2.create_security_group(
         GroupName=resource_name(name), Description=f"xeontune cluster {name}", VpcId=record.extra["vpc"],
@@ -285,13 +247,13 @@ def _create(ec2: Any, record: ClusterRecord, spec: ClusterSpec, root_device: str
         role = "head" if i == 0 else "worker"
         node_name = f"node{i}"
         params: dict[str, Any] = {
-            "ImageId": record.extra["ami"], "InstanceType": record.extra["instance_type"],
+            "ImageId": record.extra["ami"], "InstanceType": record.instance_type,
             "MinCount": 1, "MaxCount": 1, "KeyName": key_name,
             "NetworkInterfaces": [{"DeviceIndex": 0, "SubnetId": record.extra["subnet"], "Groups": [sg],
                                    "AssociatePublicIpAddress": True, "DeleteOnTermination": True}],
             # A node that powers itself off is gone, not parked and billing for its disk.
             "InstanceInitiatedShutdownBehavior": "terminate",
-            "BlockDeviceMappings": [{"DeviceName": root_device, "Ebs": {
+            "BlockDeviceMappings": [{"DeviceName": record.extra["root_device"], "Ebs": {
                 "VolumeSize": DISK_GB, "VolumeType": "gp3", "DeleteOnTermination": True}}],
             "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled"},
             "TagSpecifications": [
@@ -348,86 +310,11 @@ def _describe(ec2: Any, ids: list[str]) -> dict[str, dict]:
     return out
 
 
-def wait(record: ClusterRecord, timeout_s: float) -> None:
-    """Until every instance runs (addresses recorded), then its host key is known and SSH logs in."""
-    ec2 = _client(record.region or resolve_region(None))
-    deadline = time.monotonic() + timeout_s
-    ids = [n.resource_id for n in record.nodes if n.resource_id]
-    print(f"waiting for {len(ids)} instance(s) to run, then for their host keys and SSH", flush=True)
-    try:
-        while True:
-            found = _describe(ec2, ids)
-            pending = [n for n in record.nodes if found.get(n.resource_id or "", {}).get("State", {}).get("Name") != "running"]
-            gone = [n for n in pending if found.get(n.resource_id or "", {}).get("State", {}).get("Name")
-                    in ("shutting-down", "terminated", "stopping", "stopped")]
-            if gone:
-                n = gone[0]
-                st = found.get(n.resource_id or "", {}).get("State", {}).get("Name", "missing")
-                reason = found.get(n.resource_id or "", {}).get("StateReason", {}).get("Message", "")
-                raise UserError(f"node {n.name} ({n.resource_id}) of cluster {record.name!r} is {st}, not running {reason}".strip())
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                n = pending[0]
-                raise UserError(f"node {n.name} ({n.resource_id}) of cluster {record.name!r} was not running within {timeout_s:.0f}s")
-            time.sleep(POLL_S)
-        _refresh_addresses(ec2, record)
-        if record.extra.get("skip_bootstrap") == "1":
-            return  # an emulator has no console and no sshd: stop once the nodes run
-        for n in record.nodes:
-            key = cloud.poll_host_key(
-                lambda n=n: ec2.get_console_output(InstanceId=n.resource_id, Latest=True).get("Output", ""),
-                n, record, deadline, POLL_S)
-            cloud.pin(record, n, key)
-    except _aws_errors() as exc:
-        raise _user_error(exc, f"waiting for cluster {record.name!r}") from None
-    cloud.wait_for_ssh(record, deadline)
-
-
-def query(record: ClusterRecord) -> list[NodeStatus]:
-    ec2 = _client(record.region or resolve_region(None))
-    try:
-        found = _describe(ec2, [n.resource_id for n in record.nodes if n.resource_id]) if record.nodes else {}
-    except _aws_errors() as exc:
-        raise _user_error(exc, f"querying cluster {record.name!r}") from None
-    out = []
-    for n in record.nodes:
-        inst = found.get(n.resource_id or "")
-        out.append(NodeStatus(n.name, inst["State"]["Name"] if inst else "missing",
-                              inst.get("PrivateIpAddress") if inst else None, inst.get("PublicIpAddress") if inst else None))
-    return out
-
-
-def cost(record: ClusterRecord) -> pricing.CostEstimate:
-    return pricing.aws(record.extra.get("instance_type", DEFAULT_INSTANCE_TYPE), len(record.nodes),
-                       int(record.extra.get("disk_gb", DISK_GB)), record.extra.get("spot") == "1")
-
-
-def cost_per_hour(record: ClusterRecord) -> float | None:
-    """What `cluster up` and `cluster status` print (None when the type has no price on file)."""
-    return cost(record).usd_per_hour
-
-
 # --- teardown -----------------------------------------------------------------------------------
 
 
 def _by_tag(name: str) -> list[dict[str, Any]]:
     return [{"Name": f"tag:{TAG_CLUSTER}", "Values": [name]}]
-
-
-def terminate(name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
-    """Delete the cluster's instances, security group and key pair, from the record and by tag."""
-    report = TeardownReport()
-    region = (record.region if record else None) or resolve_region(region)
-    ec2 = _client(region)
-    recorded = {(r.kind, r.id) for r in record.resources} if record else set()
-    try:
-        _terminate_instances(ec2, name, recorded, report)
-        _delete_security_groups(ec2, name, recorded, report)
-        _delete_key_pairs(ec2, name, recorded, report)
-    except _aws_errors() as exc:
-        raise _user_error(exc, f"tearing down cluster {name!r} in {region}") from None
-    return report
 
 
 def _terminate_instances(ec2: Any, name: str, recorded: set[tuple[str, str]], report: TeardownReport) -> None:
@@ -514,3 +401,100 @@ def _delete_key_pairs(ec2: Any, name: str, recorded: set[tuple[str, str]], repor
         except ClientError as exc:
             if exc.response["Error"]["Code"] != "InvalidKeyPair.NotFound":
                 report.failed.append(f"key pair {kid}: {exc.response['Error']['Code']}")
+
+
+class Aws(cloud.CloudProvider):
+    name = "aws"
+    ssh_user = SSH_USER
+
+    def plan(self, spec: ClusterSpec) -> cloud.CloudPlan:
+        region = resolve_region(spec.region)
+        instance_type = spec.instance_type or DEFAULT_INSTANCE_TYPE
+        ssh_cidr = cloud.ssh_cidr(spec.ssh_cidr)
+        ec2 = _client(region)
+        # Everything here only reads: a bad type, AMI or subnet fails before anything exists.
+        try:
+            cores = _check_instance_type(ec2, instance_type)
+            ami, root_device = _image(ec2, spec.image) if spec.image else latest_ubuntu_lts(ec2)
+            subnet, vpc = _pick_subnet(ec2, spec.subnet, instance_type)
+        except _aws_errors() as exc:
+            raise _user_error(exc, "checking the region, instance type, image and network") from None
+        return cloud.CloudPlan(
+            region=region, instance_type=instance_type, image=ami, cores_per_node=cores,
+            errors=_aws_errors(), user_error=_user_error,
+            estimate=pricing.aws(instance_type, spec.num_nodes, DISK_GB, spec.spot), client=ec2,
+            extra={"ami": ami, "root_device": root_device, "vpc": vpc, "subnet": subnet, "spot": "1" if spec.spot else "0",
+                   "ssh_cidr": ssh_cidr, "disk_gb": str(DISK_GB)},
+        )
+
+    def create(self, record: ClusterRecord, spec: ClusterSpec, plan: cloud.CloudPlan) -> None:
+        _create(plan.client, record, spec)
+        _refresh_addresses(plan.client, record)
+
+    def estimate(self, record: ClusterRecord) -> pricing.CostEstimate:
+        return pricing.aws(record.instance_type or DEFAULT_INSTANCE_TYPE, len(record.nodes),
+                           int(record.extra.get("disk_gb", DISK_GB)), record.extra.get("spot") == "1")
+
+    def wait(self, record: ClusterRecord, timeout_s: float) -> None:
+        """Until every instance runs (addresses recorded), then its host key is known and SSH logs in."""
+        ec2 = _client(record.region or resolve_region(None))
+        deadline = time.monotonic() + timeout_s
+        ids = [n.resource_id for n in record.nodes if n.resource_id]
+        print(f"waiting for {len(ids)} instance(s) to run, then for their host keys and SSH", flush=True)
+        try:
+            while True:
+                found = _describe(ec2, ids)
+                pending = [n for n in record.nodes if found.get(n.resource_id or "", {}).get("State", {}).get("Name") != "running"]
+                gone = [n for n in pending if found.get(n.resource_id or "", {}).get("State", {}).get("Name")
+                        in ("shutting-down", "terminated", "stopping", "stopped")]
+                if gone:
+                    n = gone[0]
+                    st = found.get(n.resource_id or "", {}).get("State", {}).get("Name", "missing")
+                    reason = found.get(n.resource_id or "", {}).get("StateReason", {}).get("Message", "")
+                    raise UserError(f"node {n.name} ({n.resource_id}) of cluster {record.name!r} is {st}, not running {reason}".strip())
+                if not pending:
+                    break
+                if time.monotonic() > deadline:
+                    n = pending[0]
+                    raise UserError(f"node {n.name} ({n.resource_id}) of cluster {record.name!r} was not running within {timeout_s:.0f}s")
+                time.sleep(POLL_S)
+            _refresh_addresses(ec2, record)
+            if record.skip_bootstrap:
+                return  # an emulator has no console and no sshd: stop once the nodes run
+            for n in record.nodes:
+                key = cloud.poll_host_key(
+                    lambda n=n: ec2.get_console_output(InstanceId=n.resource_id, Latest=True).get("Output", ""),
+                    n, record, deadline, POLL_S)
+                cloud.pin(record, n, key)
+        except _aws_errors() as exc:
+            raise _user_error(exc, f"waiting for cluster {record.name!r}") from None
+        cloud.wait_for_ssh(record, deadline)
+
+    def query(self, record: ClusterRecord) -> list[NodeStatus]:
+        ec2 = _client(record.region or resolve_region(None))
+        try:
+            found = _describe(ec2, [n.resource_id for n in record.nodes if n.resource_id]) if record.nodes else {}
+        except _aws_errors() as exc:
+            raise _user_error(exc, f"querying cluster {record.name!r}") from None
+        out = []
+        for n in record.nodes:
+            inst = found.get(n.resource_id or "")
+            out.append(NodeStatus(n.name, inst["State"]["Name"] if inst else "missing",
+                                  inst.get("PrivateIpAddress") if inst else None, inst.get("PublicIpAddress") if inst else None))
+        return out
+
+    def terminate(self, name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
+        """Delete the cluster's instances, security group and key pair, from the record and by tag."""
+        report = TeardownReport()
+        region = (record.region if record else None) or resolve_region(region)
+        ec2 = _client(region)
+        recorded = {(r.kind, r.id) for r in record.resources} if record else set()
+        try:
+            _terminate_instances(ec2, name, recorded, report)
+            _delete_security_groups(ec2, name, recorded, report)
+            _delete_key_pairs(ec2, name, recorded, report)
+        except _aws_errors() as exc:
+            raise _user_error(exc, f"tearing down cluster {name!r} in {region}") from None
+        return report
+
+PROVIDER = Aws()

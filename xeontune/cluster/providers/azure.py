@@ -176,46 +176,9 @@ def _image_ref(urn: str) -> dict[str, str]:
     return dict(zip(("publisher", "offer", "sku", "version"), parts, strict=True))
 
 
-def up(spec: ClusterSpec) -> ClusterRecord:
-    state.validate_name(spec.name)
-    if spec.num_nodes < 1:
-        raise UserError("a cluster needs at least one node (-n 1 or more)")
-    if spec.spot or spec.subnet:
-        raise UserError("--spot and --subnet are aws-only options")
-    cloud.check_data_dir(spec.data_dir)
-    location = (spec.region or DEFAULT_LOCATION).lower()
-    if not re.fullmatch(r"[a-z0-9]+", location):
-        raise UserError(f"unknown Azure region {location!r}: use a name like eastus or westeurope (no spaces)")
-    size = spec.instance_type or DEFAULT_SIZE
-    ssh_cidr = cloud.ssh_cidr(spec.ssh_cidr)
-    c = _Clients()
-    try:  # read-only checks: a bad region, size or image fails before anything exists
-        cores = _check_location_and_size(c, location, size)
-        image = _image_ref(spec.image) if spec.image else latest_ubuntu_lts(c, location)
-    except _azure_errors() as exc:
-        raise _user_error(exc, "checking the region, VM size and image") from None
-
-    record = cloud.new_record(spec.name, "azure", location, SSH_USER)
-    record.extra.update({"instance_type": size, "image": ":".join(image.values()), "ssh_cidr": ssh_cidr,
-                         "resource_group": group_name(spec.name), "subscription": c.subscription,
-                         "mixed_precision": cloud.mixed_precision_for_type(size)})
-    if cores:
-        record.extra["cores_per_node"] = str(cores)
-    if spec.skip_bootstrap:
-        record.extra["skip_bootstrap"] = "1"
-    state.save(record)
-    print(f"creating {spec.num_nodes} x {size} in {location} from {record.extra['image']}; "
-          f"{pricing.azure(size, spec.num_nodes).line()}", flush=True)
-    try:
-        _create(c, record, spec, image)
-    except _azure_errors() as exc:
-        error = _user_error(exc, f"creating cluster {spec.name!r}")
-        raise cloud.rollback(record, error, lambda: terminate(spec.name, record)) from None
-    return record
-
-
-def _create(c: _Clients, record: ClusterRecord, spec: ClusterSpec, image: dict[str, str]) -> None:
+def _create(c: _Clients, record: ClusterRecord, spec: ClusterSpec) -> None:
     name, location = record.name, record.region
+    image = _image_ref(record.extra["image"])
     rg = group_name(name)
     tags = {TAG_CLUSTER: name}
 
@@ -250,7 +213,7 @@ def _create(c: _Clients, record: ClusterRecord, spec: ClusterSpec, image: dict[s
         "location": location, "tags": tags, "sku": {"name": "Standard"},
         "properties": {"publicIPAllocationMethod": "Static", "publicIPAddressVersion": "IPv4"}}).result())
 
-    size = record.extra["instance_type"]
+    size = record.instance_type or DEFAULT_SIZE
     for i in range(spec.num_nodes):
         role, node_name = ("head" if i == 0 else "worker"), f"node{i}"
         ip_cfg: dict[str, Any] = {"subnet": {"id": subnet_id}, "privateIPAllocationMethod": "Dynamic"}
@@ -294,95 +257,118 @@ def _power_state(vm: dict) -> str:
     return vm.get("properties", {}).get("provisioningState", "unknown").lower()
 
 
-def wait(record: ClusterRecord, timeout_s: float) -> None:
-    """Until every VM runs, its host key is read through ARM and pinned, and SSH logs in."""
-    c = _Clients()
-    rg = group_name(record.name)
-    deadline = time.monotonic() + timeout_s
-    print(f"waiting for {len(record.nodes)} VM(s) to run, then for their host keys and SSH", flush=True)
-    try:
-        for n in record.nodes:
-            while True:
-                vm = _plain(c.compute.virtual_machines.get(rg, n.name, expand="instanceView"))
-                if _power_state(vm) == "running":
-                    break
-                if time.monotonic() > deadline:
-                    raise UserError(f"node {n.name} of cluster {record.name!r} was not running within {timeout_s:.0f}s "
-                                    f"(state: {_power_state(vm)})")
-                time.sleep(POLL_S)
-        if record.extra.get("skip_bootstrap") == "1":
-            return
-        from azure.core.exceptions import ClientAuthenticationError, HttpResponseError
-
-        for n in record.nodes:
-            def fetch(n: Node = n) -> str:
-                try:
-                    result = _plain(c.compute.virtual_machines.begin_run_command(rg, n.name, {
-                        "commandId": "RunShellScript", "script": ["cat /etc/ssh/ssh_host_ed25519_key.pub"]}).result())
-                except ClientAuthenticationError:
-                    raise
-                except HttpResponseError:
-                    return ""  # the VM agent is not ready yet (a fresh VM): ask again until the deadline
-                return " ".join(v.get("message", "") for v in result.get("value", []))
-
-            cloud.pin(record, n, cloud.poll_host_key(fetch, n, record, deadline, POLL_S, cloud.parse_host_key))
-    except _azure_errors() as exc:
-        raise _user_error(exc, f"waiting for cluster {record.name!r}") from None
-    cloud.wait_for_ssh(record, deadline)
-
-
-def query(record: ClusterRecord) -> list[NodeStatus]:
-    from azure.core.exceptions import ResourceNotFoundError
-
-    c = _Clients()
-    out = []
-    for n in record.nodes:
-        try:
-            vm = _plain(c.compute.virtual_machines.get(group_name(record.name), n.name, expand="instanceView"))
-            out.append(NodeStatus(n.name, _power_state(vm), n.private_ip, n.public_ip))
-        except ResourceNotFoundError:
-            out.append(NodeStatus(n.name, "missing"))
-        except _azure_errors() as exc:
-            raise _user_error(exc, f"querying cluster {record.name!r}") from None
-    return out
-
-
-def cost(record: ClusterRecord) -> pricing.CostEstimate:
-    return pricing.azure(record.extra.get("instance_type", DEFAULT_SIZE), len(record.nodes), public_ips=1)
-
-
-def cost_per_hour(record: ClusterRecord) -> float | None:
-    return cost(record).usd_per_hour
-
-
 # --- teardown -----------------------------------------------------------------------------------
 
 
-def terminate(name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
-    """Delete the cluster's resource group (from the record, or found by its tag) and wait for it.
+class Azure(cloud.CloudProvider):
+    name = "azure"
+    ssh_user = SSH_USER
 
-    ``region`` is accepted for the common interface; resource groups are found subscription-wide.
-    """
-    from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
-
-    report = TeardownReport()
-    c = _Clients()
-    groups: set[str] = set()
-    if record is not None:
-        groups.update(r.id.rsplit("/", 1)[-1] for r in record.resources if r.kind == "resource_group")
-    try:
-        tagged = c.resource.resource_groups.list(filter=f"tagName eq '{TAG_CLUSTER}' and tagValue eq '{name}'")
-        groups.update(_plain(g)["name"] for g in tagged)
-    except _azure_errors() as exc:
-        raise _user_error(exc, f"looking for cluster {name!r}'s resource group") from None
-    for rg in sorted(groups):
-        try:
-            c.resource.resource_groups.begin_delete(rg).result()
-            report.deleted.append(f"resource group {rg} (and everything in it)")
-        except ResourceNotFoundError:
-            pass  # already gone: nothing to report
-        except HttpResponseError as exc:
-            report.failed.append(f"resource group {rg}: {_user_error(exc, 'deleting it')}")
+    def plan(self, spec: ClusterSpec) -> cloud.CloudPlan:
+        if spec.spot or spec.subnet:
+            raise UserError("--spot and --subnet are aws-only options")
+        location = (spec.region or DEFAULT_LOCATION).lower()
+        if not re.fullmatch(r"[a-z0-9]+", location):
+            raise UserError(f"unknown Azure region {location!r}: use a name like eastus or westeurope (no spaces)")
+        size = spec.instance_type or DEFAULT_SIZE
+        ssh_cidr = cloud.ssh_cidr(spec.ssh_cidr)
+        c = _Clients()
+        try:  # read-only checks: a bad region, size or image fails before anything exists
+            cores = _check_location_and_size(c, location, size)
+            image = ":".join((_image_ref(spec.image) if spec.image else latest_ubuntu_lts(c, location)).values())
         except _azure_errors() as exc:
-            raise _user_error(exc, f"deleting resource group {rg}") from None
-    return report
+            raise _user_error(exc, "checking the region, VM size and image") from None
+        return cloud.CloudPlan(
+            region=location, instance_type=size, image=image, cores_per_node=cores,
+            errors=_azure_errors(), user_error=_user_error,
+            estimate=pricing.azure(size, spec.num_nodes), client=c,
+            extra={"image": image, "ssh_cidr": ssh_cidr, "resource_group": group_name(spec.name),
+                   "subscription": c.subscription},
+        )
+
+    def create(self, record: ClusterRecord, spec: ClusterSpec, plan: cloud.CloudPlan) -> None:
+        _create(plan.client, record, spec)
+
+    def estimate(self, record: ClusterRecord) -> pricing.CostEstimate:
+        return pricing.azure(record.instance_type or DEFAULT_SIZE, len(record.nodes), public_ips=1)
+
+    def wait(self, record: ClusterRecord, timeout_s: float) -> None:
+        """Until every VM runs, its host key is read through ARM and pinned, and SSH logs in."""
+        c = _Clients()
+        rg = group_name(record.name)
+        deadline = time.monotonic() + timeout_s
+        print(f"waiting for {len(record.nodes)} VM(s) to run, then for their host keys and SSH", flush=True)
+        try:
+            for n in record.nodes:
+                while True:
+                    vm = _plain(c.compute.virtual_machines.get(rg, n.name, expand="instanceView"))
+                    if _power_state(vm) == "running":
+                        break
+                    if time.monotonic() > deadline:
+                        raise UserError(f"node {n.name} of cluster {record.name!r} was not running within {timeout_s:.0f}s "
+                                        f"(state: {_power_state(vm)})")
+                    time.sleep(POLL_S)
+            if record.skip_bootstrap:
+                return
+            from azure.core.exceptions import ClientAuthenticationError, HttpResponseError
+
+            for n in record.nodes:
+                def fetch(n: Node = n) -> str:
+                    try:
+                        result = _plain(c.compute.virtual_machines.begin_run_command(rg, n.name, {
+                            "commandId": "RunShellScript", "script": ["cat /etc/ssh/ssh_host_ed25519_key.pub"]}).result())
+                    except ClientAuthenticationError:
+                        raise
+                    except HttpResponseError:
+                        return ""  # the VM agent is not ready yet (a fresh VM): ask again until the deadline
+                    return " ".join(v.get("message", "") for v in result.get("value", []))
+
+                cloud.pin(record, n, cloud.poll_host_key(fetch, n, record, deadline, POLL_S, cloud.parse_host_key))
+        except _azure_errors() as exc:
+            raise _user_error(exc, f"waiting for cluster {record.name!r}") from None
+        cloud.wait_for_ssh(record, deadline)
+
+    def query(self, record: ClusterRecord) -> list[NodeStatus]:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        c = _Clients()
+        out = []
+        for n in record.nodes:
+            try:
+                vm = _plain(c.compute.virtual_machines.get(group_name(record.name), n.name, expand="instanceView"))
+                out.append(NodeStatus(n.name, _power_state(vm), n.private_ip, n.public_ip))
+            except ResourceNotFoundError:
+                out.append(NodeStatus(n.name, "missing"))
+            except _azure_errors() as exc:
+                raise _user_error(exc, f"querying cluster {record.name!r}") from None
+        return out
+
+    def terminate(self, name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
+        """Delete the cluster's resource group (from the record, or found by its tag) and wait for it.
+        Resource groups are found subscription-wide, so ``region`` is not needed."""
+        from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
+
+        report = TeardownReport()
+        c = _Clients()
+        groups: set[str] = set()
+        if record is not None:
+            groups.update(r.id.rsplit("/", 1)[-1] for r in record.resources if r.kind == "resource_group")
+        try:
+            tagged = c.resource.resource_groups.list(filter=f"tagName eq '{TAG_CLUSTER}' and tagValue eq '{name}'")
+            groups.update(_plain(g)["name"] for g in tagged)
+        except _azure_errors() as exc:
+            raise _user_error(exc, f"looking for cluster {name!r}'s resource group") from None
+        for rg in sorted(groups):
+            try:
+                c.resource.resource_groups.begin_delete(rg).result()
+                report.deleted.append(f"resource group {rg} (and everything in it)")
+            except ResourceNotFoundError:
+                pass  # already gone: nothing to report
+            except HttpResponseError as exc:
+                report.failed.append(f"resource group {rg}: {_user_error(exc, 'deleting it')}")
+            except _azure_errors() as exc:
+                raise _user_error(exc, f"deleting resource group {rg}") from None
+        return report
+
+
+PROVIDER = Azure()

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from xeontune.cluster import ssh, state
 from xeontune.cluster.files import config_value
-from xeontune.cluster.providers import ClusterSpec, NodeStatus, TeardownReport
+from xeontune.cluster.providers import ClusterSpec, NodeStatus, Provider, TeardownReport
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
 from xeontune.io import atomic_write_text
@@ -152,21 +152,6 @@ def _leftovers(name: str) -> list[str]:
     return found
 
 
-def up(spec: ClusterSpec) -> ClusterRecord:
-    check_requirements()
-    if not 1 <= spec.num_nodes <= MAX_NODES:
-        raise UserError(f"-n must be between 1 and {MAX_NODES} for the local provider")
-    left = _leftovers(spec.name)
-    if left:
-        raise UserError(f"a previous cluster {spec.name!r} left {', '.join(left[:3])}"
-                        f"{' ...' if len(left) > 3 else ''} behind; remove it with `xeontune teardown --name {spec.name}`")
-    try:
-        return _create(spec)
-    except RuntimeError as exc:  # a failed `ip`/`sshd` call: say which, in one line
-        raise UserError(f"creating local cluster {spec.name!r} failed: {exc}; "
-                        f"remove what was created with `xeontune teardown --name {spec.name}`") from exc
-
-
 def _create(spec: ClusterSpec) -> ClusterRecord:
     name = spec.name
     cdir = state.cluster_dir(name)
@@ -174,7 +159,7 @@ def _create(spec: ClusterSpec) -> ClusterRecord:
     os.chmod(cdir, 0o700)
     record = ClusterRecord(
         name=name,
-        provider="local",
+        provider=Local.name,
         ssh_user="root",
         key_path=str(cdir / "id_ed25519"),
         known_hosts_path=str(cdir / "known_hosts"),
@@ -234,12 +219,6 @@ def _create(spec: ClusterSpec) -> ClusterRecord:
     return record
 
 
-def wait(record: ClusterRecord, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    for node in record.nodes:
-        ssh.wait_for_ssh(record, node, timeout_s=max(1.0, deadline - time.monotonic()))
-
-
 def _pid_alive(pid_file: Path) -> bool:
     try:
         pid = int(pid_file.read_text().split()[0])
@@ -254,21 +233,6 @@ def _netns_list() -> list[str]:
         return []
     out = _sh(["ip", "netns", "list"], check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def query(record: ClusterRecord) -> list[NodeStatus]:
-    present = set(_netns_list())
-    run_dir = state.cluster_dir(record.name) / "sshd"
-    out = []
-    for node in record.nodes:
-        if node.resource_id not in present:
-            st = "missing"
-        elif _pid_alive(run_dir / f"{node.name}.pid"):
-            st = "running"
-        else:
-            st = "sshd stopped"
-        out.append(NodeStatus(node.name, st, node.private_ip, node.public_ip))
-    return out
 
 
 def _kill_netns_processes(ns: str, grace_s: float = 3.0) -> int:
@@ -300,38 +264,93 @@ def _links() -> set[str]:
     return names
 
 
-def terminate(name: str, record: ClusterRecord | None) -> TeardownReport:
-    report = TeardownReport()
-    if not shutil.which("ip"):
-        return report  # no iproute2: nothing of ours can exist
-    if os.geteuid() != 0:
-        raise UserError("tearing down a local cluster needs root")
-    short = _short(name)
-    prefix = f"xeontune-{name}-node"
-    namespaces = [ns for ns in _netns_list() if ns.startswith(prefix) and ns[len(prefix):].isdigit()]
-    for ns in namespaces:
-        killed = _kill_netns_processes(ns)
-        proc = _sh(["ip", "netns", "del", ns], check=False)
-        if proc.returncode == 0:
-            report.deleted.append(f"netns {ns}" + (f" ({killed} processes stopped)" if killed else ""))
-        else:
-            report.failed.append(f"netns {ns}: {proc.stderr.strip()}")
-    # Deleting a namespace destroys its veth pair; these catch what a crashed `up` left behind.
-    for link in sorted(_links()):
-        if link.startswith(f"xt{short}v") or link.startswith(f"xt{short}p") or link == bridge_name(name):
-            proc = _sh(["ip", "link", "del", link], check=False)
-            kind = "bridge" if link == bridge_name(name) else "veth"
+class Local(Provider):
+    name = "local"
+    remote = False
+    hosts_share_cores = True
+    needs_bootstrap = False
+    wait_timeout_s = 60.0
+    default_iface = IFACE
+
+    def up(self, spec: ClusterSpec) -> ClusterRecord:
+        check_requirements()
+        if not 1 <= spec.num_nodes <= MAX_NODES:
+            raise UserError(f"-n must be between 1 and {MAX_NODES} for the local provider")
+        left = _leftovers(spec.name)
+        if left:
+            raise UserError(f"a previous cluster {spec.name!r} left {', '.join(left[:3])}"
+                            f"{' ...' if len(left) > 3 else ''} behind; remove it with `xeontune teardown --name {spec.name}`")
+        try:
+            return _create(spec)
+        except RuntimeError as exc:  # a failed `ip`/`sshd` call: say which, in one line
+            raise UserError(f"creating local cluster {spec.name!r} failed: {exc}; "
+                            f"remove what was created with `xeontune teardown --name {spec.name}`") from exc
+
+    def wait(self, record: ClusterRecord, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for node in record.nodes:
+            ssh.wait_for_ssh(record, node, timeout_s=max(1.0, deadline - time.monotonic()))
+
+    def query(self, record: ClusterRecord) -> list[NodeStatus]:
+        present = set(_netns_list())
+        run_dir = state.cluster_dir(record.name) / "sshd"
+        out = []
+        for node in record.nodes:
+            if node.resource_id not in present:
+                st = "missing"
+            elif _pid_alive(run_dir / f"{node.name}.pid"):
+                st = "running"
+            else:
+                st = "sshd stopped"
+            out.append(NodeStatus(node.name, st, node.private_ip, node.public_ip))
+        return out
+
+    def terminate(self, name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
+        report = TeardownReport()
+        if not shutil.which("ip"):
+            return report  # no iproute2: nothing of ours can exist
+        if os.geteuid() != 0:
+            raise UserError("tearing down a local cluster needs root")
+        short = _short(name)
+        prefix = f"xeontune-{name}-node"
+        namespaces = [ns for ns in _netns_list() if ns.startswith(prefix) and ns[len(prefix):].isdigit()]
+        for ns in namespaces:
+            killed = _kill_netns_processes(ns)
+            proc = _sh(["ip", "netns", "del", ns], check=False)
             if proc.returncode == 0:
-                report.deleted.append(f"{kind} {link}")
-            elif link in _links():
-                report.failed.append(f"{kind} {link}: {proc.stderr.strip()}")
-    # An sshd whose namespace is gone already (should not happen, but a pid file says so).
-    run_dir = state.cluster_dir(name) / "sshd"
-    for pid_file in sorted(run_dir.glob("*.pid")) if run_dir.is_dir() else []:
-        if _pid_alive(pid_file):
-            pid = int(pid_file.read_text().split()[0])
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            if "sshd" in cmdline and str(run_dir) in cmdline:
-                os.kill(pid, signal.SIGKILL)
-                report.deleted.append(f"sshd pid {pid}")
-    return report
+                report.deleted.append(f"netns {ns}" + (f" ({killed} processes stopped)" if killed else ""))
+            else:
+                report.failed.append(f"netns {ns}: {proc.stderr.strip()}")
+        # Deleting a namespace destroys its veth pair; these catch what a crashed `up` left behind.
+        for link in sorted(_links()):
+            if link.startswith(f"xt{short}v") or link.startswith(f"xt{short}p") or link == bridge_name(name):
+                proc = _sh(["ip", "link", "del", link], check=False)
+                kind = "bridge" if link == bridge_name(name) else "veth"
+                if proc.returncode == 0:
+                    report.deleted.append(f"{kind} {link}")
+                elif link in _links():
+                    report.failed.append(f"{kind} {link}: {proc.stderr.strip()}")
+        # An sshd whose namespace is gone already (should not happen, but a pid file says so).
+        run_dir = state.cluster_dir(name) / "sshd"
+        for pid_file in sorted(run_dir.glob("*.pid")) if run_dir.is_dir() else []:
+            if _pid_alive(pid_file):
+                pid = int(pid_file.read_text().split()[0])
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                if "sshd" in cmdline and str(run_dir) in cmdline:
+                    os.kill(pid, signal.SIGKILL)
+                    report.deleted.append(f"sshd pid {pid}")
+        return report
+
+    def sweep(self, name: str) -> TeardownReport:
+        """Namespaces, links and sshds are named after the cluster: found without a record (as root)."""
+        return self.terminate(name, None) if os.geteuid() == 0 else TeardownReport()
+
+    def wrap_launch(self, record: ClusterRecord, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", record.head.resource_id or "", *argv]  # mpirun inside the head
+
+    def check_launch(self, record: ClusterRecord) -> None:
+        if os.geteuid() != 0:
+            raise UserError(f"launching on local cluster {record.name!r} needs root (mpirun runs in the head's namespace)")
+
+
+PROVIDER = Local()

@@ -1,0 +1,21 @@
+"""The one place that silences library chatter (model config notes, deprecation warnings, optional
+image backends): noise on a terminal and in every rank's log. Real errors still show."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+LIBRARIES = ("diffusers", "transformers", "accelerate", "huggingface_hub")
+
+
+def quiet_libraries(*also: str) -> None:
+    """Errors only from the libraries (and the loggers named in ``also``); no FutureWarnings, no
+    UserWarnings from torch. Env vars reach transformers and diffusers even before they are imported."""
+    for name in (*LIBRARIES, *also):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
