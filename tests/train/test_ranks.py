@@ -224,6 +224,7 @@ def test_an_unwritable_cache_only_costs_speed(tiny_model, tmp_path, monkeypatch,
 
     from xeontune.train import components
 
+    caplog.set_level("WARNING", logger="xeontune.train.components")  # bench's tests quiet xeontune.train
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv(components.BF16_CACHE_ENV, str(blocker / "cache"))  # under a file: cannot be made
