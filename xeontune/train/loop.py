@@ -233,10 +233,11 @@ def make_accelerator(opts: TrainOptions):
         torch.set_num_threads(rank_threads())
     if info.world_size > 1 and not torch.distributed.is_initialized():
         if opts.dist_backend == "ccl":
-            try:
-                import oneccl_bindings_for_pytorch  # noqa: F401  (registers the "ccl" backend)
-            except ImportError:
-                raise UserError("--dist-backend ccl needs oneccl_bindings_for_pytorch; use gloo") from None
+            from xeontune.hardware import ccl_available
+
+            usable, why = ccl_available()  # importing the bindings is what registers the "ccl" backend
+            if not usable:
+                raise UserError(f"--dist-backend ccl needs oneccl_bindings_for_pytorch: {why}; use gloo")
         # accelerate only knows gloo/mpi on CPU, so the group is made here and accelerate adopts it.
         torch.distributed.init_process_group(
             backend=opts.dist_backend, rank=info.rank, world_size=info.world_size, timeout=timeout
