@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -314,25 +314,24 @@ def _tree_pss_mb(root) -> float:
     return total / 2**20
 
 
-def ranks_run(argv: list[str], ranks: int | str, out: Path, statistic: str, warmup: int) -> tuple[int, float, float, float]:
-    """Run `xeontune train --nproc-per-node ranks`; (ranks, node images/s, s/step, peak PSS MB)."""
+def ranks_run(argv: list[str], ranks: int, out: Path, statistic: str, warmup: int) -> tuple[float, float, float]:
+    """Run `xeontune train --nproc-per-node ranks`; (node images/s, s/step, peak PSS MB)."""
     import psutil
 
     cmd = [sys.executable, "-m", "xeontune.train", *argv, "--output-dir", str(out), "--nproc-per-node", str(ranks)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    root, peak = psutil.Process(proc.pid), 0.0
-    while proc.poll() is None:
-        peak = max(peak, _tree_pss_mb(root))
-        time.sleep(0.5)
-    stdout, stderr = proc.communicate()
+    log_path = out.with_suffix(".log")  # a file, not a pipe: nobody reads a pipe while we poll memory
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+        root, peak = psutil.Process(proc.pid), 0.0
+        while proc.poll() is None:
+            peak = max(peak, _tree_pss_mb(root))
+            time.sleep(0.5)
     if proc.returncode != 0:
-        raise RuntimeError(f"--nproc-per-node {ranks} run failed:\n{(stdout + stderr)[-3000:]}")
+        raise RuntimeError(f"--nproc-per-node {ranks} run failed:\n{log_path.read_text()[-3000:]}")
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][warmup:]
     chosen = pick([m["step_time_s"] for m in metrics], statistic)
     images = next(m["images_per_s"] for m in metrics if m["step_time_s"] == chosen)
-    first = stdout.splitlines()[0] if stdout else ""
-    count = int(first.split()[0]) if first[:1].isdigit() else int(ranks)  # the launcher says what auto chose
-    return count, images, chosen, peak
+    return images, chosen, peak
 
 
 def compute_pass(run, step: int, *, unet=None, timed: bool = True) -> float:
@@ -404,6 +403,7 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
     from xeontune.hardware import choose_precision
     from xeontune.train import loop
     from xeontune.train.backends import prepare_frozen_models
+    from xeontune.train.ranks import plan_ranks
 
     model = resolve_model(args.model, args.models_dir)
     with tempfile.TemporaryDirectory(prefix="xeontune-bench-") as tmp:
@@ -462,12 +462,16 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         if counts:
             # the optimized variant's options, as a config file for the `xeontune train` runs
             config = Path(tmp) / "ranks-config.json"
-            opts_json = variant_options(model, data, Path(tmp), args, "optimized").to_json()
-            config.write_text(json.dumps({k: v for k, v in opts_json.items() if k not in ("output_dir", "config")}))
+            optimized = variant_options(model, data, Path(tmp), args, "optimized")
+            given = {k: v for k, v in optimized.to_json().items() if k not in ("output_dir", "config")}
+            config.write_text(json.dumps(given))
             argv = ["--config", str(config)]
-            for ranks in counts:
-                sweep.append(ranks_run(argv, ranks, Path(tmp) / f"ranks-{ranks}", args.statistic, args.warmup))
-                log(f"--nproc-per-node {ranks}: {sweep[-1][0]} rank(s), {sweep[-1][1]:.3f} images/s, "
+            auto = plan_ranks(replace(optimized, nproc_per_node="auto"), precision).ranks
+            for spec in counts:
+                ranks = auto if spec == "auto" else int(spec)  # the trainer's own rule decides auto
+                sweep.append((ranks, *ranks_run(argv, ranks, Path(tmp) / f"ranks-{spec}", args.statistic,
+                                                args.warmup)))
+                log(f"--nproc-per-node {spec}: {ranks} rank(s), {sweep[-1][1]:.3f} images/s, "
                     f"peak {sweep[-1][3]:.0f} MB (PSS, whole node)")
         core_peak = max(core_peak, core_peak_gflops(precision, args.matmul_size))  # a busy moment only lowers it
 
