@@ -65,8 +65,14 @@ def test_ranks_per_node_sweep_and_mfu(tiny_model, capsys):
         assert r["images_per_s"] > 0 and r["s_per_step"] > 0 and r["peak_pss_mb"] > 50 and r["vs_example"] > 0
         assert 0 < r["mfu"] < 1
     assert result["physical_cores"] == len(placement.physical_cores())
-    assert 0 < result["core_peak_gflops"] <= result["machine_peak_gflops"] * 1.05
-    assert 0 < result["mfu"] < 1
+    # MFU is measured against one core's peak times the physical cores. (Not compared with the
+    # whole-machine peak: on two hyperthreads of one core, or a busy host, that can come out lower.)
+    node_peak = result["core_peak_gflops"] * result["physical_cores"]
+    assert result["core_peak_gflops"] > 0 and result["machine_peak_gflops"] > 0
+    assert result["mfu"] == pytest.approx(result["achieved_gflops"] / node_peak)
+    batch = result["config"]["batch_size"]
+    for r in rows:
+        assert r["mfu"] == pytest.approx(r["images_per_s"] * result["model_gflop_per_step"] / batch / node_peak)
 
 
 def test_peak_rss_child_reports_its_own_peak(tiny_model):
