@@ -7,11 +7,14 @@ Both variants are built by the trainer's own ``setup`` and stepped by its own ``
   after every optimizer step, and with bf16 the frozen UNet and VAE cast to bf16 once (what the
   common example script does with `--mixed_precision bf16`).
 
-They share the frozen UNet and VAE (one copy in memory) and run alternately in one process, with
-the order rotated every round, so that a noisy, shared machine slows both alike and the ratio
-holds. A third entry in each round times the pure model compute: text encoder and UNet forward
-and backward of one step, nothing else. Peak RSS cannot be told apart inside one process, so each
-variant's peak RSS comes from a short run of that variant alone in a child process.
+The optimized variant is the trainer exactly as `xeontune train` runs it, IPEX or torch.compile
+included. The baseline runs in its own worker process, as the example script does: stock torch,
+its own frozen models, and never an IPEX import (importing IPEX swaps CPU autocast kernels for the
+whole process, which would speed up the "example" too). The two step alternately, one step each
+per round, the order rotated every round, so that a noisy, shared machine slows both alike and
+the ratio holds. A third entry in each round times the pure model compute: text encoder and UNet
+forward and backward of one step, nothing else. Each variant's peak RSS comes from a short run of
+that variant alone in a child process.
 
 Step times are reported by ``--statistic``: ``best`` (default) takes each entry's fastest measured
 step, because on a shared machine interference only ever adds time; ``median`` suits a quiet,
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import resource
 import statistics
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="xeontune bench",
         description="Time this trainer's optimized step against the example script's approach (baseline), "
-        "alternating in one process, with per-phase times, FLOPs and the machine's matmul peak.",
+        "(in its own process) alternating step by step, with per-phase times, FLOPs, MFU and ranks per node.",
     )
     p.add_argument("--model", default="tiny", help="tiny, sd15-arch (built once and cached), or a pipeline path")
     p.add_argument("--models-dir", default="models", help="where tiny / sd15-arch are cached (default: models)")
@@ -124,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
     p.add_argument("--matmul-size", type=int, default=2048, help=argparse.SUPPRESS)
     p.add_argument("--rss-child", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -240,9 +243,7 @@ def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace
 
 def example_components(model: Path, precision: str):
     """The frozen models as the example script holds them: with bf16, the UNet and the VAE cast to
-    bf16 once (it then encodes every step in bf16); the text encoder, which it trains, in fp32. The
-    optimized variant shares the UNet (the trainer loads it in the same dtype) and uses the VAE only
-    to fill its latent cache, before any step is timed."""
+    bf16 once (it then encodes every step in bf16); the text encoder, which it trains, in fp32."""
     import torch
 
     from xeontune.train.components import load, unet_dtype
@@ -254,18 +255,6 @@ def example_components(model: Path, precision: str):
     if precision == "bf16":
         components.vae.to(torch.bfloat16)
     return components
-
-
-def variant_components(components) -> Iterator[Any]:
-    """Fresh tokenizer and text encoder per variant (setup adds the token and swaps the embedding);
-    the UNet and VAE, 90 % of the memory, are shared and prepared once."""
-    pristine_tokenizer = copy.deepcopy(components.tokenizer)
-    pristine_encoder = copy.deepcopy(components.text_encoder)
-    while True:
-        fresh = copy.copy(components)
-        fresh.tokenizer = copy.deepcopy(pristine_tokenizer)
-        fresh.text_encoder = copy.deepcopy(pristine_encoder)
-        yield fresh
 
 
 # --- measurements --------------------------------------------------------------------------------
@@ -362,8 +351,8 @@ def compute_pass(run, step: int, *, unet=None, timed: bool = True) -> float:
 def count_gflop(run, step: int) -> float:
     """FLOPs of one compute pass (forward and backward) by torch.utils.flop_counter.
 
-    Counted on the plain UNet: compiled graphs and IPEX's own kernels are not aten ops the counter
-    sees."""
+    Counted in the baseline worker where there is one: its UNet is stock torch, while compiled
+    graphs and IPEX's own kernels are not aten ops the counter sees."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
@@ -396,67 +385,165 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
-    import torch
+class BaselineWorker:
+    """The example script's step in a process of its own, stepped on request over a pipe.
+
+    Protocol: the worker prints one JSON line when ready ({"gflop", "note"}), then for every step
+    number it reads on stdin, one JSON line {"elapsed", "phases"}. It exits at end of input."""
+
+    def __init__(self, args: argparse.Namespace, model: Path, tmp: Path) -> None:
+        argv = [
+            sys.executable, "-m", "xeontune.bench", "--baseline-worker", "--model", str(model),
+            "--resolution", str(args.resolution), "--batch-size", str(args.batch_size),
+            "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--mixed-precision", args.mixed_precision, "--allocator", "none",  # inherits ours via the env
+        ]
+        self.log_path = tmp / "baseline-worker.log"
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self._ready: dict[str, Any] | None = None
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise RuntimeError(f"the baseline worker exited ({self.proc.returncode}):\n"
+                               f"{self.log_path.read_text()[-3000:]}")
+        return json.loads(line)
+
+    @property
+    def ready(self) -> dict[str, Any]:
+        if self._ready is None:
+            self._ready = self._reply()
+        return self._ready
+
+    def step(self, step: int) -> tuple[float, dict[str, float]]:
+        assert self.proc.stdin is not None
+        self.ready  # noqa: B018 -- its models are loaded before the first step is timed
+        self.proc.stdin.write(f"{step}\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        return reply["elapsed"], reply["phases"]
+
+    def __enter__(self) -> BaselineWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def baseline_worker(args: argparse.Namespace) -> int:
+    """Worker mode: the example script's models and step (see BaselineWorker), no IPEX, no compile."""
+    import os
 
     from xeontune import models
     from xeontune.hardware import choose_precision
     from xeontune.train import loop
-    from xeontune.train.backends import prepare_frozen_models
+
+    replies = os.fdopen(os.dup(1), "w")  # our protocol; anything a library prints goes to the log
+    os.dup2(2, 1)
+    args.ipex, args.compile = "off", False
+    model = resolve_model(args.model, args.models_dir)
+    with tempfile.TemporaryDirectory(prefix="xeontune-bench-baseline-") as tmp:
+        data = Path(tmp) / "data"
+        models.write_sample_data(data, count=4, size=args.resolution)
+        opts = variant_options(model, data, Path(tmp) / "out", args, "baseline")
+        run, _ = loop.setup(opts, loop.make_accelerator(opts),
+                            components=example_components(model, choose_precision(opts.mixed_precision)[0]))
+        ipex = "intel_extension_for_pytorch" in sys.modules
+        note = "own process, stock torch" + (" (IPEX imported: autocast kernels not stock)" if ipex else "")
+        replies.write(json.dumps({"gflop": count_gflop(run, 10**6), "note": note}) + "\n")
+        replies.flush()
+        for line in sys.stdin:
+            start = time.perf_counter()
+            loop.train_step(run, int(line))
+            elapsed = time.perf_counter() - start
+            replies.write(json.dumps({"elapsed": elapsed, "phases": run.phases.take()}) + "\n")
+            replies.flush()
+    return 0
+
+
+def alternate(
+    args: argparse.Namespace, run, worker: BaselineWorker | None, precision: str, log,
+) -> tuple[dict[str, list], dict[str, list[float]], dict[str, list[dict[str, float]]]]:
+    """Step the optimized run, the baseline worker and the compute pass in turn, one each per round;
+    the order rotates so no entry always goes first. Also re-measures the machine's matmul peak
+    once per round (returned under times["peaks"])."""
+    from xeontune.train import loop
+
+    entries = ["optimized", *(["baseline"] if worker else []), "compute"]
+    times: dict[str, list] = {e: [] for e in entries}
+    warmups: dict[str, list[float]] = {e: [] for e in entries}
+    phases: dict[str, list[dict[str, float]]] = {e: [] for e in entries}
+    peaks = []
+    for rnd in range(args.warmup + args.steps):
+        shift = rnd % len(entries)
+        this_round: dict[str, float] = {}
+        for entry in entries[shift:] + entries[:shift]:
+            step_phases: dict[str, float] = {}
+            if entry == "compute":
+                elapsed = compute_pass(run, 2 * 10**6 + rnd)
+            elif entry == "baseline":
+                assert worker is not None
+                elapsed, step_phases = worker.step(rnd)
+            else:
+                start = time.perf_counter()
+                loop.train_step(run, rnd)
+                elapsed = time.perf_counter() - start
+                step_phases = run.phases.take()
+            this_round[entry] = elapsed
+            if rnd < args.warmup:
+                warmups[entry].append(elapsed)
+            else:
+                times[entry].append(elapsed)
+                if entry != "compute":
+                    phases[entry].append(step_phases)
+        peaks.append(machine_peak_gflops(precision, args.matmul_size, repeats=2))
+        label = "warm-up" if rnd < args.warmup else f"step {rnd - args.warmup + 1}/{args.steps}"
+        log(f"{label}: " + ", ".join(f"{e} {t:.2f} s" for e, t in this_round.items()))
+    times["peaks"] = peaks
+    return times, warmups, phases
+
+
+def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
+    import torch
+
+    from xeontune import models
+    from xeontune.train import loop
     from xeontune.train.ranks import plan_ranks
 
     model = resolve_model(args.model, args.models_dir)
     with tempfile.TemporaryDirectory(prefix="xeontune-bench-") as tmp:
         data = Path(tmp) / "data"
         models.write_sample_data(data, count=4, size=args.resolution)
-        opts = {v: variant_options(model, data, Path(tmp) / v, args, v) for v in VARIANTS}
-        accelerator = loop.make_accelerator(opts["optimized"])
-        precision, _ = choose_precision(opts["optimized"].mixed_precision)
-        components = example_components(model, precision)
-        components.unet, components.vae, notes = prepare_frozen_models(
-            components.unet, components.vae, precision=precision, ipex=args.ipex, compile=args.compile)
-        fresh = variant_components(components)
-        runs = {}
-        for variant in VARIANTS if not args.no_baseline else ("optimized",):
-            runs[variant], _ = loop.setup(opts[variant], accelerator, components=next(fresh))
-        del components, fresh
-        precision = runs["optimized"].precision
-        log(f"precision {precision}; threads {torch.get_num_threads()}; allocator {loaded_allocator()}; "
-            + "; ".join(notes))
+        opts = variant_options(model, data, Path(tmp) / "optimized", args, "optimized")
+        worker = None if args.no_baseline else BaselineWorker(args, model, Path(tmp))
+        with worker or contextlib.nullcontext():
+            accelerator = loop.make_accelerator(opts)
+            run, _ = loop.setup(opts, accelerator)  # the trainer as `xeontune train` runs it
+            precision = run.precision
+            notes = list(run.backend_notes)
+            if worker:
+                notes.append("baseline: " + worker.ready["note"])
+            log(f"precision {precision}; threads {torch.get_num_threads()}; allocator {loaded_allocator()}; "
+                + "; ".join(notes))
 
-        peak = machine_peak_gflops(precision, args.matmul_size)
-        core_peak = core_peak_gflops(precision, args.matmul_size)
-        gflop = count_gflop(runs["optimized"], 10**6)
-        log(f"machine peak {peak:.0f} GFLOP/s; model {gflop:.1f} GFLOP per step")
-
-        # One round = one step of each entry; the order rotates so no entry always goes first.
-        entries = [*runs, "compute"]
-        times: dict[str, list[float]] = {e: [] for e in entries}
-        warmups: dict[str, list[float]] = {e: [] for e in entries}
-        phases: dict[str, list[dict[str, float]]] = {e: [] for e in entries}
-        for rnd in range(args.warmup + args.steps):
-            shift = rnd % len(entries)
-            this_round: dict[str, float] = {}
-            for entry in entries[shift:] + entries[:shift]:
-                if entry == "compute":
-                    elapsed = compute_pass(runs["optimized"], 2 * 10**6 + rnd)
-                else:
-                    run = runs[entry]
-                    start = time.perf_counter()
-                    loop.train_step(run, rnd)
-                    elapsed = time.perf_counter() - start
-                    step_phases = run.phases.take()
-                this_round[entry] = elapsed
-                if rnd < args.warmup:
-                    warmups[entry].append(elapsed)
-                else:
-                    times[entry].append(elapsed)
-                    if entry != "compute":
-                        phases[entry].append(step_phases)
-            peak = max(peak, machine_peak_gflops(precision, args.matmul_size, repeats=2))
-            label = "warm-up" if rnd < args.warmup else f"step {rnd - args.warmup + 1}/{args.steps}"
-            log(f"{label}: " + ", ".join(f"{e} {t:.2f} s" for e, t in this_round.items()))
-        del runs
+            peak = machine_peak_gflops(precision, args.matmul_size)
+            core_peak = core_peak_gflops(precision, args.matmul_size)
+            gflop = worker.ready["gflop"] if worker else count_gflop(run, 10**6)
+            log(f"machine peak {peak:.0f} GFLOP/s; model {gflop:.1f} GFLOP per step")
+            times, warmups, phases = alternate(args, run, worker, precision, log)
+            peak = max(peak, *times.pop("peaks"))
+        del run
         sweep = []
         counts = rank_counts(args.ranks_per_node, physical_cores())
         if counts:
@@ -649,6 +736,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_libraries("xeontune.train")  # the trainer's per-step log lines would drown the bench's
     if args.rss_child:
         return rss_child(args)
+    if args.baseline_worker:
+        return baseline_worker(args)
     hardware.reexec_with_allocator(["-m", "xeontune.bench", *argv], args.allocator)
 
     def log(message: str) -> None:

@@ -141,6 +141,7 @@ class Run:
     phases: Phases = field(default_factory=Phases)
     counter: AllReduceCounter | None = None
     gradient_checked: bool = False
+    backend_notes: list[str] = field(default_factory=list)  # what IPEX / torch.compile did to the UNet
 
     @property
     def rank(self) -> int:
@@ -370,6 +371,7 @@ def setup(
         opts=opts, accelerator=accelerator, components=components, placeholder=placeholder,
         embedding=embedding, ddp_embedding=embedding, plan=plan, latents=latents, optimizer=optimizer,
         lr_scheduler=lr_scheduler, precision=precision, max_steps=max_steps, output_dir=output_dir, sync=sync,
+        backend_notes=notes,
     )
     sync.wait()  # every rank has its models (each node loads at its own pace) before the first collective
     if world > 1:
