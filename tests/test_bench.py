@@ -122,3 +122,16 @@ def test_reexec_preloads_once(monkeypatch):
 
 def test_loaded_allocator_reads_this_process():
     assert bench.loaded_allocator() in ("tcmalloc", "jemalloc", "glibc malloc", "unknown")
+
+
+def test_baseline_worker_counts_the_same_model_flops_as_the_trainer(tiny_model, capsys):
+    """The FLOPs come from the baseline worker when there is one. Its step encodes latents with the
+    VAE every step; that encode is input preparation, so it must not be counted (it once tripled
+    the figure), and the count must equal the optimized run's own."""
+    args = ["bench", "--model", str(tiny_model), *FAST, "--no-rss", "--json", "--mixed-precision", "fp32"]
+    assert main(args) == 0
+    with_worker = json.loads(capsys.readouterr().out)
+    assert main([*args, "--no-baseline"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert with_worker["model_gflop_per_step"] == pytest.approx(alone["model_gflop_per_step"], rel=1e-6)
+    assert any(n.startswith("baseline: own process") for n in with_worker["config"]["backend_notes"])

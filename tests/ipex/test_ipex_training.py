@@ -81,3 +81,19 @@ def test_training_steps_with_ipex_match_stock(tiny_model, tmp_path, precision, i
     assert loss_rel <= LOSS_RTOL[precision]
     # A pipeline saved from IPEX-optimized models loads back as an ordinary one.
     StableDiffusionPipeline.from_pretrained(tmp_path / "ipex" / "pipeline", safety_checker=None)
+
+
+def test_bench_baseline_runs_without_ipex_while_the_trainer_uses_it(tiny_model, capsys):
+    """Importing IPEX swaps CPU autocast kernels for the whole process, so the example-script baseline
+    runs in a worker process that never imports it, while the optimized variant does use it."""
+    import json
+
+    from xeontune.cli import main
+
+    assert main(["bench", "--model", str(tiny_model), "--resolution", "64", "--steps", "1", "--warmup", "0",
+                 "--allocator", "none", "--matmul-size", "256", "--ranks-per-node", "none", "--no-rss",
+                 "--ipex", "on", "--mixed-precision", "fp32", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["config"]["backend_notes"]
+    assert any(n.startswith("IPEX") for n in notes), notes
+    assert "baseline: own process, stock torch" in notes, notes
+    assert "intel_extension_for_pytorch" in sys.modules
