@@ -261,3 +261,13 @@ def test_ctrl_c_reaches_the_ranks_through_ssh_tt(local_cluster, tiny, tmp_path):
     for node in local_cluster.nodes:
         assert trainer_pids(node.resource_id, include_hydra=True) == [], f"processes left on {node.name}"
     print(f"SIGTERM forwarded as Ctrl-C through ssh -tt: job ended in {took:.1f} s, exit {rc}")
+
+
+def test_run_on_localhost_writes_straight_into_the_output_dir(xeontune_home, tiny, tmp_path):
+    """No SSH, no root: the ranks run here and write --output-dir themselves; there is nothing to copy."""
+    out = tmp_path / "out"
+    proc = cli("run", "--provider", "localhost", "-n", "2", "--", *train_args(tiny, out, 1, 2), env=OFFLINE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "learned_embeds.safetensors").is_file() and "nothing to copy" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("deleted cluster 'run-")
+    assert state.list_names() == []
