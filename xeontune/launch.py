@@ -252,7 +252,7 @@ def run_plan(plan: LaunchPlan) -> int:
     rc, sig = jobs.run_attached(plan.argv, grace_s=STOP_GRACE_S)
     if sig is not None:
         print(f"interrupted ({signal.Signals(sig).name}): the job was stopped on every rank", file=sys.stderr)
-        return rc if rc >= 128 else 128 + int(sig)
+        return 128 + int(sig)  # like a shell's status for a job stopped by that signal
     return rc
 
 
