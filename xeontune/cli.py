@@ -21,6 +21,7 @@ Fine-tune Stable Diffusion with textual inversion on Xeon CPUs, on one machine o
   xeontune model tiny models/tiny          build the embedded tiny pipeline (offline)
   xeontune sample-data data/sample         write the sample concept images
   xeontune train --model ... --data-dir ... --placeholder-token '<cat-toy>' --initializer-token toy
+  xeontune run --provider aws -n 3 -- <train options>   up, train, fetch the embedding, tear down
   xeontune cluster up --provider local -n 3
   xeontune launch -n 3 -- <train options>
   xeontune teardown
@@ -82,6 +83,24 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from xeontune import launch
 
     return launch.main(args)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from xeontune import run
+
+    return run.main(args)
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    from xeontune import fetch
+
+    return fetch.fetch_command(args.name, args.output_dir, args.overwrite)
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from xeontune import fetch
+
+    return fetch.logs_command(args.name, args.follow)
 
 
 def _cmd_teardown(args: argparse.Namespace) -> int:
@@ -168,9 +187,15 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default="default", help="cluster name")
     p.add_argument("--dist-backend", choices=["auto", "gloo", "ccl"], default="auto")
     p.add_argument("--dry-run", action="store_true", help="print the exact command and exit")
+    p.add_argument("--detach", action="store_true",
+                   help="start the job on the head in its own session (it survives this terminal and the SSH "
+                   "login) with its log in the cluster's work dir, and return at once; follow it with "
+                   "`xeontune logs -f`, copy its outputs with `xeontune fetch`")
     p.add_argument("--env", action="append", metavar="KEY=VALUE", help="extra variable for every rank (repeatable)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by `xeontune train` options")
     p.set_defaults(func=_cmd_launch)
+
+    _add_run_parsers(sub)
 
     p = sub.add_parser("teardown", help="delete a cluster and everything it created")
     p.add_argument("--name", default="default", help="cluster name")
@@ -178,6 +203,60 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
                    help="needed only when the state file is lost (find leftovers by tag)")
     p.add_argument("--region", help="cloud region, when the state file is lost")
     p.set_defaults(func=_cmd_teardown)
+
+
+RUN_EPILOG = """\
+example (the embedding lands in ./out; the cluster is deleted afterwards):
+  xeontune run --provider aws -n 3 -- --model stable-diffusion-v1-5/stable-diffusion-v1-5 \\
+      --data-dir ./my-concept --placeholder-token '<my-concept>' --initializer-token toy --output-dir ./out
+
+--data-dir is copied to every node of a cloud cluster and the ranks read that copy; the job writes
+on the head and its outputs (learned_embeds*.safetensors, metrics.jsonl, validation images, the
+pipeline if saved) are copied into --output-dir, which must not hold another run (train's
+--overwrite allows it). The cluster is torn down when training ends, fails, on Ctrl-C, SIGTERM,
+SIGHUP or a lost SSH connection; the last line says what was deleted. Exit code: the job's.
+"""
+
+
+def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
+    from xeontune.cluster import providers
+
+    p = sub.add_parser("run", help="cluster up, train, fetch the outputs, tear down: one command",
+                       description="Bring a cluster up (or reuse the one named with --name), sync the data, "
+                       "train on every node with mpirun, copy the outputs into --output-dir, and tear the "
+                       "cluster down (unless --keep; a reused cluster is kept).",
+                       epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--provider", required=True, choices=providers.names())
+    p.add_argument("-n", "--nodes", type=int, default=2,
+                   help="nodes of a new cluster (localhost: ranks) (default 2)")
+    p.add_argument("--ppn", default="1", help="ranks per node: a number or auto, as in `xeontune launch` (default 1)")
+    p.add_argument("--name", help="use this cluster if it exists (it is then kept), else create it under this "
+                   "name (default: a new cluster named run-XXXXXX)")
+    p.add_argument("--keep", action="store_true", help="keep the cluster afterwards (the last line says how to delete it)")
+    p.add_argument("--dist-backend", choices=["auto", "gloo", "ccl"], default="auto")
+    p.add_argument("--region", help="cloud region (aws: e.g. us-east-1; azure: e.g. eastus)")
+    p.add_argument("--instance-type", help="aws instance type / azure VM size")
+    p.add_argument("--ami", dest="image", help="aws: AMI id instead of the current Ubuntu LTS")
+    p.add_argument("--spot", action="store_true", help="aws: spot instances")
+    p.add_argument("--subnet", help="aws: subnet id instead of the default VPC")
+    p.add_argument("--ssh-cidr", help="CIDR allowed to SSH in (default: your public address /32)")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by `xeontune train` options")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("fetch", help="copy a job's outputs from the cluster's head (also while it runs)",
+                       description="Copy the last job's learned_embeds*.safetensors, metrics.jsonl, "
+                       "train_config.json, validation images and saved pipeline from the head by SFTP. Each "
+                       "file lands under a temporary name and is renamed when whole.")
+    p.add_argument("--name", default="default", help="cluster name")
+    p.add_argument("--output-dir", help="where to put them (default: the job's --output-dir, on this machine)")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --output-dir")
+    p.set_defaults(func=_cmd_fetch)
+
+    p = sub.add_parser("logs", help="print (or follow) the log of a job started with `launch --detach`")
+    p.add_argument("--name", default="default", help="cluster name")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing until the job ends, then exit with its exit status")
+    p.set_defaults(func=_cmd_logs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

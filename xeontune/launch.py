@@ -21,7 +21,6 @@ import argparse
 import os
 import shlex
 import signal
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +48,8 @@ class LaunchPlan:
     world_size: int
     backend: str
     env: dict[str, str] = field(default_factory=dict)  # what every rank gets via -genv
+    inner: list[str] = field(default_factory=list)  # mpirun's command as the head runs it (argv, unwrapped)
+    wdir: str = ""  # mpirun's -wdir: relative train paths (--output-dir) are relative to it
 
 
 def mpirun_path(record: ClusterRecord, provider: Provider) -> str:
@@ -213,7 +214,8 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
         # would inherit this shell's whole environment. `env -i` gives it the same clean slate.
         base = [f"{k}={os.environ[k]}" for k in ("PATH", "HOME", "USER", "LOGNAME", "LANG") if k in os.environ]
         argv = ["env", "-i", *base, *argv]
-    return LaunchPlan(argv=provider.wrap_launch(record, argv), mpirun=mpirun, world_size=num_processes, backend=chosen, env=env)
+    return LaunchPlan(argv=provider.wrap_launch(record, argv), mpirun=mpirun, world_size=num_processes, backend=chosen,
+                      env=env, inner=argv, wdir=wdir)
 
 
 def preflight(record: ClusterRecord, plan: LaunchPlan) -> None:
@@ -240,29 +242,18 @@ def preflight(record: ClusterRecord, plan: LaunchPlan) -> None:
 def run_plan(plan: LaunchPlan) -> int:
     """Run mpirun, stream its (rank-prefixed) output, return the job's exit code.
 
-    Hydra stops every rank when one dies and exits non-zero. Ctrl-C reaches mpirun too (same
-    process group), which stops all ranks; if it has not exited after a grace period it is
-    terminated, then killed.
+    Hydra stops every rank when one dies and exits non-zero. SIGINT (Ctrl-C), SIGTERM and SIGHUP
+    to this process are passed on so that every rank stops through its own KeyboardInterrupt
+    (``jobs.run_attached``: how, and why not simply to the process group); after a grace period,
+    or at a second signal, the job is stopped hard.
     """
-    proc = subprocess.Popen(plan.argv)
-    try:
-        return _exit_code(proc.wait())
-    except KeyboardInterrupt:
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        print("interrupted: the job was stopped on every rank", file=sys.stderr)
-        return 130
+    from xeontune import jobs
 
-
-def _exit_code(rc: int) -> int:
-    return 128 - rc if rc < 0 else rc  # a signal death becomes 128+signal, like a shell's
+    rc, sig = jobs.run_attached(plan.argv, grace_s=STOP_GRACE_S)
+    if sig is not None:
+        print(f"interrupted ({signal.Signals(sig).name}): the job was stopped on every rank", file=sys.stderr)
+        return 128 + int(sig)  # like a shell's status for a job stopped by that signal
+    return rc
 
 
 def main(args: argparse.Namespace) -> int:
@@ -276,6 +267,11 @@ def main(args: argparse.Namespace) -> int:
         print(shlex.join(plan.argv))
         return 0
     preflight(record, plan)
+    from xeontune import jobs
+
+    job = jobs.begin(record, plan, list(args.train_args), detached=bool(getattr(args, "detach", False)))
+    if job.detached:
+        return jobs.launch_detached(record, plan, job)
     print(f"launching {plan.world_size} rank(s) on cluster {record.name!r} ({record.provider}, "
           f"backend {plan.backend}, OMP_NUM_THREADS={plan.env.get('OMP_NUM_THREADS', 'node default')})", file=sys.stderr, flush=True)
     return run_plan(plan)

@@ -88,6 +88,47 @@ def test_unknown_hub_id_offline(capsys, base_args, tmp_path, monkeypatch):
     assert_one_line_error(capsys, args, tmp_path / "out", "cannot load a Stable Diffusion pipeline")
 
 
+def _raise_hub_error(error_type):
+    """A stand-in for the hub call that raises huggingface_hub's own exception, wrapped as transformers
+    wraps it (an OSError raised from it), with a real 404 response: no network needed."""
+    import httpx2
+    from huggingface_hub.errors import RepositoryNotFoundError  # noqa: F401  (the type under test)
+
+    def fake(model, *args, **kwargs):
+        response = httpx2.Response(404, request=httpx2.Request("GET", f"https://huggingface.co/api/models/{model}"))
+        try:
+            raise error_type(f"404 Client Error: Repository Not Found for url: {response.url}", response=response)
+        except error_type as exc:
+            raise OSError(f"{model} is not a local folder and is not a valid model identifier") from exc
+
+    return fake
+
+
+def test_removed_runwayml_id_names_the_mirror(capsys, base_args, tmp_path, monkeypatch):
+    from huggingface_hub.errors import RepositoryNotFoundError
+    from transformers import CLIPTokenizer
+
+    monkeypatch.setattr(CLIPTokenizer, "from_pretrained", _raise_hub_error(RepositoryNotFoundError))
+    args = replace(base_args, "--model", "runwayml/stable-diffusion-v1-5")
+    rc, errors = run_cli(capsys, args)
+    assert rc == 2 and len(errors) == 1, errors
+    assert "not found on the Hugging Face hub" in errors[0] and "moved or removed" in errors[0]
+    assert "huggingface-cli login" in errors[0]
+    assert "--model stable-diffusion-v1-5/stable-diffusion-v1-5" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_gated_hub_id_says_login(capsys, base_args, tmp_path, monkeypatch):
+    from huggingface_hub.errors import GatedRepoError
+    from transformers import CLIPTokenizer
+
+    monkeypatch.setattr(CLIPTokenizer, "from_pretrained", _raise_hub_error(GatedRepoError))
+    args = replace(base_args, "--model", "someone/gated-model")
+    rc, errors = run_cli(capsys, args)
+    assert rc == 2 and len(errors) == 1, errors
+    assert "gated" in errors[0] and "huggingface-cli login" in errors[0] and "mirror" not in errors[0]
+
+
 def test_output_dir_holding_another_run(capsys, base_args, tmp_path):
     args = replace(base_args, "--max-train-steps", "1")
     assert main(["train", *args]) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from xeontune.errors import TrainingError, UserError
@@ -19,12 +20,30 @@ def _configure_logging() -> None:
     quiet_libraries()
 
 
+def _stop_like_ctrl_c() -> None:
+    """SIGTERM and SIGHUP stop a rank the way Ctrl-C does (KeyboardInterrupt), so that its files are
+    closed and it says so; mpirun passes SIGINT/SIGTERM on to every rank (xeontune/jobs.py)."""
+    def stop(sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(sig).name)
+
+    if threading_is_main():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, stop)
+
+
+def threading_is_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 def main(argv: list[str] | None = None) -> int:
     # Whole lines only: mpirun prefixes each line with its rank, and half-lines get glued together.
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
     _configure_logging()
+    _stop_like_ctrl_c()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         from xeontune.train.options import parse_args
@@ -53,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:
+        name = str(exc.args[0]) if exc.args else "SIGINT"
+        rank = os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))
+        print(f"rank {rank} interrupted ({name}): stopped", file=sys.stderr)
+        return 128 + int(getattr(signal, name, signal.SIGINT))
 
 
 def _plan_ranks(opts):

@@ -74,6 +74,9 @@ def load(
         unet = _load_unet_in(unet_dtype, model, revision, variant)
         noise_scheduler = DDPMScheduler.from_pretrained(model, subfolder="scheduler", **common)
     except (OSError, ValueError) as exc:
+        missing = hub_repo_missing(exc)
+        if missing:
+            raise UserError(not_found_message(model, gated=missing == "gated")) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise UserError(f"cannot load a Stable Diffusion pipeline from {model!r}: {first}") from None
     for module in (text_encoder, vae, unet):
@@ -81,6 +84,39 @@ def load(
         module.eval()
     return Components(tokenizer, text_encoder, vae, unet, noise_scheduler, unet_for_inference=unet,
                       unet_cast=unet_dtype is not None)
+
+
+# The hub repository that the guides name was removed in 2024; its maintained mirror:
+MOVED_MODELS = {"runwayml/stable-diffusion-v1-5": "stable-diffusion-v1-5/stable-diffusion-v1-5"}
+
+
+def hub_repo_missing(exc: BaseException) -> str | None:
+    """"gated" or "missing" when the hub answered that the repository is gated / not found (404),
+    looking through the wrappers transformers and diffusers raise around huggingface_hub's error."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    seen: BaseException | None = exc
+    for _ in range(8):  # a short chain; never loop on a cycle
+        if seen is None:
+            break
+        if isinstance(seen, GatedRepoError):
+            return "gated"
+        if isinstance(seen, RepositoryNotFoundError):
+            return "missing"
+        seen = seen.__cause__ or seen.__context__
+    return "missing" if "is not a valid model identifier" in str(exc) else None
+
+
+def not_found_message(model: str, gated: bool = False) -> str:
+    """One line: the likely causes of a hub 404, and the mirror when the id is a removed one."""
+    if gated:
+        why = "it is gated: accept its terms on huggingface.co and run `huggingface-cli login`"
+    else:
+        why = ("it was moved or removed, or it is private or gated and needs `huggingface-cli login`; "
+               "a local path must start with ./ or /")
+    mirror = MOVED_MODELS.get(model)
+    hint = f"; {model} was removed from the hub in 2024, use its mirror --model {mirror}" if mirror else ""
+    return f"model {model!r} was not found on the Hugging Face hub: {why}{hint}"
 
 
 BF16_CACHE_ENV = "XEONTUNE_CACHE"

@@ -1,0 +1,273 @@
+"""`xeontune run`, `fetch`, `launch --detach` + `logs`, and signals reaching the ranks, for real.
+
+Real network namespaces, sshd, Hydra mpirun and the tiny offline model. `run` tests create their own
+clusters (names unique to this test run, as other test runs use namespaces at the same time) and
+check that nothing of them is left; the detach/fetch tests share the module's cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.clusterlib import REPO, cli, leftovers, local_cluster_missing
+from tests.cluster.test_distributed_training import OFFLINE, load_vectors, train_args, trainer_pids
+from xeontune.cluster import state
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+
+@pytest.fixture
+def tiny(tiny_model, sample_images):
+    return {"model": tiny_model, "data": sample_images}
+
+
+@pytest.fixture
+def root_home(xeontune_home):
+    why = local_cluster_missing()
+    if why and os.environ.get("CI"):
+        pytest.fail(f"CI runs as root with scripts/install-test-deps.sh, yet the local cluster {why}")
+    if why:
+        pytest.skip(why)
+    return xeontune_home
+
+
+_names: list[str] = []
+
+
+@pytest.fixture
+def cluster_name(root_home):
+    """A name unique to this test run; whatever a test leaves under it is torn down afterwards."""
+    name = f"r{os.getpid() % 100000}-{len(_names)}"
+    _names.append(name)
+    yield name
+    if state.exists(name) or leftovers(name):
+        from xeontune.cluster import manage
+
+        manage.teardown(name, "local")
+
+
+def run_argv(name: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "xeontune.cli", "run", "--provider", "local", "--name", name, *flags]
+
+
+def runs_metrics(name: str) -> list[Path]:
+    return list((state.cluster_dir(name) / "work" / "runs").glob("*/metrics.jsonl"))
+
+
+def wait_for_steps(proc: subprocess.Popen, name: str, log: Path, steps: int = 2, timeout: float = 180) -> None:
+    """Until the job on the head has logged ``steps`` steps (it trains on every rank by then)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = runs_metrics(name)
+        if found and found[0].read_text().count("\n") >= steps:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"training did not get under way (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
+
+
+def assert_nothing_left(name: str) -> None:
+    time.sleep(0.5)
+    assert leftovers(name) == [], leftovers(name)
+    assert not state.exists(name)
+
+
+def test_run_trains_fetches_and_deletes_the_cluster(root_home, cluster_name, tiny, tmp_path):
+    out = tmp_path / "out"
+    start = time.monotonic()
+    proc = cli("run", "--provider", "local", "-n", "3", "--name", cluster_name, "--",
+               *train_args(tiny, out, 1, 3, "--mixed-precision", "fp32", "--validation-prompt", "a <cat-toy>",
+                           "--validation-steps", "3", "--num-validation-images", "1",
+                           "--validation-inference-steps", "2"), env=OFFLINE)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    vectors = load_vectors(out)["<cat-toy>"]
+    assert vectors.abs().sum() > 0
+    assert [p.name for p in (out / "validation").iterdir()] == ["step-000003-0.png"]
+    assert (out / "metrics.jsonl").read_text().count("\n") == 3
+    assert not list(out.glob(".*.tmp"))  # files landed by rename only
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"deleted cluster {cluster_name!r} (local): ") and "bridge" in last, last
+    assert_nothing_left(cluster_name)
+    print(f"xeontune run, 3 nodes, 3 steps: {took:.1f} s (up, train, fetch, teardown)")
+
+
+def test_run_refuses_an_output_dir_holding_a_run_before_creating_anything(root_home, cluster_name, tiny, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "learned_embeds.safetensors").write_bytes(b"x")
+    proc = cli("run", "--provider", "local", "-n", "2", "--name", cluster_name, "--",
+               *train_args(tiny, out, 1, 2), env=OFFLINE)
+    assert proc.returncode == 2 and "holds a run already" in proc.stderr and "Traceback" not in proc.stderr
+    assert leftovers(cluster_name) == [] and not state.exists(cluster_name)
+    assert (out / "learned_embeds.safetensors").read_bytes() == b"x"
+
+
+def _start_long_run(name: str, tiny, tmp_path) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / "run.log"
+    proc = subprocess.Popen(run_argv(name, "-n", "3", "--", *train_args(tiny, tmp_path / "out", 1, 100_000)),
+                            cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
+    return proc, log
+
+
+def test_a_rank_killed_mid_run_fails_the_run_and_deletes_the_cluster(root_home, cluster_name, tiny, tmp_path):
+    proc, log = _start_long_run(cluster_name, tiny, tmp_path)
+    try:
+        wait_for_steps(proc, cluster_name, log)
+        victims = trainer_pids(f"xeontune-{cluster_name}-node1")
+        assert victims, "no training process in node1's namespace"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert rc != 0, text[-3000:]
+    assert "training failed" in text and text.strip().splitlines()[-1].startswith("deleted cluster"), text[-2000:]
+    assert not (tmp_path / "out").exists()  # nothing fetched from a failed run
+    assert_nothing_left(cluster_name)
+
+
+def test_sigint_stops_every_rank_through_its_grace_path_and_deletes_the_cluster(root_home, cluster_name, tiny,
+                                                                                 tmp_path):
+    proc, log = _start_long_run(cluster_name, tiny, tmp_path)
+    try:
+        wait_for_steps(proc, cluster_name, log)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=90)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert rc == 130 and took < 60, (rc, took, text[-3000:])
+    # each rank left through KeyboardInterrupt (its own message), not a SIGKILL
+    assert sorted(line.split()[0] for line in text.splitlines() if "interrupted (SIGINT): stopped" in line) == \
+        ["[0]", "[1]", "[2]"], text[-3000:]
+    assert text.strip().splitlines()[-1].startswith(f"deleted cluster {cluster_name!r}")
+    assert_nothing_left(cluster_name)
+    print(f"SIGINT to `xeontune run`: every rank stopped and the cluster deleted in {took:.1f} s")
+
+
+def test_keep_leaves_the_cluster_for_a_later_teardown(root_home, cluster_name, tiny, tmp_path):
+    proc = cli("run", "--provider", "local", "-n", "2", "--name", cluster_name, "--keep", "--",
+               *train_args(tiny, tmp_path / "out", 1, 2), env=OFFLINE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "out" / "learned_embeds.safetensors").is_file()
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.endswith(f"delete it with: xeontune teardown --name {cluster_name}"), last
+    assert state.exists(cluster_name) and any(x.startswith("netns") for x in leftovers(cluster_name))
+    # a second run on it reuses it and keeps it
+    again = cli("run", "--provider", "local", "--name", cluster_name, "--",
+                *train_args(tiny, tmp_path / "out2", 1, 2), env=OFFLINE)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "reusing cluster" in again.stdout and state.exists(cluster_name)
+    assert (tmp_path / "out2" / "learned_embeds.safetensors").is_file()
+    down = cli("teardown", "--name", cluster_name)
+    assert down.returncode == 0, down.stderr
+    assert_nothing_left(cluster_name)
+
+
+# --- on the module's cluster: launch --detach, logs, fetch ---------------------------------------
+
+
+def test_detach_then_logs_follow_returns_output_and_status(local_cluster, tiny, tmp_path):
+    name = local_cluster.name
+    start = time.monotonic()
+    started = cli("launch", "--name", name, "--detach", "--",
+                  *train_args(tiny, tmp_path / "out", 1, 3, "--mixed-precision", "fp32"), env=OFFLINE)
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert time.monotonic() - start < 30 and f"xeontune logs --name {name} -f" in started.stdout
+    follow = cli("logs", "--name", name, "-f", timeout=300)
+    assert follow.returncode == 0, follow.stdout[-3000:] + follow.stderr[-3000:]
+    assert "learned_embeds.safetensors" in follow.stdout and "step 3/3" in follow.stdout
+    assert "exited with status 0" in follow.stderr
+    assert (tmp_path / "out" / "learned_embeds.safetensors").is_file()  # the head shares this disk
+
+    # a failing job: its status comes back from `logs -f` (and from `logs` once it has ended)
+    bad = cli("launch", "--name", name, "--detach", "--",
+              *train_args(tiny, tmp_path / "bad", 1, 3, "--resolution", "33"), env=OFFLINE)
+    assert bad.returncode == 0, bad.stdout + bad.stderr
+    follow = cli("logs", "--name", name, "-f", timeout=300)
+    assert follow.returncode != 0 and "multiple of 8" in follow.stdout, follow.stdout + follow.stderr
+    assert cli("logs", "--name", name).returncode == follow.returncode
+
+
+def test_fetch_copies_outputs_and_refuses_to_overwrite(local_cluster, tiny, tmp_path):
+    name = local_cluster.name
+    launched = cli("launch", "--name", name, "--", *train_args(tiny, tmp_path / "job", 1, 2), env=OFFLINE)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    here = cli("fetch", "--name", name)  # the job wrote on this disk, at its --output-dir
+    assert here.returncode == 0 and "nothing to copy" in here.stdout, here.stdout + here.stderr
+
+    dest = tmp_path / "fetched"
+    first = cli("fetch", "--name", name, "--output-dir", str(dest))
+    assert first.returncode == 0, first.stdout + first.stderr
+    want = (tmp_path / "job" / "learned_embeds.safetensors").read_bytes()
+    assert (dest / "learned_embeds.safetensors").read_bytes() == want
+    assert sorted(p.name for p in dest.iterdir()) == ["learned_embeds.safetensors", "metrics.jsonl",
+                                                      "train_config.json"]
+    (dest / "learned_embeds.safetensors").write_bytes(b"mine")
+    refused = cli("fetch", "--name", name, "--output-dir", str(dest))
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr and "Traceback" not in refused.stderr
+    assert (dest / "learned_embeds.safetensors").read_bytes() == b"mine"
+    forced = cli("fetch", "--name", name, "--output-dir", str(dest), "--overwrite")
+    assert forced.returncode == 0, forced.stderr
+    assert (dest / "learned_embeds.safetensors").read_bytes() == want
+
+
+def test_ctrl_c_reaches_the_ranks_through_ssh_tt(local_cluster, tiny, tmp_path):
+    """The cloud path (mpirun on the head through `ssh -tt`): a signal to this process must stop every
+    rank through its own KeyboardInterrupt. Signalling the local ssh instead only hangs up the head's
+    pty, and Hydra and the ranks die there without their grace (measured; see xeontune/jobs.py)."""
+    from xeontune import jobs, launch
+
+    remote = dataclasses.replace(local_cluster, provider="aws", venv=sys.prefix)
+    plan = launch.build_plan(remote, 3, 1, "gloo", train_args(tiny, tmp_path / "out", 1, 100_000),
+                             extra_env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}, workdir=str(REPO))
+    assert jobs.via_pty(plan.argv)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+
+    def interrupt_when_training() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler or `kill` would
+
+    log = tmp_path / "job.log"
+    timer = threading.Thread(target=interrupt_when_training, daemon=True)
+    timer.start()
+    with log.open("w") as f:
+        start = time.monotonic()
+        rc, sig = jobs.run_attached(plan.argv, grace_s=30, stdout=f.fileno(), stderr=subprocess.STDOUT)
+    took = time.monotonic() - start
+    text = log.read_text()
+    assert sig == signal.SIGTERM and rc != 0, (rc, text[-3000:])
+    assert sorted(line.split()[0] for line in text.splitlines() if "interrupted (SIGINT): stopped" in line) == \
+        ["[0]", "[1]", "[2]"], text[-3000:]
+    time.sleep(1)
+    for node in local_cluster.nodes:
+        assert trainer_pids(node.resource_id, include_hydra=True) == [], f"processes left on {node.name}"
+    print(f"SIGTERM forwarded as Ctrl-C through ssh -tt: job ended in {took:.1f} s, exit {rc}")
+
+
+def test_run_on_localhost_writes_straight_into_the_output_dir(xeontune_home, tiny, tmp_path):
+    """No SSH, no root: the ranks run here and write --output-dir themselves; there is nothing to copy."""
+    out = tmp_path / "out"
+    proc = cli("run", "--provider", "localhost", "-n", "2", "--", *train_args(tiny, out, 1, 2), env=OFFLINE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "learned_embeds.safetensors").is_file() and "nothing to copy" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("deleted cluster 'run-")
+    assert state.list_names() == []
