@@ -130,7 +130,7 @@ def watch(idle_s: float, poll_s: float, busy: Callable[[], list[str]] = busy_rea
         now = clock()
         if reasons:
             last_busy = now
-        if bool(reasons) != bool(was) or was is None:
+        if reasons != was:  # what keeps it busy, each time that changes (a job's processes are stable)
             _log("busy: " + ", ".join(reasons) if reasons else f"idle; stopping after {idle_s:.0f}s of this")
         was = reasons
         if not reasons and now - last_busy >= idle_s:
