@@ -56,3 +56,26 @@ def test_a_run_prints_its_forecast(tiny_model, sample_images, tmp_path):
     assert [re.search(r"step (\d+)/8", ln).group(1) for ln in lines] == ["3", "4", "5", "6", "7"]
     assert all(re.search(r"about \d+ (s|min) left \(\d+\.\d\d s/step\), about \$\d+\.\d\d more at \$3\.60/h$", ln)
                for ln in lines), lines
+
+
+@pytest.mark.slow
+def test_launch_prints_the_forecast_of_rank_0(tiny_model, sample_images, tmp_path, xeontune_home):
+    """Through `xeontune launch` on a 2-rank localhost cluster: rank 0 forecasts, time only ($0)."""
+    env = {**os.environ, "XEONTUNE_HOME": str(xeontune_home), "HF_HUB_OFFLINE": "1"}
+
+    def xt(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "xeontune.cli", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=300, env=env)
+
+    assert xt("cluster", "up", "--provider", "localhost", "-n", "2", "--name", "fc").returncode == 0
+    try:
+        proc = xt("launch", "-n", "2", "--name", "fc", "--", "--model", str(tiny_model), "--data-dir",
+                  str(sample_images), "--placeholder-token", "<cat-toy>", "--initializer-token", "toy",
+                  "--resolution", "32", "--max-train-steps", "5", "--output-dir", str(tmp_path / "out"),
+                  "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision", "fp32")
+    finally:
+        assert xt("teardown", "--name", "fc").returncode == 0
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "forecast:" in ln]
+    assert [re.search(r"step (\d)/5", ln).group(1) for ln in lines] == ["3", "4"]
+    assert all(ln.startswith("[0] ") and re.search(r"about \d+ s left \(\d+\.\d\d s/step\)$", ln) for ln in lines), lines
