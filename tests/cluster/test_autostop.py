@@ -140,6 +140,14 @@ def test_env_reaches_every_rank_on_every_node(local_cluster):
         assert shown(proc.stdout, "PYTHONPATH") == dict.fromkeys(namespaces, repr(str(REPO)))
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _pid_in(netns: str | None) -> int:
     """A process in ``netns`` (its sshd), to read the namespace id the ranks there report."""
     out = subprocess.run(["ip", "netns", "pids", netns or ""], capture_output=True, text=True).stdout.split()
@@ -161,3 +169,35 @@ def test_poweroff_reaches_every_worker_through_the_heads_config(local_cluster, t
     # a worker that cannot be reached is reported, and the head still powers off
     assert autostop.poweroff(str(tmp_path / "no_such_config"), ["node1"], cmd) == 1
     assert len(marks.read_text().split()) == 4
+
+
+def test_a_cloud_head_starts_its_watcher_detached_over_ssh(local_cluster):
+    """What `up` does on aws, on the namespace head: the SSH command returns at once and the watcher
+    lives on, in the head's namespace, in its own session. (Idle time 1 h, and it is stopped here:
+    its power-off would run on this machine. The module's teardown kills it in any case.)"""
+    name = f"{local_cluster.name}-c"[:31]
+    cloudy = dataclasses.replace(local_cluster, name=name, provider="aws", venv=sys.prefix)
+    pid = None
+    try:
+        os.environ[autostop.IDLE_S_ENV] = "3600"
+        started = time.monotonic()
+        assert autostop.install(cloudy, 60) is True
+        assert time.monotonic() - started < 20
+        assert state.load(name).autostop_minutes == 60
+        found = subprocess.run(["pgrep", "-f", f"autostop --name {name} --action poweroff"],
+                               capture_output=True, text=True).stdout.split()
+        assert len(found) == 1
+        pid = int(found[0])
+        head_ns = os.stat(f"/run/netns/{local_cluster.head.resource_id}").st_ino
+        assert os.stat(f"/proc/{pid}/ns/net").st_ino == head_ns
+        # a session of its own (double fork: its leader has exited), not the SSH session's
+        sid = os.getsid(pid)
+        assert sid not in (os.getsid(0), pid) and not _alive(sid)
+        log = Path(autostop.log_path(cloudy)).read_text()
+        assert f"watching cluster {name!r} (pid {pid}): poweroff after 3600s idle" in log
+        assert "--workers node1,node2" in log
+    finally:
+        os.environ.pop(autostop.IDLE_S_ENV, None)
+        if pid:
+            os.kill(pid, 9)
+        state.delete(name)
