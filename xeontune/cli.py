@@ -165,6 +165,9 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssh-cidr", help="CIDR allowed to SSH in (default: your public address /32)")
     p.add_argument("--data-dir", help="training data to sync to every node")
     p.add_argument("--skip-bootstrap", action="store_true", help="stop once the nodes and files exist")
+    p.add_argument("--autostop", type=int, metavar="MINUTES", default=0,
+                   help="the head stops the cluster by itself after MINUTES without training or SSH sessions "
+                   "(local: removed; aws: instances terminated; not on azure) (default 0 = off)")
     p.set_defaults(func=_cmd_cluster)
 
     p = csub.add_parser("status", help="list clusters, their nodes and what they cost")

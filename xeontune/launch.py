@@ -11,8 +11,11 @@ MASTER_ADDR (the head's private address), MASTER_PORT, GLOO_SOCKET_IFNAME (the c
 interface), OMP_NUM_THREADS (the cores a rank may use), PATH/HOME as the
 node has them, the caller's HF_* offline/cache variables and LD_PRELOAD when set, CCL_* for the
 ccl backend, launch's backend and step timeout as XEONTUNE_LAUNCH_DIST_* (defaults that the
-user's --dist-backend / --dist-timeout override in any spelling or in --config), and each
-``--env KEY=VALUE``. Hydra adds PMI_RANK / PMI_SIZE, which accelerate reads.
+user's --dist-backend / --dist-timeout override in any spelling or in --config), an empty
+CUDA_VISIBLE_DEVICES (ranks train on CPU; a visible GPU trips accelerate's barrier), the cluster's
+price as XEONTUNE_COST_PER_HOUR (rank 0's time-and-cost forecast, train/forecast.py), and each
+``--env KEY=VALUE`` last, so it overrides any of these. Hydra adds PMI_RANK / PMI_SIZE, which
+accelerate reads.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from xeontune.cluster import files, providers, state
 from xeontune.cluster.providers import Provider
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
+from xeontune.train import forecast
 from xeontune.train.options import LAUNCH_DEFAULTS_ENV
 
 # The caller's variables that ranks inherit when set (offline hub use, cache dirs, allocator).
@@ -166,6 +170,9 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
         "GLOO_SOCKET_IFNAME": iface,
         # c10d warns on every rank that namespaces share a hostname; real errors still show.
         "TORCH_CPP_LOG_LEVEL": "ERROR",
+        # Ranks train on CPU only. A GPU they can see makes accelerate's barrier pick
+        # cuda:<local rank> ("invalid device ordinal" on ranks 1..N); --env may still override it.
+        "CUDA_VISIBLE_DEVICES": "",
         # No PYTHONUNBUFFERED: unbuffered print() writes text and newline separately, and Hydra's
         # -prepend-rank then glues lines of different ranks together.
     }
@@ -199,6 +206,9 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
     # flags would override a value given in --config or in another spelling (--dist_timeout).
     env[LAUNCH_DEFAULTS_ENV["dist_backend"]] = chosen
     env[LAUNCH_DEFAULTS_ENV["dist_timeout"]] = str(DEFAULT_DIST_TIMEOUT_S)
+    cost = provider.cost_per_hour(record)
+    if cost is not None:  # rank 0's forecast turns the time left into money (train/forecast.py)
+        env[forecast.COST_ENV] = f"{cost:.4f}"
     env.update(extra_env or {})
 
     mpirun = mpirun_path(record, provider)

@@ -21,6 +21,7 @@ def main() -> int:
     parser.add_argument("--sleep", type=float, default=0)
     parser.add_argument("--pid-dir")
     parser.add_argument("--print-env", action="store_true", help="print the names of the rank's variables")
+    parser.add_argument("--show", action="append", default=[], help="print this variable's value (repr), repeatable")
     args = parser.parse_args()
 
     import torch
@@ -41,6 +42,8 @@ def main() -> int:
     print(f"probe rank={rank} world={world} ok={ok} sum={t[0].item()} ms={ms:.1f} master={addr} "
           f"omp={os.environ.get('OMP_NUM_THREADS')} ifname={os.environ.get('GLOO_SOCKET_IFNAME')} "
           f"netns={os.readlink('/proc/self/ns/net')} pid={os.getpid()}", flush=True)
+    for var in args.show:
+        print(f"show rank={rank} netns={os.readlink('/proc/self/ns/net')} {var}={os.environ.get(var)!r}", flush=True)
     if args.print_env:
         print(f"env rank={rank} " + " ".join(sorted(os.environ)), flush=True)
     deadline = time.monotonic() + args.sleep

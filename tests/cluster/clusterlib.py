@@ -44,7 +44,8 @@ def leftovers(name: str) -> list[str]:
     found += [f"link {line.split(':')[1].strip()}" for line in links.splitlines()
               if line.split(":")[1].strip().startswith(short)]
     # Zombies (state Z) are not processes that run: this VM's init does not reap them.
-    ps = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
+    # -ww: without a terminal (pytest) ps cuts lines at 80 columns, before a long tmp path's cluster name
+    ps = subprocess.run(["ps", "-ww", "-eo", "stat=,args="], capture_output=True, text=True).stdout
     found += [f"process {line}" for line in ps.splitlines()
               if not line.strip().startswith("Z") and f"/clusters/{name}/" in line]
     return found

@@ -46,7 +46,14 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         subnet=getattr(args, "subnet", None),
         skip_bootstrap=bool(getattr(args, "skip_bootstrap", False)),
         data_dir=getattr(args, "data_dir", None),
+        autostop_minutes=_autostop_minutes(getattr(args, "autostop", None)),
     )
+
+
+def _autostop_minutes(value: int | None) -> int:
+    if value is not None and value < 0:
+        raise UserError(f"--autostop takes minutes of idle time (0 = off), got {value}")
+    return value or 0
 
 
 def up(spec: ClusterSpec, provider_name: str) -> tuple[ClusterRecord, dict]:
@@ -66,6 +73,10 @@ def up(spec: ClusterSpec, provider_name: str) -> tuple[ClusterRecord, dict]:
             from xeontune.cluster import bootstrap
 
             bootstrap.run(record, bootstrap.options_for(record, spec.data_dir))
+        if spec.autostop_minutes:
+            from xeontune.cluster import autostop
+
+            autostop.install(record, spec.autostop_minutes)
     except BaseException:
         if state.exists(spec.name):
             print(f"`cluster up` did not finish; remove what it created with `xeontune teardown --name {spec.name}`",
@@ -86,6 +97,8 @@ def up_command(args: argparse.Namespace) -> int:
     cost = provider.cost_per_hour(record)
     if cost is not None:
         print(f"estimated cost: ${cost:.2f}/hour")
+    if record.autostop_minutes:
+        print(f"autostop: the head stops the cluster after {record.autostop_minutes} min idle")
     print(f"next: xeontune launch -n {provider.slots(record, 1)} --name {record.name} -- <train options>")
     return 0
 
@@ -112,10 +125,41 @@ def status_command(args: argparse.Namespace) -> int:
         print(f"cluster {record.name!r}: provider {record.provider}, {len(record.nodes)} node(s), "
               f"files in {files.files_dir(record)}")
         _print_nodes(record, statuses)
+        if _clean_up_if_gone(record, statuses):
+            continue
         cost = provider.cost_per_hour(record)
         if cost is not None:
             print(f"  estimated cost: ${cost:.2f}/hour")
+        if record.autostop_minutes:
+            print(f"  autostop: after {record.autostop_minutes} min idle (log: {record.head.name}:"
+                  f"{_autostop_log(record)})")
     return 0
+
+
+def _autostop_log(record: ClusterRecord) -> str:
+    from xeontune.cluster import autostop
+
+    return autostop.log_path(record)
+
+
+def _clean_up_if_gone(record: ClusterRecord, statuses: dict[str, str]) -> bool:
+    """When no node exists any more (autostop powered them off, or they were terminated outside
+    xeontune), delete what they leave behind (a security group, a key pair) and forget the cluster."""
+    states = [statuses.get(n.name, "missing") for n in record.nodes]
+    if not states or not all(s in ("terminated", "missing") for s in states):
+        return False
+    if "terminated" not in states:  # never seen terminated: maybe not visible yet, so only say how
+        print(f"  no node exists; delete what is left with `xeontune teardown --name {record.name}`")
+        return True
+    print("  every node is terminated (by autostop, or outside xeontune): deleting what is left")
+    report = teardown(record.name)
+    for item in report.deleted:
+        print(f"  deleted {item}")
+    for item in report.failed:
+        print(f"  could not delete {item}", file=sys.stderr)
+    print(f"  cluster {record.name!r} forgotten" if report.ok
+          else f"  cluster {record.name!r} is not fully cleaned up; run `xeontune teardown --name {record.name}`")
+    return True
 
 
 def ssh_argv(record: ClusterRecord, node_name: str, command: list[str]) -> list[str]:

@@ -65,6 +65,7 @@ class ClusterRecord:
     instance_type: str | None = None
     cores_per_node: int | None = None  # physical cores: OMP_NUM_THREADS = cores / --ppn on remote nodes
     skip_bootstrap: bool = False  # `up --skip-bootstrap`: the nodes only run, nothing is installed
+    autostop_minutes: int = 0  # the head's watcher stops the cluster after this long idle (0: none runs)
     extra: dict[str, str] = field(default_factory=dict)  # the provider's own keys, read by it alone
 
     @property

@@ -38,6 +38,10 @@ def threading_is_main() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # CPU only: a visible GPU gives torch.distributed an accelerator that barriers without an
+    # explicit CPU group would pick (cuda:<local rank>: "invalid device ordinal" on ranks 1..N).
+    # Set before torch initialises CUDA; an explicit value (`launch --env`) is the user's.
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     # Whole lines only: mpirun prefixes each line with its rank, and half-lines get glued together.
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):

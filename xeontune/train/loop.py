@@ -31,6 +31,7 @@ from xeontune.io import atomic_dir, atomic_write_json
 from xeontune.train import checkpoint, tokens, validation
 from xeontune.train.components import Components, load, load_unet, unet_dtype
 from xeontune.train.data import Latents, SamplePlan, load_images, templates_for
+from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
 
 log = logging.getLogger("xeontune.train")
@@ -452,6 +453,7 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
     interactive = main and sys.stderr.isatty()
     bar = tqdm(total=run.max_steps, initial=start_step, disable=not interactive, desc="train", unit="step")
     log_every = max(1, run.max_steps // 20)
+    forecast = Forecast.for_run(run.max_steps) if main else None
     loss_value: float | None = None
     try:
         for step in range(start_step, run.max_steps):
@@ -487,6 +489,11 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                 if main:
                     _between_steps(run, done, writer)
                 run.sync.wait()  # the others wait for rank 0 here, not in the next step's all-reduce
+            line = forecast.update(done, time.perf_counter()) if forecast else None
+            if line and interactive:
+                bar.write(line, file=sys.stderr)
+            elif line:
+                log.info("%s", line)
         result_path = _finish(run, writer) if main else None
     finally:
         bar.close()

@@ -34,6 +34,7 @@ class ClusterSpec:
     subnet: str | None = None
     skip_bootstrap: bool = False
     data_dir: str | None = None  # training data synced to every node at bootstrap
+    autostop_minutes: int = 0  # stop the cluster after this long idle (cluster/autostop.py); 0: never
 
 
 @dataclass
@@ -76,6 +77,11 @@ class Provider:
     # The nodes are slices of one machine (network namespaces): their ranks share its cores, so
     # no rank pins itself to "its node's" cores, and --ppn auto divides the machine among nodes.
     hosts_share_cores: bool = False
+    # What the head's idle watcher does (cluster/autostop.py): "teardown" (remove the cluster as
+    # `xeontune teardown` does) or "poweroff" (every node shuts down; the cloud deletes what powers
+    # off). "": no autostop here, and `autostop_note` says why.
+    autostop_action: str = ""
+    autostop_note: str = "this provider has no way for the head to stop the cluster"
 
     # --- the operations every provider implements --------------------------------------------
 

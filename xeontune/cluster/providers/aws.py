@@ -406,6 +406,7 @@ def _delete_key_pairs(ec2: Any, name: str, recorded: set[tuple[str, str]], repor
 class Aws(cloud.CloudProvider):
     name = "aws"
     ssh_user = SSH_USER
+    autostop_action = "poweroff"  # instances shut down from inside terminate (InstanceInitiatedShutdownBehavior)
 
     def plan(self, spec: ClusterSpec) -> cloud.CloudPlan:
         region = resolve_region(spec.region)

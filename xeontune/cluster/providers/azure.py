@@ -263,6 +263,8 @@ def _power_state(vm: dict) -> str:
 class Azure(cloud.CloudProvider):
     name = "azure"
     ssh_user = SSH_USER
+    autostop_note = ("a VM shut down from inside stays allocated and billed; only the ARM API deallocates or "
+                     "deletes it, so run `xeontune teardown` when done (docs/troubleshooting.md)")
 
     def plan(self, spec: ClusterSpec) -> cloud.CloudPlan:
         if spec.spot or spec.subnet:

@@ -271,6 +271,7 @@ class Local(Provider):
     needs_bootstrap = False
     wait_timeout_s = 60.0
     default_iface = IFACE
+    autostop_action = "teardown"  # the watcher in the head's namespace removes the whole cluster
 
     def up(self, spec: ClusterSpec) -> ClusterRecord:
         check_requirements()

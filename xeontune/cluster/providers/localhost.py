@@ -22,6 +22,7 @@ class Localhost(Provider):
     needs_bootstrap = False
     wait_timeout_s = 1.0
     default_iface = "lo"
+    autostop_note = "a localhost cluster is only a record: nothing of it runs or costs while idle"
 
     def up(self, spec: ClusterSpec) -> ClusterRecord:
         if spec.num_nodes < 1:
