@@ -243,6 +243,10 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spot", action="store_true", help="aws: spot instances")
     p.add_argument("--subnet", help="aws: subnet id instead of the default VPC")
     p.add_argument("--ssh-cidr", help="CIDR allowed to SSH in (default: your public address /32)")
+    p.add_argument("--autostop", type=int, metavar="MINUTES",
+                   help="the head stops the cluster by itself after this long idle, even if this machine "
+                   "goes away (default on aws: 30; 0 = off; see `cluster up --autostop`)")
+    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="extra variable for every rank (repeatable)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by `xeontune train` options")
     p.set_defaults(func=_cmd_run)
 

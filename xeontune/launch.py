@@ -130,7 +130,7 @@ def _strip_dashes(train_args: list[str]) -> list[str]:
     return train_args[1:] if train_args and train_args[0] == "--" else list(train_args)
 
 
-def _parse_env(pairs: list[str]) -> dict[str, str]:
+def parse_env(pairs: list[str]) -> dict[str, str]:
     env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -272,7 +272,7 @@ def main(args: argparse.Namespace) -> int:
     num_processes = (providers.get(record.provider).slots(record, ppn) if args.num_processes is None
                      else args.num_processes)
     plan = build_plan(record, num_processes, ppn, args.dist_backend, list(args.train_args),
-                      _parse_env(list(getattr(args, "env", None) or [])))
+                      parse_env(list(getattr(args, "env", None) or [])))
     if args.dry_run:
         print(shlex.join(plan.argv))
         return 0

@@ -47,7 +47,21 @@ class RunOptions:
     spot: bool = False
     ssh_cidr: str | None = None
     subnet: str | None = None
+    autostop: int | None = None  # minutes idle; None: DEFAULT_AUTOSTOP_MIN where the provider can stop itself
+    env: list[str] = field(default_factory=list)  # KEY=VALUE for every rank, as `launch --env`
     train_args: list[str] = field(default_factory=list)
+
+
+# A safety net for a laptop that goes away mid-run: `run` normally tears down itself. The job and
+# `run`'s own SSH sessions keep the head busy, so this only counts once both are gone.
+DEFAULT_AUTOSTOP_MIN = 30
+
+
+def autostop_minutes(opts: RunOptions) -> int:
+    provider = providers.get(opts.provider)
+    if opts.autostop is not None:
+        return opts.autostop
+    return DEFAULT_AUTOSTOP_MIN if provider.remote and provider.autostop_action else 0
 
 
 @dataclass
@@ -138,6 +152,7 @@ def run(opts: RunOptions) -> int:
         raise UserError(f"--data-dir {paths.data_dir} is not a directory")
     if opts.nodes < 1:
         raise UserError("-n must be at least 1")
+    launch.parse_env(opts.env)  # its errors, before anything is created
     name = state.validate_name(opts.name) if opts.name else new_cluster_name()
     reused = state.exists(name)
     if reused:
@@ -174,7 +189,8 @@ def run(opts: RunOptions) -> int:
                 job_args += ["--output-dir", posixpath.join(record.work_dir, "runs", run_id)]
 
             ppn = launch.resolve_ppn(record, opts.ppn, job_args)
-            plan = launch.build_plan(record, provider.slots(record, ppn), ppn, opts.dist_backend, job_args)
+            plan = launch.build_plan(record, provider.slots(record, ppn), ppn, opts.dist_backend, job_args,
+                                     launch.parse_env(opts.env))
             launch.preflight(record, plan)
             job = jobs.begin(record, plan, job_args, detached=False)
             job.local_output_dir = str(paths.output_dir)
@@ -204,7 +220,7 @@ def run(opts: RunOptions) -> int:
 def _spec_args(opts: RunOptions, name: str, data_dir: str | None) -> argparse.Namespace:
     return argparse.Namespace(name=name, nodes=opts.nodes, region=opts.region, instance_type=opts.instance_type,
                               image=opts.image, spot=opts.spot, ssh_cidr=opts.ssh_cidr, subnet=opts.subnet,
-                              skip_bootstrap=False, data_dir=data_dir)
+                              skip_bootstrap=False, data_dir=data_dir, autostop=autostop_minutes(opts))
 
 
 def _finish(name: str, opts: RunOptions, created: bool, reused: bool, rc: int) -> int:
@@ -242,7 +258,8 @@ def main(args: argparse.Namespace) -> int:
     opts = RunOptions(
         provider=args.provider, nodes=args.nodes, ppn=str(args.ppn), name=args.name, keep=args.keep,
         dist_backend=args.dist_backend, region=args.region, instance_type=args.instance_type, image=args.image,
-        spot=args.spot, ssh_cidr=args.ssh_cidr, subnet=args.subnet, train_args=list(args.train_args),
+        spot=args.spot, ssh_cidr=args.ssh_cidr, subnet=args.subnet, autostop=args.autostop,
+        env=list(args.env or []), train_args=list(args.train_args),
     )
     return run(opts)
 

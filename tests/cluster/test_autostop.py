@@ -124,7 +124,7 @@ def shown(stdout: str, var: str) -> dict[str, str]:
 
 
 def test_env_reaches_every_rank_on_every_node(local_cluster):
-    given = launch._parse_env(["XT_MARK=a b;c", "CUDA_VISIBLE_DEVICES=", "PYTHONPATH=" + str(REPO)])
+    given = launch.parse_env(["XT_MARK=a b;c", "CUDA_VISIBLE_DEVICES=", "PYTHONPATH=" + str(REPO)])
     namespaces = {os.readlink(f"/proc/{_pid_in(n.resource_id)}/ns/net") for n in local_cluster.nodes}
     show = ["--show", "XT_MARK", "--show", "CUDA_VISIBLE_DEVICES", "--show", "PYTHONPATH"]
     local = launch.build_plan(local_cluster, 3, 1, "gloo", show, given, module=PROBE)

@@ -127,7 +127,7 @@ def test_ranks_get_no_gpu_and_the_price_and_env_overrides_both(xeontune_home):
     # 3 x m7i.4xlarge + disk + IPv4 = $2.45/h (the figure `cluster up` prints)
     assert float(env[forecast.COST_ENV]) == pytest.approx(providers.get("aws").cost_per_hour(rec), abs=1e-4)
     assert round(float(env[forecast.COST_ENV]), 2) == 2.45
-    given = launch._parse_env(["CUDA_VISIBLE_DEVICES=0", "PYTHONPATH=/a b:/c", "EMPTY="])
+    given = launch.parse_env(["CUDA_VISIBLE_DEVICES=0", "PYTHONPATH=/a b:/c", "EMPTY="])
     env = genv(shlex.split(launch.build_plan(rec, 3, 1, "gloo", [], given).argv[-1]))
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["PYTHONPATH"] == "/a b:/c" and env["EMPTY"] == ""
 

@@ -111,6 +111,23 @@ def test_run_refuses_an_output_dir_holding_a_run_before_creating_anything(root_h
     assert (out / "learned_embeds.safetensors").read_bytes() == b"x"
 
 
+def test_run_refuses_bad_env_before_creating_anything(root_home, cluster_name, tiny, tmp_path):
+    proc = cli("run", "--provider", "local", "-n", "2", "--name", cluster_name, "--env", "NOEQUALS", "--",
+               *train_args(tiny, tmp_path / "out", 1, 2), env=OFFLINE)
+    assert proc.returncode == 2 and "KEY=VALUE" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert leftovers(cluster_name) == [] and not state.exists(cluster_name)
+
+
+def test_autostop_is_on_by_default_only_where_a_cloud_head_can_stop_itself():
+    from xeontune.run import DEFAULT_AUTOSTOP_MIN, RunOptions, autostop_minutes
+
+    assert autostop_minutes(RunOptions(provider="aws")) == DEFAULT_AUTOSTOP_MIN
+    assert autostop_minutes(RunOptions(provider="aws", autostop=0)) == 0
+    assert autostop_minutes(RunOptions(provider="azure")) == 0  # a stopped Azure VM still bills: no pretending
+    assert autostop_minutes(RunOptions(provider="local")) == 0  # `run` tears it down itself, on this machine
+    assert autostop_minutes(RunOptions(provider="local", autostop=5)) == 5
+
+
 def _start_long_run(name: str, tiny, tmp_path) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / "run.log"
     proc = subprocess.Popen(run_argv(name, "-n", "3", "--", *train_args(tiny, tmp_path / "out", 1, 100_000)),
