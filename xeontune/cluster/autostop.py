@@ -222,8 +222,9 @@ def install(record: ClusterRecord, minutes: int) -> bool:
         pythonpath = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
         with open(log_path(record), "a") as log:
-            subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                             env=env, close_fds=True)
+            watcher = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                       env=env, close_fds=True)
+        _wait_until_in_netns(watcher, f"/run/netns/{record.head.resource_id}", log_path(record))
     else:
         if record.skip_bootstrap:
             print("warning: --autostop needs the bootstrap (the watcher runs from the nodes' venv); "
@@ -236,6 +237,21 @@ def install(record: ClusterRecord, minutes: int) -> bool:
     record.autostop_minutes = minutes
     state.save(record)
     return True
+
+
+def _wait_until_in_netns(watcher: subprocess.Popen, netns: str, log: str, timeout_s: float = 60) -> None:
+    """Return once the watcher has entered the head's namespace, so `up` never reports a watcher
+    that is still starting (Python and its imports take seconds on a loaded host) or already dead."""
+    target = os.stat(netns).st_ino
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if watcher.poll() is not None:
+            raise UserError(f"the autostop watcher exited at start (code {watcher.returncode}); see {log}")
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            if os.stat(f"/proc/{watcher.pid}/ns/net").st_ino == target:
+                return
+        time.sleep(0.1)
+    raise UserError(f"the autostop watcher did not reach the head's namespace in {timeout_s:g} s; see {log}")
 
 
 def _detach(log: str) -> None:
