@@ -146,6 +146,8 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssh-cidr", help="CIDR allowed to SSH in (default: your public address /32)")
     p.add_argument("--data-dir", help="training data to sync to every node")
     p.add_argument("--skip-bootstrap", action="store_true", help="stop once the nodes and files exist")
+    p.add_argument("--keep-on-failure", action="store_true",
+                   help="if `up` fails, keep what it created (and pays for) to inspect it; default: delete it")
     p.set_defaults(func=_cmd_cluster)
 
     p = csub.add_parser("status", help="list clusters, their nodes and what they cost")

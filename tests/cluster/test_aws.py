@@ -229,7 +229,7 @@ def test_interrupting_up_at_each_cloud_call_then_teardown_leaves_nothing(env, ca
     for k in range(1, len(calls) + 1):
         seen = _interrupt_after(monkeypatch, k)
         assert cli.main(up_argv("f", 2)) == 130
-        assert seen == calls[:k]
+        assert seen[:k] == calls[:k]  # then the rollback's own calls
         _, err = capsys.readouterr()
         if state.exists("f"):
             assert "xeontune teardown --name f" in err
