@@ -84,7 +84,8 @@ def test_up_creates_the_group_network_and_vms_then_teardown_deletes_the_group(ar
     assert out.count("estimated cost: $2.47/hour") == 2
 
     groups = list(arm.arm.resource_groups.values())
-    assert [g["name"] for g in groups] == ["xeontune-z1"] and groups[0]["tags"] == {"xeontune-cluster": "z1"}
+    assert [g["name"] for g in groups] == ["xeontune-z1"]
+    assert groups[0]["tags"] == {"xeontune-cluster": "z1", "xeontune-cluster-id": state.load("z1").cluster_id}
     vms = of_type(arm, "Microsoft.Compute/virtualMachines")
     assert len(vms) == 3
     assert sorted(v["tags"]["xeontune-role"] for v in vms) == ["head", "worker", "worker"]
