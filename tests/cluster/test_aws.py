@@ -558,7 +558,7 @@ def test_a_failure_after_the_instances_exist_rolls_back_unless_keep_on_failure(e
 
     assert cli.main([*argv, "--keep-on-failure"]) == 2
     line = _one_line_error(capsys.readouterr().err)
-    assert "kept and billing (--keep-on-failure)" in line and "`xeontune teardown --name fail`" in line
+    assert "is kept and billing (--keep-on-failure)" in line and "`xeontune teardown --name fail`" in line
     assert len(live_instances("fail")) == 2 and state.exists("fail")
     assert cli.main(["teardown", "--name", "fail"]) == 0
     assert leftovers("fail") == {"instances": [], "security_groups": [], "key_pairs": []}

@@ -90,7 +90,8 @@ def _after_failed_up(name: str, provider: providers.Provider, keep: bool) -> str
     """Roll back a failed ``up`` (or keep it); returns the end of the error line saying which."""
     teardown_hint = f"`xeontune teardown --name {name}`"
     if keep:
-        return f"; its nodes are kept and billing (--keep-on-failure): delete them with {teardown_hint}"
+        billing = " and billing" if provider.remote else ""
+        return f"; what it created is kept{billing} (--keep-on-failure): delete it with {teardown_hint}"
     # stdout, like `up`'s progress: stderr carries only the one-line error
     print(f"`cluster up` failed: deleting what it created for cluster {name!r} (Ctrl-C stops this)", flush=True)
     try:
