@@ -502,19 +502,19 @@ def test_a_second_up_of_the_same_name_from_another_state_dir_is_refused_and_harm
                                                                                            tmp_path):
     assert cli.main(up_argv("default", 2)) == 0
     first = sorted(i["InstanceId"] for i in live_instances("default"))
-    record = state.load("default")
-    assert len(record.cluster_id) == 16
-    tags = {t["Key"]: t["Value"] for t in live_instances("default")[0]["Tags"]}
-    assert tags["xeontune-cluster-id"] == record.cluster_id
     capsys.readouterr()
     monkeypatch.setenv("XEONTUNE_HOME", str(tmp_path / "other-user"))  # a colleague, same account, same default name
     assert cli.main(up_argv("default", 2)) == 2
+    assert sorted(i["InstanceId"] for i in live_instances("default")) == first  # the first user's nodes live on
     line = _one_line_error(capsys.readouterr().err)
     assert "a cluster named 'default' already exists in us-east-1" in line and first[0] in line
     assert "security group sg-" in line and "key pair xeontune-default" in line
     assert not state.exists("default")
-    assert sorted(i["InstanceId"] for i in live_instances("default")) == first  # the first user's nodes live on
     monkeypatch.setenv("XEONTUNE_HOME", str(tmp_path / "home"))
+    record = state.load("default")
+    assert len(record.cluster_id) == 16
+    tags = {t["Key"]: t["Value"] for t in live_instances("default")[0]["Tags"]}
+    assert tags["xeontune-cluster-id"] == record.cluster_id
     assert teardown("default", capsys)[0] == 0
     assert leftovers("default") == {"instances": [], "security_groups": [], "key_pairs": []}
 
