@@ -168,6 +168,8 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--autostop", type=int, metavar="MINUTES", default=0,
                    help="the head stops the cluster by itself after MINUTES without training or SSH sessions "
                    "(local: removed; aws: instances terminated; not on azure) (default 0 = off)")
+    p.add_argument("--keep-on-failure", action="store_true",
+                   help="if `up` fails, keep what it created (and pays for) to inspect it; default: delete it")
     p.set_defaults(func=_cmd_cluster)
 
     p = csub.add_parser("status", help="list clusters, their nodes and what they cost")

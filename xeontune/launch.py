@@ -9,7 +9,9 @@ with Hydra's fork launcher.
 Every rank gets, with ``-genvnone`` so nothing else leaks in from the caller's shell:
 MASTER_ADDR (the head's private address), MASTER_PORT, GLOO_SOCKET_IFNAME (the cluster's
 interface), OMP_NUM_THREADS (the cores a rank may use), PATH/HOME as the
-node has them, the caller's HF_* offline/cache variables and LD_PRELOAD when set, CCL_* for the
+node has them, the caller's HF_* offline switches when set, and, only where ranks run on this
+machine (a provider that is not ``remote``), its HF_* cache paths and LD_PRELOAD (a path here
+means nothing, or something else, on a cloud node), CCL_* for the
 ccl backend, launch's backend and step timeout as XEONTUNE_LAUNCH_DIST_* (defaults that the
 user's --dist-backend / --dist-timeout override in any spelling or in --config), an empty
 CUDA_VISIBLE_DEVICES (ranks train on CPU; a visible GPU trips accelerate's barrier), the cluster's
@@ -37,9 +39,10 @@ from xeontune.errors import UserError
 from xeontune.train import forecast
 from xeontune.train.options import LAUNCH_DEFAULTS_ENV
 
-# The caller's variables that ranks inherit when set (offline hub use, cache dirs, allocator).
-PASSTHROUGH_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
-                   "LD_PRELOAD")
+# The caller's variables that ranks inherit when set: switches, on every provider ...
+PASSTHROUGH_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+# ... and paths on this machine, only to ranks that run on it (never to a remote node).
+LOCAL_PATH_ENV = ("HF_HOME", "HF_HUB_CACHE", "LD_PRELOAD")
 DEFAULT_DIST_TIMEOUT_S = 30
 SSH_CHECK_TIMEOUT_S = 15.0
 STOP_GRACE_S = 20.0
@@ -197,7 +200,7 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
         preload = hardware.launch_env(1).get("LD_PRELOAD")
         if preload:
             env["LD_PRELOAD"] = preload
-    for key in PASSTHROUGH_ENV:
+    for key in PASSTHROUGH_ENV + (() if remote else LOCAL_PATH_ENV):
         if key in os.environ:
             env[key] = os.environ[key]
     if chosen == "ccl":

@@ -232,8 +232,8 @@ def _finish(name: str, opts: RunOptions, created: bool, reused: bool, rc: int) -
             _say(f"cluster {name!r} was there before this run and is kept; delete it with: "
                  f"xeontune teardown --name {name}")
         return rc
-    if not state.exists(name):  # providers save the record before they create anything
-        _say(f"cluster {name!r} was not created: nothing to delete")
+    if not state.exists(name):  # providers save the record before they create anything; a failed `up` rolls back
+        _say(f"nothing of cluster {name!r} is left: nothing to delete")
         return rc
     if opts.keep:
         _say(f"kept cluster {name!r} (--keep); delete it with: xeontune teardown --name {name}")

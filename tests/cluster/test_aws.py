@@ -110,6 +110,7 @@ def test_up_creates_tagged_nodes_two_rules_key_and_files_then_teardown_removes_a
         attr = ec2().describe_instance_attribute(InstanceId=i["InstanceId"], Attribute="instanceInitiatedShutdownBehavior")
         assert attr["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
         assert i["KeyName"] == "xeontune-t1"
+        assert i["MetadataOptions"]["HttpTokens"] == "required"  # IMDSv2 only
     # The image is the newest Canonical Ubuntu LTS that moto knows (16.04 beats 14.04).
     image = ec2().describe_images(ImageIds=[insts[0]["ImageId"]])["Images"][0]
     assert image["OwnerId"] == aws.CANONICAL_OWNER and "16.04" in image["Name"]
@@ -229,7 +230,7 @@ def test_interrupting_up_at_each_cloud_call_then_teardown_leaves_nothing(env, ca
     for k in range(1, len(calls) + 1):
         seen = _interrupt_after(monkeypatch, k)
         assert cli.main(up_argv("f", 2)) == 130
-        assert seen == calls[:k]
+        assert seen[:k] == calls[:k]  # then the rollback's own calls
         _, err = capsys.readouterr()
         if state.exists("f"):
             assert "xeontune teardown --name f" in err
@@ -492,3 +493,123 @@ def test_without_the_aws_extra_the_error_says_what_to_install(env, capsys, monke
     assert cli.main(up_argv("noextra", 1)) == 2
     assert "pip install 'xeontune[aws]'" in _one_line_error(capsys.readouterr().err)
     assert not state.exists("noextra")
+
+
+# --- two users, one account: names are shared, cluster ids are not -------------------------------
+
+
+def test_a_second_up_of_the_same_name_from_another_state_dir_is_refused_and_harms_nothing(env, capsys, monkeypatch,
+                                                                                           tmp_path):
+    assert cli.main(up_argv("default", 2)) == 0
+    first = sorted(i["InstanceId"] for i in live_instances("default"))
+    capsys.readouterr()
+    monkeypatch.setenv("XEONTUNE_HOME", str(tmp_path / "other-user"))  # a colleague, same account, same default name
+    assert cli.main(up_argv("default", 2)) == 2
+    assert sorted(i["InstanceId"] for i in live_instances("default")) == first  # the first user's nodes live on
+    line = _one_line_error(capsys.readouterr().err)
+    assert "a cluster named 'default' already exists in us-east-1" in line and first[0] in line
+    assert "security group sg-" in line and "key pair xeontune-default" in line
+    assert not state.exists("default")
+    monkeypatch.setenv("XEONTUNE_HOME", str(tmp_path / "home"))
+    record = state.load("default")
+    assert len(record.cluster_id) == 16
+    tags = {t["Key"]: t["Value"] for t in live_instances("default")[0]["Tags"]}
+    assert tags["xeontune-cluster-id"] == record.cluster_id
+    assert teardown("default", capsys)[0] == 0
+    assert leftovers("default") == {"instances": [], "security_groups": [], "key_pairs": []}
+
+
+def _foreign_instance(name: str, cluster_id: str) -> str:
+    """An instance of another user's cluster that has the same name (tagged as xeontune tags)."""
+    ami = ec2().describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    return ec2().run_instances(ImageId=ami, MinCount=1, MaxCount=1, TagSpecifications=[{
+        "ResourceType": "instance", "Tags": [{"Key": "xeontune-cluster", "Value": name},
+                                             {"Key": "xeontune-cluster-id", "Value": cluster_id}]}])["Instances"][0]["InstanceId"]
+
+
+def test_teardown_with_a_record_deletes_only_what_carries_its_id(env, capsys, monkeypatch, tmp_path):
+    assert cli.main(up_argv("shared", 2)) == 0
+    foreign = _foreign_instance("shared", "0123456789abcdef")
+    capsys.readouterr()
+    rc, out, err = teardown("shared", capsys)
+    assert rc == 0, err
+    assert out.count("deleted instance") == 2 and foreign not in out
+    assert [i["InstanceId"] for i in live_instances("shared")] == [foreign]
+    # With no record at all, teardown goes by the name tag, and says so.
+    rc, out, err = teardown("shared", capsys)
+    assert rc == 0 and f"deleted instance {foreign}" in out
+    assert "no record of cluster 'shared'" in err and "another state dir" in err
+    assert live_instances("shared") == []
+
+
+def test_a_failure_after_the_instances_exist_rolls_back_unless_keep_on_failure(env, capsys, monkeypatch):
+    def no_ssh(self, record, timeout_s):
+        raise UserError(f"node node1 of cluster {record.name!r} did not answer SSH within 600s")
+
+    monkeypatch.setattr(aws.Aws, "wait", no_ssh)
+    argv = [a for a in up_argv("fail", 2) if a != "--skip-bootstrap"]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    line = _one_line_error(err)
+    assert "did not answer SSH" in line and "rolled back: nothing was left running" in line
+    assert "deleting what it created" in out
+    assert leftovers("fail") == {"instances": [], "security_groups": [], "key_pairs": []}
+    assert not state.exists("fail")
+
+    assert cli.main([*argv, "--keep-on-failure"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "is kept and billing (--keep-on-failure)" in line and "`xeontune teardown --name fail`" in line
+    assert len(live_instances("fail")) == 2 and state.exists("fail")
+    assert cli.main(["teardown", "--name", "fail"]) == 0
+    assert leftovers("fail") == {"instances": [], "security_groups": [], "key_pairs": []}
+
+
+def test_teardown_without_a_record_names_the_region_it_searched(env, capsys):
+    assert cli.main(up_argv("away", 1)) == 0
+    capsys.readouterr()
+    shutil.rmtree(state.cluster_dir("away"))
+    rc = cli.main(["teardown", "--name", "away", "--provider", "aws", "--region", "us-west-2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "nothing to tear down" in out and "AWS region us-west-2" in out
+    assert len(live_instances("away")) == 1  # it is in us-east-1, untouched
+    rc, out, err = teardown("away", capsys)
+    assert rc == 0 and "deleted instance" in out
+    assert leftovers("away") == {"instances": [], "security_groups": [], "key_pairs": []}
+
+
+def test_a_corrupt_record_falls_back_to_the_name_tag_with_a_warning(env, capsys):
+    assert cli.main(up_argv("broken", 2)) == 0
+    capsys.readouterr()
+    path = state.record_path("broken")
+    path.write_text(path.read_text()[:40])  # truncated: no provider, no region left in it
+    assert cli.main(["cluster", "status", "--name", "broken"]) == 2
+    assert "is unreadable" in _one_line_error(capsys.readouterr().err)
+    assert cli.main(["teardown", "--name", "broken"]) == 2  # which cloud? it cannot guess
+    assert "pass --provider" in _one_line_error(capsys.readouterr().err)
+    rc, out, err = teardown("broken", capsys)
+    assert rc == 0, err
+    assert "warning: the record of cluster 'broken' is unreadable" in err and out.count("deleted instance") == 2
+    assert leftovers("broken") == {"instances": [], "security_groups": [], "key_pairs": []}
+    assert not state.exists("broken")
+
+
+def test_run_instances_carries_an_idempotency_token_from_the_cluster_id(env, capsys, monkeypatch):
+    tokens: list[str] = []
+
+    def answer(action: str, count: int, params) -> tuple[int, bytes] | None:
+        if action == "RunInstances":
+            tokens.append(params["ClientToken"][0])
+            if count == 1:  # the answer is lost: botocore retries the same call
+                return 503, b"<Response><Errors><Error><Code>Unavailable</Code><Message>x</Message></Error></Errors></Response>"
+        return None
+
+    proxy = _Proxy(env, answer)
+    with proxy as url:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        assert cli.main(up_argv("tok", 2)) == 0
+    record = state.load("tok")
+    assert tokens == [aws.client_token(record, "node0")] * 2 + [aws.client_token(record, "node1")]
+    assert record.cluster_id in tokens[0] and len(set(tokens)) == 2 and all(len(t) <= 64 for t in tokens)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", env)
+    capsys.readouterr()
+    assert teardown("tok", capsys)[0] == 0

@@ -84,7 +84,8 @@ def test_up_creates_the_group_network_and_vms_then_teardown_deletes_the_group(ar
     assert out.count("estimated cost: $2.47/hour") == 2
 
     groups = list(arm.arm.resource_groups.values())
-    assert [g["name"] for g in groups] == ["xeontune-z1"] and groups[0]["tags"] == {"xeontune-cluster": "z1"}
+    assert [g["name"] for g in groups] == ["xeontune-z1"]
+    assert groups[0]["tags"] == {"xeontune-cluster": "z1", "xeontune-cluster-id": state.load("z1").cluster_id}
     vms = of_type(arm, "Microsoft.Compute/virtualMachines")
     assert len(vms) == 3
     assert sorted(v["tags"]["xeontune-role"] for v in vms) == ["head", "worker", "worker"]
@@ -270,3 +271,36 @@ def test_without_the_azure_extra_the_error_says_what_to_install(arm, capsys, mon
     assert cli.main(up_argv("noextra", 1)) == 2
     assert "pip install 'xeontune[azure]'" in _one_line_error(capsys.readouterr().err)
     assert not state.exists("noextra") and nothing_left(arm)
+
+
+# --- two users, one subscription: group names are shared, cluster ids are not ---------------------
+
+
+def test_a_second_up_of_the_same_name_from_another_state_dir_is_refused(arm, capsys, monkeypatch, tmp_path):
+    assert cli.main(up_argv("default", 2)) == 0
+    before = {k: dict(v) for k, v in arm.arm.resources.items()}
+    group = dict(arm.arm.resource_groups["xeontune-default"])
+    capsys.readouterr()
+    monkeypatch.setenv("XEONTUNE_HOME", str(tmp_path / "other-user"))
+    assert cli.main(up_argv("default", 1)) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert f"resource group xeontune-default already exists in subscription {SUB}" in line
+    assert not state.exists("default")
+    # Not adopted, not rolled back: the first user's group and VMs are as they were.
+    assert arm.arm.resource_groups["xeontune-default"] == group and arm.arm.resources == before
+    assert len(of_type(arm, "Microsoft.Compute/virtualMachines")) == 2
+    monkeypatch.setenv("XEONTUNE_HOME", str(tmp_path / "home"))
+    assert teardown("default", capsys)[0] == 0 and nothing_left(arm)
+
+
+def test_teardown_with_a_record_deletes_only_a_group_that_carries_its_id(arm, capsys):
+    assert cli.main(up_argv("shared", 1)) == 0
+    capsys.readouterr()
+    # The recorded group is now another cluster's (deleted, then re-created by another user's `up`).
+    arm.arm.resource_groups["xeontune-shared"]["tags"]["xeontune-cluster-id"] = "0123456789abcdef"
+    rc, out, err = teardown("shared", capsys)
+    assert rc == 0, err
+    assert "deleted" not in out and "xeontune-shared" in arm.arm.resource_groups
+    rc, out, err = teardown("shared", capsys)  # no record now: by the name tag, saying so
+    assert rc == 0 and "deleted resource group xeontune-shared" in out and "no record of cluster 'shared'" in err
+    assert nothing_left(arm)

@@ -261,3 +261,73 @@ def test_a_record_written_before_the_typed_fields_still_loads(xeontune_home):
     assert rec.extra == {"vpc": "vpc-1"}  # the provider's own key stays; the precision is no longer recorded
     state.save(rec)
     assert state.load("old") == rec
+
+
+def test_a_name_with_a_trailing_newline_is_refused(xeontune_home, capsys):
+    with pytest.raises(UserError, match="invalid cluster name"):
+        state.validate_name("demo\n")
+    assert main(["cluster", "up", "--provider", "localhost", "--name", "demo\n"]) == 2
+    assert "invalid cluster name" in capsys.readouterr().err
+    assert not (xeontune_home / "clusters").exists() or not any((xeontune_home / "clusters").iterdir())
+
+
+def test_up_and_teardown_of_a_busy_name_fail_at_once_naming_the_holder(xeontune_home, capsys):
+    import subprocess
+    import time
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom xeontune.cluster import state\n"
+         "with state.locked('busy', 'cluster up'):\n    print('held', flush=True)\n    time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "XEONTUNE_HOME": str(xeontune_home)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        assert main(["cluster", "up", "--provider", "localhost", "--name", "busy"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"cluster 'busy' is busy: pid {holder.pid} (`xeontune cluster up`)" in err
+        assert main(["teardown", "--name", "busy"]) == 2
+        assert f"pid {holder.pid}" in capsys.readouterr().err
+        assert time.monotonic() - start < 10  # at once, not after the holder is done
+        assert not state.exists("busy")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["cluster", "up", "--provider", "localhost", "--name", "busy"]) == 0  # released with its holder
+    assert main(["teardown", "--name", "busy"]) == 0
+
+
+def test_remote_ranks_get_no_local_paths(record, xeontune_home, capsys, monkeypatch):
+    """HF_HOME, HF_HUB_CACHE and LD_PRELOAD name files on this machine: ranks here get them,
+    a cloud node never does (it has its own, or none); the offline switches go everywhere."""
+    state.save(cloud_record(xeontune_home))
+    for key, value in {"HF_HOME": "/home/me/hf", "HF_HUB_CACHE": "/home/me/hf/hub", "HF_HUB_OFFLINE": "1",
+                       "LD_PRELOAD": "/home/me/lib/libtcmalloc.so"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["launch", "-n", "2", "--name", "sky", "--dry-run"]) == 0
+    line = capsys.readouterr().out
+    remote = shlex.split(shlex.split(line)[-1])
+    genv = {remote[i + 1]: remote[i + 2] for i, a in enumerate(remote) if a == "-genv"}
+    assert genv["HF_HUB_OFFLINE"] == "1" and "/home/me" not in line
+    assert not {"HF_HOME", "HF_HUB_CACHE", "LD_PRELOAD"} & set(genv)
+    assert main(["launch", "-n", "3", "--name", "demo", "--dry-run"]) == 0  # the namespace hosts share this machine
+    argv = shlex.split(capsys.readouterr().out)
+    genv = {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "-genv"}
+    assert genv["HF_HOME"] == "/home/me/hf" and genv["LD_PRELOAD"] == "/home/me/lib/libtcmalloc.so"
+
+
+def test_a_private_key_is_0600_before_its_first_byte_is_written(tmp_path, monkeypatch):
+    modes: list[int] = []
+    real = Path.write_text
+
+    def watch(self, data, *args, **kwargs):
+        if "PRIVATE KEY" in data:
+            modes.append(stat.S_IMODE(os.stat(self).st_mode))
+        return real(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", watch)
+    old = os.umask(0)  # even a careless umask does not open it
+    try:
+        ssh.generate_keypair(tmp_path / "id")
+    finally:
+        os.umask(old)
+    assert modes == [0o600] and stat.S_IMODE(os.stat(tmp_path / "id").st_mode) == 0o600

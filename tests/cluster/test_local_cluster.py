@@ -85,6 +85,40 @@ def test_put_tree_copies_with_modes(local_cluster, tmp_path):
     assert oct(os.stat(f"{remote}/sub/secret").st_mode & 0o777) == "0o600"
 
 
+def test_put_tree_never_follows_a_link_out_of_the_tree(local_cluster, tmp_path, capsys):
+    """A link to $HOME in a data dir would upload ~/.ssh to every node: links that leave the tree
+    are skipped with a warning; links inside it are recreated as (relative) links."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("secret")
+    src = tmp_path / "data"
+    (src / "imgs").mkdir(parents=True)
+    (src / "imgs" / "a.png").write_text("a")
+    (src / "home").symlink_to(home)  # out of the tree: a directory ...
+    (src / "key").symlink_to(home / ".ssh" / "id_ed25519")  # ... and a file
+    (src / "gone").symlink_to(tmp_path / "nothing")  # nowhere
+    (src / "b.png").symlink_to("imgs/a.png")  # inside, relative
+    (src / "pics").symlink_to(src / "imgs")  # inside, absolute
+    remote = tmp_path / "copied"
+    for _ in range(2):  # a re-run replaces its links
+        assert ssh.put_tree(local_cluster, local_cluster.nodes[1], src, str(remote)) == 1
+    assert sorted(p.name for p in remote.iterdir()) == ["b.png", "imgs", "pics"]
+    assert os.readlink(remote / "b.png") == "imgs/a.png" and os.readlink(remote / "pics") == "imgs"
+    assert (remote / "pics" / "a.png").read_text() == "a"
+    err = capsys.readouterr().err
+    for name in ("home", "key", "gone"):
+        assert f"warning: not uploading {src / name}" in err
+    assert "secret" not in "".join(p.read_text() for p in remote.rglob("*") if p.is_file())
+
+
+def test_run_reads_a_large_stderr_and_stdout_together(local_cluster):
+    """4 MB on stderr before a byte of stdout: more than paramiko's 2 MB window, so reading stdout
+    to its end first would wait forever for a command blocked on its stderr."""
+    script = "head -c 4000000 /dev/zero | tr '\\0' e >&2; echo done"
+    rc, out, err = ssh.run(local_cluster, local_cluster.nodes[1], ["sh", "-c", script], timeout_s=60)
+    assert (rc, out, len(err), set(err)) == (0, "done\n", 4_000_000, {"e"})
+
+
 def test_gloo_allreduce_one_rank_per_host(local_cluster):
     plan = probe_plan(local_cluster, "--numel", "768", "--print-env")
     launch.preflight(local_cluster, plan)
@@ -257,14 +291,51 @@ def test_teardown_after_a_crashed_up_and_a_lost_state_file(xeontune_home, monkey
     name = f"t{os.getpid() % 100000}-crash"
     monkeypatch.setattr(local, "sshd_path", lambda: "/bin/false")
     try:
-        with pytest.raises(UserError, match="creating local cluster .* failed: .*teardown --name"):
-            manage.up(ClusterSpec(name=name, num_nodes=2), "local")
+        with pytest.raises(UserError, match="creating local cluster .* failed: .*kept .*teardown --name"):
+            manage.up(ClusterSpec(name=name, num_nodes=2), "local", keep_on_failure=True)
         assert state.exists(name) and leftovers(name)  # namespace, bridge and veth exist
         state.delete(name)  # the state file is lost as well
-        with pytest.raises(UserError, match="left .* behind"):
+        with pytest.raises(UserError, match="left .* on this machine"):
             manage.up(ClusterSpec(name=name, num_nodes=2), "local")
     finally:
         out = cli("teardown", "--name", name, env={"XEONTUNE_HOME": str(xeontune_home)})
     assert out.returncode == 0, out.stderr
     assert "deleted netns" in out.stdout and "deleted bridge" in out.stdout
     assert leftovers(name) == []
+
+
+def test_a_crashed_up_is_rolled_back_by_default(xeontune_home, monkeypatch):
+    from xeontune.cluster.providers import ClusterSpec, local
+
+    name = f"t{os.getpid() % 100000}-undo"
+    monkeypatch.setattr(local, "sshd_path", lambda: "/bin/false")
+    try:
+        with pytest.raises(UserError, match="creating local cluster .* failed: .*rolled back: nothing was left running"):
+            manage.up(ClusterSpec(name=name, num_nodes=2), "local")
+        assert leftovers(name) == [] and not state.exists(name)
+    finally:
+        if leftovers(name):
+            manage.teardown(name, "local")
+
+
+@pytest.mark.parametrize("fault", ["world-writable", "other-owner"])
+def test_a_state_dir_others_could_write_is_refused_before_sshd_trusts_it(xeontune_home, fault):
+    from xeontune.cluster.providers import ClusterSpec
+
+    name = f"t{os.getpid() % 100000}-perm{fault[0]}"
+    xeontune_home.mkdir(parents=True, exist_ok=True)
+    if fault == "world-writable":
+        os.chmod(xeontune_home, 0o777)
+        expected = rf"{re.escape(str(xeontune_home))} is group- or world-writable \(mode 0777\)"
+    else:
+        os.chown(xeontune_home, 4242, 4242)
+        expected = rf"{re.escape(str(xeontune_home))} is owned by uid 4242, not by you"
+    try:
+        with pytest.raises(UserError, match=expected):
+            manage.up(ClusterSpec(name=name, num_nodes=1), "local")
+        assert leftovers(name) == [] and not state.exists(name)
+    finally:
+        os.chmod(xeontune_home, 0o755)
+        os.chown(xeontune_home, 0, 0)
+        if leftovers(name) or state.exists(name):
+            manage.teardown(name, "local")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xeontune.cluster import pricing, ssh, state
-from xeontune.cluster.providers import ClusterSpec, Provider, TeardownReport
+from xeontune.cluster.providers import ClusterSpec, Provider
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
 
@@ -75,7 +75,7 @@ def new_record(name: str, provider: str, region: str, ssh_user: str) -> ClusterR
     known_hosts = cdir / "known_hosts"
     known_hosts.touch(mode=0o644, exist_ok=True)
     return ClusterRecord(
-        name=name, provider=provider, ssh_user=ssh_user, key_path=str(key), known_hosts_path=str(known_hosts),
+        name=name, provider=provider, cluster_id=state.new_cluster_id(), ssh_user=ssh_user, key_path=str(key), known_hosts_path=str(known_hosts),
         work_dir=REMOTE_WORK, region=region, venv=REMOTE_VENV, remote_key_path=REMOTE_KEY,
         remote_known_hosts_path=f"{REMOTE_WORK}/known_hosts",
     )
@@ -83,18 +83,6 @@ def new_record(name: str, provider: str, region: str, ssh_user: str) -> ClusterR
 
 def public_key(record: ClusterRecord) -> str:
     return ssh.public_key_line(record.key_path)
-
-
-def rollback(record: ClusterRecord, error: UserError, terminate: Callable[[], TeardownReport]) -> UserError:
-    """After a failed ``up``: delete what it created; the returned error says whether that worked."""
-    try:
-        report = terminate()
-    except UserError as exc:
-        return UserError(f"{error}; cleanup failed too ({exc}): run `xeontune teardown --name {record.name}`")
-    if report.ok:
-        state.delete(record.name)
-        return UserError(f"{error} (nothing was left running)")
-    return UserError(f"{error}; could not delete {', '.join(report.failed)}: run `xeontune teardown --name {record.name}`")
 
 
 def parse_console_host_key(console: str) -> str | None:
@@ -152,8 +140,9 @@ class CloudPlan:
 
 
 class CloudProvider(Provider):
-    """``up`` for a cloud: check everything read-only, then save a fresh record, then create
-    (the provider saves the record after each resource), rolling back on an SDK error."""
+    """``up`` for a cloud: check everything read-only (including that no cluster of this name exists
+    in the account), then save a fresh record, then create (the provider saves the record after
+    each resource). An SDK error becomes one line; `manage.up` rolls back what was created."""
 
     ssh_user: str = "ubuntu"
 
@@ -187,6 +176,5 @@ class CloudProvider(Provider):
         try:
             self.create(record, spec, plan)
         except plan.errors as exc:
-            error = plan.user_error(exc, f"creating cluster {spec.name!r}")
-            raise rollback(record, error, lambda: self.terminate(spec.name, record)) from None
+            raise plan.user_error(exc, f"creating cluster {spec.name!r}") from None
         return record

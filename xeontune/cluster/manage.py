@@ -2,18 +2,22 @@
 
 ``up``: provider.up (the record is saved as resources appear), provider.wait (every node answers
 SSH), then the hosts and ssh files are written and their paths printed, then the nodes of a
-provider that needs it are bootstrapped.
+provider that needs it are bootstrapped. When any of it fails (Ctrl-C included), what this ``up``
+recorded is deleted again, unless ``--keep-on-failure``.
 ``teardown``: provider.terminate from the record (or by name when the record is lost), then the
-state dir entry is removed. Both are safe to re-run.
+state dir entry is removed. Both are safe to re-run, and both hold the cluster's lock
+(``state.locked``) throughout, so two of them on one name fail fast instead of interleaving.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 from xeontune.cluster import files, providers, state
 from xeontune.cluster.providers import ClusterSpec
@@ -56,38 +60,66 @@ def _autostop_minutes(value: int | None) -> int:
     return value or 0
 
 
-def up(spec: ClusterSpec, provider_name: str) -> tuple[ClusterRecord, dict]:
-    """Create the cluster, wait for it, write its files. Returns the record and the files."""
-    if state.exists(spec.name):
-        raise UserError(
-            f"cluster {spec.name!r} already exists; use it, or remove it with `xeontune teardown --name {spec.name}`"
-        )
-    provider = providers.get(provider_name)
-    try:
-        record = provider.up(spec)
-        skipped = provider.needs_bootstrap and spec.skip_bootstrap
-        if not skipped:  # with the bootstrap skipped, the nodes need not answer SSH yet
-            provider.wait(record, provider.wait_timeout_s)
-        written = files.write_cluster_files(record)
-        if provider.needs_bootstrap and not skipped:
-            from xeontune.cluster import bootstrap
+def up(spec: ClusterSpec, provider_name: str, keep_on_failure: bool = False) -> tuple[ClusterRecord, dict]:
+    """Create the cluster, wait for it, write its files. Returns the record and the files.
 
-            bootstrap.run(record, bootstrap.options_for(record, spec.data_dir))
-        if spec.autostop_minutes:
-            from xeontune.cluster import autostop
-
-            autostop.install(record, spec.autostop_minutes)
-    except BaseException:
+    On failure, what this ``up`` created (its record: ids and id tag) is deleted, unless
+    ``keep_on_failure``; the error says which happened."""
+    with state.locked(spec.name, "cluster up"):
         if state.exists(spec.name):
-            print(f"`cluster up` did not finish; remove what it created with `xeontune teardown --name {spec.name}`",
-                  file=sys.stderr)
-        raise
+            raise UserError(
+                f"cluster {spec.name!r} already exists; use it, or remove it with `xeontune teardown --name {spec.name}`"
+            )
+        provider = providers.get(provider_name)
+        try:
+            record = provider.up(spec)
+            skipped = provider.needs_bootstrap and spec.skip_bootstrap
+            if not skipped:  # with the bootstrap skipped, the nodes need not answer SSH yet
+                provider.wait(record, provider.wait_timeout_s)
+            written = files.write_cluster_files(record)
+            if provider.needs_bootstrap and not skipped:
+                from xeontune.cluster import bootstrap
+
+                bootstrap.run(record, bootstrap.options_for(record, spec.data_dir))
+            if spec.autostop_minutes:
+                from xeontune.cluster import autostop
+
+                autostop.install(record, spec.autostop_minutes)
+        except BaseException as exc:
+            if not state.exists(spec.name):  # failed before it created anything
+                raise
+            outcome = _after_failed_up(spec.name, provider, keep_on_failure)
+            if isinstance(exc, UserError):
+                raise UserError(f"{exc}{outcome}") from None
+            # Ctrl-C or a bug: keep the original exception (130 / its traceback), say what became of the nodes.
+            print(f"`cluster up` did not finish{outcome}", file=sys.stderr)
+            raise
     return record, written
+
+
+def _after_failed_up(name: str, provider: providers.Provider, keep: bool) -> str:
+    """Roll back a failed ``up`` (or keep it); returns the end of the error line saying which."""
+    teardown_hint = f"`xeontune teardown --name {name}`"
+    if keep:
+        billing = " and billing" if provider.remote else ""
+        return f"; what it created is kept{billing} (--keep-on-failure): delete it with {teardown_hint}"
+    # stdout, like `up`'s progress: stderr carries only the one-line error
+    print(f"`cluster up` failed: deleting what it created for cluster {name!r} (Ctrl-C stops this)", flush=True)
+    try:
+        report = provider.terminate(name, state.load(name))
+    except KeyboardInterrupt:
+        return f"; the clean-up was interrupted: run {teardown_hint}"
+    except Exception as exc:  # any failure of the clean-up: the user must still learn what to run
+        return f"; cleanup failed too ({' '.join(str(exc).split())[:300]}): run {teardown_hint}"
+    if report.ok:
+        state.delete(name)
+        return " (rolled back: nothing was left running)"
+    return f"; could not delete {', '.join(report.failed)}: run {teardown_hint}"
 
 
 def up_command(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
-    record, written = up(spec, args.provider)
+    record, written = up(spec, args.provider, keep_on_failure=bool(getattr(args, "keep_on_failure", False)))
     print(f"cluster {record.name!r} is up ({record.provider}, {len(record.nodes)} node(s)):")
     _print_nodes(record)
     print(f"files in {files.files_dir(record)}:")
@@ -187,18 +219,43 @@ def ssh_command(args: argparse.Namespace) -> int:
 def teardown(name: str, provider_name: str | None = None, region: str | None = None) -> providers.TeardownReport:
     """Delete everything of cluster ``name``; forget it when nothing is left. Safe to repeat."""
     state.validate_name(name)
-    record = state.load(name) if state.exists(name) else None
-    provider_name = record.provider if record else provider_name
-    if provider_name is None:
-        # No record and no --provider: ask every provider that can look for leftovers by name alone.
-        report = providers.TeardownReport()
-        for provider in providers.all_providers():
-            report.merge(provider.sweep(name))
-    else:
-        report = providers.get(provider_name).terminate(name, record, region)
-    if report.ok:
-        state.delete(name)
-    return report
+    with state.locked(name, "teardown"):
+        record = None
+        if state.exists(name):
+            try:
+                record = state.load(name)
+            except state.CorruptRecord as exc:
+                provider_name, region = _salvage(exc.path, provider_name, region)
+                if provider_name is None:
+                    raise UserError(f"the record of cluster {name!r} is unreadable ({exc.reason}) and names no "
+                                    "provider: pass --provider (and --region) to find its resources by tag") from None
+                print(f"warning: the record of cluster {name!r} is unreadable ({exc.reason}); looking for its "
+                      f"resources by the name tag instead ({provider_name})", file=sys.stderr)
+        elif provider_name is not None:
+            print(f"no record of cluster {name!r} in {state.home()}: looking for resources tagged with its name "
+                  "(a cluster of this name from another state dir would match too)", file=sys.stderr)
+        provider_name = record.provider if record else provider_name
+        if provider_name is None:
+            # No record and no --provider: ask every provider that can look for leftovers by name alone.
+            report = providers.TeardownReport()
+            for provider in providers.all_providers():
+                report.merge(provider.sweep(name))
+        else:
+            report = providers.get(provider_name).terminate(name, record, region)
+        if report.ok:
+            state.delete(name)
+        return report
+
+
+def _salvage(path: os.PathLike[str], provider_name: str | None, region: str | None) -> tuple[str | None, str | None]:
+    """--provider / --region, else what an unreadable record still shows of them."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        text = ""
+    found = {k: m.group(1) for k in ("provider", "region") if (m := re.search(rf'"{k}":\s*"([a-z0-9-]+)"', text))}
+    provider = provider_name or (found.get("provider") if found.get("provider") in providers.names() else None)
+    return provider, region or found.get("region")
 
 
 def teardown_command(args: argparse.Namespace) -> int:
@@ -214,6 +271,8 @@ def teardown_command(args: argparse.Namespace) -> int:
         return 1
     if known or report.deleted:
         print(f"cluster {name!r} torn down")
+    elif report.searched:  # say where: a cluster in another region is not found by looking here
+        print(f"no cluster {name!r} found in {'; '.join(report.searched)}: nothing to tear down")
     else:
         print(f"no cluster {name!r}: nothing to tear down")
     return 0

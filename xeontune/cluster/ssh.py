@@ -24,12 +24,15 @@ Typical use::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import socket
 import stat
+import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -235,8 +238,12 @@ def run(
         if stdin is not None:
             chan_in.write(stdin)
         chan_in.channel.shutdown_write()
-        out = chan_out.read().decode(errors="replace")
-        err = chan_err.read().decode(errors="replace")
+        # Both streams at once: paramiko widens the SSH window only as a stream is read, so a
+        # command that fills stderr's window while we wait for stdout's end would never finish.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            err_bytes = pool.submit(chan_err.read)
+            out = chan_out.read().decode(errors="replace")
+            err = err_bytes.result().decode(errors="replace")
         rc = chan_out.channel.recv_exit_status()
         return rc, out, err
     finally:
@@ -247,33 +254,52 @@ def put_tree(record: ClusterRecord, node: Node, local_dir: str | os.PathLike[str
     """Copy ``local_dir`` recursively to ``remote_dir`` on ``node`` over SFTP; return files copied.
 
     Directories are created as needed and file modes are kept (so a 0600 key stays 0600).
-    Symlinks are followed. Existing files are overwritten.
+    Existing files are overwritten. Symlinks are never followed: one that points inside the tree
+    is recreated as a relative link (the same target on the node); one that points outside it,
+    or nowhere, is skipped with a warning, since following it could upload anything on this
+    machine (a link to $HOME would send ~/.ssh to every node).
     """
     src = Path(local_dir)
     if not src.is_dir():
         raise UserError(f"not a directory: {src}")
+    top = src.resolve()
     client = connect(record, node)
     count = 0
     try:
         sftp = client.open_sftp()
         try:
             _sftp_makedirs(sftp, remote_dir)
-            for root, dirs, files in os.walk(src, followlinks=True):
+            for root, dirs, files in os.walk(src):  # followlinks=False: links to dirs come in `dirs`
                 rel = Path(root).relative_to(src)
                 remote_root = remote_dir if rel == Path(".") else f"{remote_dir.rstrip('/')}/{rel.as_posix()}"
-                for d in sorted(dirs):
-                    _sftp_makedirs(sftp, f"{remote_root}/{d}")
-                for f in sorted(files):
-                    local = Path(root) / f
-                    remote = f"{remote_root}/{f}"
-                    sftp.put(os.fspath(local), remote)
-                    sftp.chmod(remote, stat.S_IMODE(local.stat().st_mode))
-                    count += 1
+                for name in sorted(dirs + files):
+                    local = Path(root) / name
+                    remote = f"{remote_root}/{name}"
+                    if local.is_symlink():
+                        _put_link(sftp, local, top, remote)
+                    elif name in dirs:
+                        _sftp_makedirs(sftp, remote)
+                    else:
+                        sftp.put(os.fspath(local), remote)
+                        sftp.chmod(remote, stat.S_IMODE(local.stat().st_mode))
+                        count += 1
         finally:
             sftp.close()
     finally:
         close(client)
     return count
+
+
+def _put_link(sftp: paramiko.SFTPClient, link: Path, top: Path, remote: str) -> None:
+    """Recreate ``link`` at ``remote`` if it resolves inside ``top`` (the resolved tree); else warn."""
+    target = link.resolve()
+    if not (target.is_relative_to(top) and target.exists()):
+        print(f"warning: not uploading {link}: a symlink to {target}, outside {top} (or missing)", file=sys.stderr)
+        return
+    relative = os.path.relpath(target, link.parent.resolve())
+    with contextlib.suppress(OSError):
+        sftp.remove(remote)  # a re-run: replace the old link (or file) of that name
+    sftp.symlink(relative, remote)
 
 
 def put_file(record: ClusterRecord, node: Node, local_path: str | os.PathLike[str], remote_path: str) -> None:

@@ -6,6 +6,8 @@ Layout of the state dir::
     $XEONTUNE_HOME/clusters/<name>/id_ed25519     the cluster's private key (0600)
     $XEONTUNE_HOME/clusters/<name>/known_hosts    host keys pinned for this cluster only
     $XEONTUNE_HOME/clusters/<name>/work/          hosts, ssh_config, ssh wrapper
+    $XEONTUNE_HOME/locks/<name>.lock              held (fcntl) by `up` / `teardown` of <name>; outside
+                                                  the cluster dir, which teardown deletes while holding it
 
 Cloud providers call ``record.add_resource(...)`` and ``save(record)`` right after each create call
 returns, so an interrupted ``up`` still leaves a record that ``teardown`` can work from.
@@ -13,10 +15,15 @@ returns, so an interrupted ``up`` still leaves a record that ``teardown`` can wo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import re
+import secrets
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +31,7 @@ from xeontune.errors import UserError
 from xeontune.io import atomic_write_json
 
 DEFAULT_CLUSTER = "default"
-_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+_NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,30}")  # used with fullmatch: "$" would accept a trailing newline
 
 
 @dataclass
@@ -49,6 +56,9 @@ class Resource:
 class ClusterRecord:
     name: str
     provider: str  # a registered provider's name (xeontune.cluster.providers)
+    # Random, made by `up` and tagged on every cloud resource: names are not unique across users
+    # of one account, this is. "" in records written before it existed (teardown then goes by name).
+    cluster_id: str = ""
     nodes: list[Node] = field(default_factory=list)
     ssh_user: str = "root"
     key_path: str = ""
@@ -114,8 +124,12 @@ def home() -> Path:
     return Path(os.environ.get("XEONTUNE_HOME", Path.home() / ".xeontune")).expanduser()
 
 
+def new_cluster_id() -> str:
+    return secrets.token_hex(8)
+
+
 def validate_name(name: str) -> str:
-    if not _NAME_RE.match(name):
+    if not _NAME_RE.fullmatch(name):
         raise UserError(
             f"invalid cluster name {name!r}: use 1-31 lowercase letters, digits or '-', starting with a letter"
         )
@@ -142,12 +156,24 @@ def exists(name: str) -> bool:
     return record_path(name).is_file()
 
 
+class CorruptRecord(UserError):
+    """cluster.json exists but cannot be read as a record (truncated, edited by hand)."""
+
+    def __init__(self, name: str, path: Path, reason: str) -> None:
+        super().__init__(f"the record {path} of cluster {name!r} is unreadable ({reason}); `xeontune teardown "
+                         f"--name {name} --provider P [--region R]` finds its resources by tag")
+        self.path, self.reason = path, reason
+
+
 def load(name: str) -> ClusterRecord:
     path = record_path(name)
     if not path.is_file():
         known = ", ".join(list_names()) or "none"
         raise UserError(f"unknown cluster {name!r} (known clusters: {known}); create it with `xeontune cluster up`")
-    return ClusterRecord.from_json(json.loads(path.read_text()))
+    try:
+        return ClusterRecord.from_json(json.loads(path.read_text()))
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        raise CorruptRecord(name, path, f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}") from None
 
 
 def list_names() -> list[str]:
@@ -162,3 +188,48 @@ def delete(name: str) -> None:
     import shutil
 
     shutil.rmtree(cluster_dir(name), ignore_errors=True)
+
+
+# --- the per-name lock -----------------------------------------------------------------------------
+
+
+def lock_path(name: str) -> Path:
+    return home() / "locks" / f"{validate_name(name)}.lock"
+
+
+@contextlib.contextmanager
+def locked(name: str, action: str) -> Iterator[None]:
+    """Hold cluster ``name``'s lock for the whole block (``up`` and ``teardown``); a second holder
+    fails at once, naming the process that has it. The lock file stays: deleting it while another
+    process waits on it would let two processes hold "the" lock on two different files."""
+    path = lock_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown process"
+            raise UserError(f"cluster {name!r} is busy: {holder} holds {path}; wait for it to finish") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} (`xeontune {action}`)\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+# --- what may be trusted -------------------------------------------------------------------------------
+
+
+def check_private(paths: list[Path], why: str) -> None:
+    """UserError unless every path is owned by this user and writable by nobody else: a key or a
+    directory that another user can replace would let them in (``why`` says where)."""
+    uid = os.geteuid()
+    for path in paths:
+        st = os.stat(path)
+        if st.st_uid != uid:
+            raise UserError(f"{path} is owned by uid {st.st_uid}, not by you (uid {uid}); {why}: "
+                            f"use a state dir of your own (XEONTUNE_HOME)")
+        if st.st_mode & 0o022:
+            raise UserError(f"{path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o}); {why}: "
+                            f"run `chmod go-w {path}`")

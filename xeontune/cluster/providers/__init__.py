@@ -49,6 +49,7 @@ class NodeStatus:
 class TeardownReport:
     deleted: list[str] = field(default_factory=list)  # human-readable "kind id" of each deletion
     failed: list[str] = field(default_factory=list)  # "kind id: reason" for what is still there
+    searched: list[str] = field(default_factory=list)  # where it looked, e.g. "AWS region us-east-1"
 
     @property
     def ok(self) -> bool:
@@ -57,6 +58,7 @@ class TeardownReport:
     def merge(self, other: TeardownReport) -> TeardownReport:
         self.deleted += other.deleted
         self.failed += other.failed
+        self.searched += other.searched
         return self
 
 
@@ -100,9 +102,10 @@ class Provider:
         raise NotImplementedError
 
     def terminate(self, name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
-        """Delete everything of the cluster, from the record and, when it is lost, by tag/name
-        (``region``: where to look then, from `teardown --region`). Idempotent: a second call
-        deletes nothing and succeeds."""
+        """Delete everything of the cluster. With a record: only what it holds (its resource ids,
+        and what carries its ``cluster_id`` tag), never another cluster of the same name. Without
+        one (lost or unreadable): by the name tag, in ``region`` (from `teardown --region`).
+        Idempotent: a second call deletes nothing and succeeds."""
         raise NotImplementedError
 
     # --- capabilities, with the defaults of a cloud-like provider --------------------------------

@@ -1,9 +1,12 @@
 """AWS EC2 provider: a security group, an imported key pair and N tagged Ubuntu instances.
 
-Everything this module creates carries the tag ``xeontune-cluster=<name>`` from the call that
-creates it (``TagSpecifications``), so a teardown can find it by tag alone when the state file is
-lost, even for a resource whose id never reached the state file (an interrupted ``up``). Each id
-is also written to the state file as soon as its create call returns.
+Everything this module creates carries the tags ``xeontune-cluster=<name>`` and
+``xeontune-cluster-id=<record.cluster_id>`` from the call that creates it (``TagSpecifications``),
+so a teardown finds it by tag even when its id never reached the state file (an interrupted
+``up``). Names are not unique in an account (two users, two state dirs, the default name), the id
+is: with a record, teardown and rollback go by the id tag and the recorded ids only; the name tag
+is the fallback for a lost record. ``up`` refuses a name that is already in use in the region.
+Each id is also written to the state file as soon as its create call returns.
 
 Credentials come from boto3's standard chain and are never written anywhere. ``AWS_ENDPOINT_URL``
 (honoured by boto3 itself) points every call at another endpoint, which is how the tests drive
@@ -28,6 +31,7 @@ from xeontune.errors import UserError
 TAG_CLUSTER = "xeontune-cluster"
 TAG_ROLE = "xeontune-role"
 TAG_NODE = "xeontune-node"
+TAG_ID = "xeontune-cluster-id"
 DEFAULT_INSTANCE_TYPE = "m7i.4xlarge"  # 4th-gen Xeon (Sapphire Rapids): AMX, bf16
 DISK_GB = 60  # Ubuntu + torch CPU venv + an SD1.5 model and its checkpoints
 SSH_USER = "ubuntu"
@@ -134,13 +138,13 @@ def _aws_errors() -> tuple[type[BaseException], ...]:
     return (BotoCoreError, ClientError)
 
 
-def _tags(cluster: str, extra: dict[str, str] | None = None) -> list[dict[str, str]]:
-    tags = {TAG_CLUSTER: cluster, "Name": resource_name(cluster), **(extra or {})}
+def _tags(record: ClusterRecord, extra: dict[str, str] | None = None) -> list[dict[str, str]]:
+    tags = {TAG_CLUSTER: record.name, TAG_ID: record.cluster_id, "Name": resource_name(record.name), **(extra or {})}
     return [{"Key": k, "Value": v} for k, v in tags.items()]
 
 
-def _tag_spec(resource_type: str, cluster: str, extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    return [{"ResourceType": resource_type, "Tags": _tags(cluster, extra)}]
+def _tag_spec(resource_type: str, record: ClusterRecord, extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    return [{"ResourceType": resource_type, "Tags": _tags(record, extra)}]
 
 
 # --- up -----------------------------------------------------------------------------------------
@@ -217,11 +221,28 @@ def _pick_subnet(ec2: Any, subnet: str | None, instance_type: str) -> tuple[str,
     return usable[0]["SubnetId"], vpc
 
 
+def in_use(ec2: Any, name: str) -> list[str]:
+    """What already holds cluster ``name``'s tag or resource names in this region (another state
+    dir's cluster, or one whose record was lost): live instances, security groups, key pairs."""
+    found = [f"instance {i['InstanceId']}"
+             for page in ec2.get_paginator("describe_instances").paginate(
+                 Filters=[*_by_tag(name), {"Name": "instance-state-name", "Values": LIVE_STATES}])
+             for res in page["Reservations"] for i in res["Instances"]]
+    groups = {g["GroupId"] for g in ec2.describe_security_groups(Filters=_by_tag(name))["SecurityGroups"]}
+    groups |= {g["GroupId"] for g in ec2.describe_security_groups(
+        Filters=[{"Name": "group-name", "Values": [resource_name(name)]}])["SecurityGroups"]}
+    found += [f"security group {g}" for g in sorted(groups)]
+    tagged = {kp.get("KeyPairId") for kp in ec2.describe_key_pairs(Filters=_by_tag(name))["KeyPairs"]}
+    found += [f"key pair {kp['KeyName']}" for kp in ec2.describe_key_pairs()["KeyPairs"]
+              if kp["KeyName"] == resource_name(name) or kp.get("KeyPairId") in tagged]
+    return found
+
+
 def _create(ec2: Any, record: ClusterRecord, spec: ClusterSpec) -> None:
     name, region = record.name, record.region
     sg = ec2.create_security_group(
         GroupName=resource_name(name), Description=f"xeontune cluster {name}", VpcId=record.extra["vpc"],
-        TagSpecifications=_tag_spec("security-group", name),
+        TagSpecifications=_tag_spec("security-group", record),
     )["GroupId"]
     record.add_resource("security_group", sg, region)
     state.save(record)
@@ -237,7 +258,7 @@ def _create(ec2: Any, record: ClusterRecord, spec: ClusterSpec) -> None:
     key_name = resource_name(name)
     key_id = ec2.import_key_pair(
         KeyName=key_name, PublicKeyMaterial=cloud.public_key(record).encode(),
-        TagSpecifications=_tag_spec("key-pair", name),
+        TagSpecifications=_tag_spec("key-pair", record),
     ).get("KeyPairId") or key_name
     record.add_resource("key_pair", key_id, region)
     record.extra["key_name"] = key_name
@@ -249,6 +270,8 @@ def _create(ec2: Any, record: ClusterRecord, spec: ClusterSpec) -> None:
         params: dict[str, Any] = {
             "ImageId": record.extra["ami"], "InstanceType": record.instance_type,
             "MinCount": 1, "MaxCount": 1, "KeyName": key_name,
+            # Idempotent: botocore's retry of a call whose answer was lost starts no second instance.
+            "ClientToken": client_token(record, node_name),
             "NetworkInterfaces": [{"DeviceIndex": 0, "SubnetId": record.extra["subnet"], "Groups": [sg],
                                    "AssociatePublicIpAddress": True, "DeleteOnTermination": True}],
             # A node that powers itself off is gone, not parked and billing for its disk.
@@ -257,8 +280,8 @@ def _create(ec2: Any, record: ClusterRecord, spec: ClusterSpec) -> None:
                 "VolumeSize": DISK_GB, "VolumeType": "gp3", "DeleteOnTermination": True}}],
             "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled"},
             "TagSpecifications": [
-                {"ResourceType": t, "Tags": _tags(name, {TAG_ROLE: role, TAG_NODE: node_name,
-                                                         "Name": f"{resource_name(name)}-{node_name}"})}
+                {"ResourceType": t, "Tags": _tags(record, {TAG_ROLE: role, TAG_NODE: node_name,
+                                                           "Name": f"{resource_name(name)}-{node_name}"})}
                 for t in ("instance", "volume", "network-interface")
             ],
         }
@@ -269,6 +292,11 @@ def _create(ec2: Any, record: ClusterRecord, spec: ClusterSpec) -> None:
         record.add_resource("instance", inst["InstanceId"], region)
         record.nodes.append(Node(node_name, role, inst.get("PrivateIpAddress") or "", None, inst["InstanceId"]))
         state.save(record)
+
+
+def client_token(record: ClusterRecord, node_name: str) -> str:
+    """RunInstances' idempotency token: one per node of this `up` (EC2 allows 64 ASCII characters)."""
+    return f"xt-{record.cluster_id}-{node_name}"
 
 
 def _refresh_addresses(ec2: Any, record: ClusterRecord) -> None:
@@ -317,12 +345,21 @@ def _by_tag(name: str) -> list[dict[str, Any]]:
     return [{"Name": f"tag:{TAG_CLUSTER}", "Values": [name]}]
 
 
-def _terminate_instances(ec2: Any, name: str, recorded: set[tuple[str, str]], report: TeardownReport) -> None:
+def _owned(name: str, record: ClusterRecord | None) -> list[dict[str, Any]]:
+    """The filter for what teardown may delete: this record's id tag, else (no record, or one
+    written before ids existed) the name tag."""
+    if record is not None and record.cluster_id:
+        return [{"Name": f"tag:{TAG_ID}", "Values": [record.cluster_id]}]
+    return _by_tag(name)
+
+
+def _terminate_instances(ec2: Any, owned: list[dict[str, Any]], recorded: set[tuple[str, str]],
+                         report: TeardownReport) -> None:
     from botocore.exceptions import ClientError
 
     ids = {i for k, i in recorded if k == "instance"}
     for page in ec2.get_paginator("describe_instances").paginate(
-            Filters=[*_by_tag(name), {"Name": "instance-state-name", "Values": LIVE_STATES}]):
+            Filters=[*owned, {"Name": "instance-state-name", "Values": LIVE_STATES}]):
         for res in page["Reservations"]:
             ids.update(inst["InstanceId"] for inst in res["Instances"])
     if not ids:
@@ -361,11 +398,12 @@ def _terminate_instances(ec2: Any, name: str, recorded: set[tuple[str, str]], re
         report.failed.append(f"instance {iid}: still {state_of(found, iid) or 'not visible'} after {TERMINATE_TIMEOUT_S:.0f}s")
 
 
-def _delete_security_groups(ec2: Any, name: str, recorded: set[tuple[str, str]], report: TeardownReport) -> None:
+def _delete_security_groups(ec2: Any, owned: list[dict[str, Any]], recorded: set[tuple[str, str]],
+                            report: TeardownReport) -> None:
     from botocore.exceptions import ClientError
 
     ids = {i for k, i in recorded if k == "security_group"}
-    ids.update(g["GroupId"] for g in ec2.describe_security_groups(Filters=_by_tag(name))["SecurityGroups"])
+    ids.update(g["GroupId"] for g in ec2.describe_security_groups(Filters=owned)["SecurityGroups"])
     for sg in sorted(ids):
         deadline = time.monotonic() + SG_DELETE_TIMEOUT_S
         while True:
@@ -385,11 +423,12 @@ def _delete_security_groups(ec2: Any, name: str, recorded: set[tuple[str, str]],
                 break
 
 
-def _delete_key_pairs(ec2: Any, name: str, recorded: set[tuple[str, str]], report: TeardownReport) -> None:
+def _delete_key_pairs(ec2: Any, owned: list[dict[str, Any]], recorded: set[tuple[str, str]],
+                      report: TeardownReport) -> None:
     from botocore.exceptions import ClientError
 
     ids = {i for k, i in recorded if k == "key_pair"}
-    ids.update(kp["KeyPairId"] for kp in ec2.describe_key_pairs(Filters=_by_tag(name))["KeyPairs"] if kp.get("KeyPairId"))
+    ids.update(kp["KeyPairId"] for kp in ec2.describe_key_pairs(Filters=owned)["KeyPairs"] if kp.get("KeyPairId"))
     existing = {kp.get("KeyPairId"): kp["KeyName"] for kp in ec2.describe_key_pairs()["KeyPairs"]}
     for kid in sorted(ids):
         if kid not in existing:
@@ -418,8 +457,13 @@ class Aws(cloud.CloudProvider):
             cores = _check_instance_type(ec2, instance_type)
             ami, root_device = _image(ec2, spec.image) if spec.image else latest_ubuntu_lts(ec2)
             subnet, vpc = _pick_subnet(ec2, spec.subnet, instance_type)
+            taken = in_use(ec2, spec.name)
         except _aws_errors() as exc:
             raise _user_error(exc, "checking the region, instance type, image and network") from None
+        if taken:
+            raise UserError(f"a cluster named {spec.name!r} already exists in {region} ({', '.join(taken[:4])}"
+                            f"{' ...' if len(taken) > 4 else ''}), not from this state dir: choose another --name, "
+                            f"or if it is yours, `xeontune teardown --name {spec.name} --provider aws --region {region}`")
         return cloud.CloudPlan(
             region=region, instance_type=instance_type, image=ami, cores_per_node=cores,
             errors=_aws_errors(), user_error=_user_error,
@@ -485,15 +529,17 @@ class Aws(cloud.CloudProvider):
         return out
 
     def terminate(self, name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
-        """Delete the cluster's instances, security group and key pair, from the record and by tag."""
-        report = TeardownReport()
+        """Delete the cluster's instances, security group and key pair: the recorded ids and what
+        carries the record's id tag, or, with no record, what carries the name tag."""
         region = (record.region if record else None) or resolve_region(region)
+        owned = _owned(name, record)
+        report = TeardownReport(searched=[f"AWS region {region} (tag {owned[0]['Name'][4:]}={owned[0]['Values'][0]})"])
         ec2 = _client(region)
         recorded = {(r.kind, r.id) for r in record.resources} if record else set()
         try:
-            _terminate_instances(ec2, name, recorded, report)
-            _delete_security_groups(ec2, name, recorded, report)
-            _delete_key_pairs(ec2, name, recorded, report)
+            _terminate_instances(ec2, owned, recorded, report)
+            _delete_security_groups(ec2, owned, recorded, report)
+            _delete_key_pairs(ec2, owned, recorded, report)
         except _aws_errors() as exc:
             raise _user_error(exc, f"tearing down cluster {name!r} in {region}") from None
         return report

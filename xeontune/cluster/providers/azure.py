@@ -3,9 +3,12 @@
 ``xeontune-<cluster>`` (tagged ``xeontune-cluster=<cluster>`` in the call that creates it) holds
 a network security group (SSH from the caller's address only, all traffic inside the vnet), a
 vnet with one subnet, one static public IP for the head, a NIC per node and Ubuntu LTS VMs that
-accept only the cluster's locally generated ed25519 key. Teardown deletes the resource group and
-waits for the deletion to finish, which takes every resource in it along; without a state file it
-finds the group by its tag.
+accept only the cluster's locally generated ed25519 key. Everything also carries
+``xeontune-cluster-id=<record.cluster_id>``. Teardown deletes the resource group and waits for
+the deletion to finish, which takes every resource in it along. With a record it deletes only a
+group that carries the record's id tag (a group of the same name made by another user's ``up`` is
+not this cluster); without a state file it finds the group by the name tag. ``up`` refuses when
+``xeontune-<cluster>`` exists already: ``create_or_update`` would silently adopt it.
 
 Credentials: azure-identity's DefaultAzureCredential (``az login``, environment, managed
 identity); the subscription comes from AZURE_SUBSCRIPTION_ID or the Azure CLI's default. Nothing
@@ -34,6 +37,7 @@ from xeontune.errors import UserError
 
 TAG_CLUSTER = "xeontune-cluster"
 TAG_ROLE = "xeontune-role"
+TAG_ID = "xeontune-cluster-id"
 DEFAULT_LOCATION = "eastus"
 # Dsv6: 5th-gen Xeon (Emerald Rapids) with AMX; 16 vCPU / 64 GiB like AWS's m7i.4xlarge.
 DEFAULT_SIZE = "Standard_D16s_v6"
@@ -180,7 +184,7 @@ def _create(c: _Clients, record: ClusterRecord, spec: ClusterSpec) -> None:
     name, location = record.name, record.region
     image = _image_ref(record.extra["image"])
     rg = group_name(name)
-    tags = {TAG_CLUSTER: name}
+    tags = {TAG_CLUSTER: name, TAG_ID: record.cluster_id}
 
     def saved(kind: str, result: Any) -> dict:
         body = _plain(result)
@@ -278,8 +282,13 @@ class Azure(cloud.CloudProvider):
         try:  # read-only checks: a bad region, size or image fails before anything exists
             cores = _check_location_and_size(c, location, size)
             image = ":".join((_image_ref(spec.image) if spec.image else latest_ubuntu_lts(c, location)).values())
+            taken = c.resource.resource_groups.check_existence(group_name(spec.name))
         except _azure_errors() as exc:
             raise _user_error(exc, "checking the region, VM size and image") from None
+        if taken:
+            raise UserError(f"resource group {group_name(spec.name)} already exists in subscription {c.subscription}, "
+                            f"not from this state dir: choose another --name, or if it is yours, "
+                            f"`xeontune teardown --name {spec.name} --provider azure`")
         return cloud.CloudPlan(
             region=location, instance_type=size, image=image, cores_per_node=cores,
             errors=_azure_errors(), user_error=_user_error,
@@ -346,17 +355,22 @@ class Azure(cloud.CloudProvider):
         return out
 
     def terminate(self, name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
-        """Delete the cluster's resource group (from the record, or found by its tag) and wait for it.
+        """Delete the cluster's resource group and wait for it: the one carrying the record's id tag,
+        or, with no record (or one from before ids), the recorded one and those with the name tag.
         Resource groups are found subscription-wide, so ``region`` is not needed."""
         from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 
-        report = TeardownReport()
         c = _Clients()
         groups: set[str] = set()
-        if record is not None:
-            groups.update(r.id.rsplit("/", 1)[-1] for r in record.resources if r.kind == "resource_group")
+        if record is not None and record.cluster_id:
+            tag, value = TAG_ID, record.cluster_id
+        else:
+            tag, value = TAG_CLUSTER, name
+            if record is not None:
+                groups.update(r.id.rsplit("/", 1)[-1] for r in record.resources if r.kind == "resource_group")
+        report = TeardownReport(searched=[f"Azure subscription {c.subscription} (tag {tag}={value})"])
         try:
-            tagged = c.resource.resource_groups.list(filter=f"tagName eq '{TAG_CLUSTER}' and tagValue eq '{name}'")
+            tagged = c.resource.resource_groups.list(filter=f"tagName eq '{tag}' and tagValue eq '{value}'")
             groups.update(_plain(g)["name"] for g in tagged)
         except _azure_errors() as exc:
             raise _user_error(exc, f"looking for cluster {name!r}'s resource group") from None

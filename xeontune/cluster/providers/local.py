@@ -142,7 +142,17 @@ def _sshd_config(record: ClusterRecord, node: Node, host_key: Path, pid_file: Pa
     ])
 
 
-LOCK_PATH = "/run/xeontune-local.lock"  # serialises subnet choice between concurrent `up`s
+# Serialises, between concurrent `up`s on this machine (whatever their state dirs): the check
+# that the name is free, and the subnet choice, until the bridge claims both.
+LOCK_PATH = "/run/xeontune-local.lock"
+_TRUST = "sshd would trust the keys in it (the cluster's sshds run as root with StrictModes off)"
+
+
+def _check_state_dir(name: str, *files: Path) -> None:
+    """The state dir chain (and ``files``) must be this user's and writable by nobody else: sshd
+    runs as root and accepts whatever authorized_keys file and host key it finds there."""
+    cdir = state.cluster_dir(name)
+    state.check_private([state.home(), cdir.parent, cdir, *files], _TRUST)
 
 
 def _leftovers(name: str) -> list[str]:
@@ -150,6 +160,14 @@ def _leftovers(name: str) -> list[str]:
     found = [ns for ns in _netns_list() if ns.startswith(f"xeontune-{name}-node")]
     found += [link for link in _links() if link.startswith(f"xt{short}")]
     return found
+
+
+def _refuse_leftovers(name: str) -> None:
+    left = _leftovers(name)
+    if left:
+        raise UserError(f"a cluster {name!r} (another state dir's, or a previous one) left {', '.join(left[:3])}"
+                        f"{' ...' if len(left) > 3 else ''} on this machine; choose another --name, or remove it "
+                        f"with `xeontune teardown --name {name}`")
 
 
 def _create(spec: ClusterSpec) -> ClusterRecord:
@@ -173,7 +191,8 @@ def _create(spec: ClusterSpec) -> ClusterRecord:
 
     br = bridge_name(name)
     with open(LOCK_PATH, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # until the bridge holds the subnet, nobody else may pick it
+        fcntl.flock(lock, fcntl.LOCK_EX)  # until the bridge holds name and subnet, nobody else may pick them
+        _refuse_leftovers(name)  # again, under the lock: another state dir's `up` of this name may have won
         subnet = _pick_subnet(name)
         record.extra.update({"subnet": subnet, "bridge_ip": f"{subnet}.1"})
         record.nodes = [
@@ -212,6 +231,7 @@ def _create(spec: ClusterSpec) -> ClusterRecord:
         config = run_dir / f"{node.name}.conf"
         pid_file = run_dir / f"{node.name}.pid"
         atomic_write_text(config, _sshd_config(record, node, host_key, pid_file, authorized), mode=0o600)
+        _check_state_dir(name, run_dir, authorized, host_key, config, Path(record.key_path))
         record.add_resource("sshd", str(pid_file))
         state.save(record)
         _sh(["ip", "netns", "exec", ns, sshd, "-f", str(config), "-E", str(run_dir / f"{node.name}.log")])
@@ -277,15 +297,13 @@ class Local(Provider):
         check_requirements()
         if not 1 <= spec.num_nodes <= MAX_NODES:
             raise UserError(f"-n must be between 1 and {MAX_NODES} for the local provider")
-        left = _leftovers(spec.name)
-        if left:
-            raise UserError(f"a previous cluster {spec.name!r} left {', '.join(left[:3])}"
-                            f"{' ...' if len(left) > 3 else ''} behind; remove it with `xeontune teardown --name {spec.name}`")
+        _refuse_leftovers(spec.name)
+        state.cluster_dir(spec.name).mkdir(parents=True, exist_ok=True)
+        _check_state_dir(spec.name)  # before anything exists
         try:
             return _create(spec)
         except RuntimeError as exc:  # a failed `ip`/`sshd` call: say which, in one line
-            raise UserError(f"creating local cluster {spec.name!r} failed: {exc}; "
-                            f"remove what was created with `xeontune teardown --name {spec.name}`") from exc
+            raise UserError(f"creating local cluster {spec.name!r} failed: {exc}") from exc
 
     def wait(self, record: ClusterRecord, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
