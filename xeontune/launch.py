@@ -121,11 +121,11 @@ def resolve_ppn(record: ClusterRecord, spec: str, train_args: list[str]) -> int:
         precision = hardware.choose_precision(requested)[0]
         cores, memory = max(cores // hosts, 1), placement.available_memory_bytes() // hosts
     else:
-        # a node's hyperthreads are vCPUs: the provider records physical cores
-        cores, memory = record.cores_per_node or 1, 0
+        # a node's hyperthreads are vCPUs: the provider records physical cores, and RAM where the API says
+        cores, memory = record.cores_per_node or 1, record.memory_per_node or 0
         precision = "bf16" if requested == "bf16" else "fp32"  # sized for the larger when the node decides
     per_rank = placement.rank_memory_bytes(frozen_weight_bytes(model, precision), resolution, batch)
-    unknown = 2**62  # a cloud node's memory is not recorded: cores decide
+    unknown = 2**62  # no memory recorded (localhost, or a record from before it was): cores decide
     return placement.auto_ranks(cores, 1, memory or unknown, per_rank).ranks
 
 

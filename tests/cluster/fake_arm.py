@@ -225,7 +225,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 skus.append({"resourceType": "virtualMachines", "name": size, "tier": "Standard",
                              "family": "standardDSv6Family", "locations": [location],
                              "capabilities": [{"name": "vCPUs", "value": str(vcpus)},
-                                              {"name": "vCPUsPerCore", "value": "2"}], "restrictions": []})
+                                              {"name": "vCPUsPerCore", "value": "2"},
+                                              {"name": "MemoryGB", "value": str(vcpus * 4)}], "restrictions": []})
         self._send(200, {"value": skus})
 
     def _offers(self, location: str, publisher: str) -> None:

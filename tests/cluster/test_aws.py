@@ -147,6 +147,7 @@ def test_up_creates_tagged_nodes_two_rules_key_and_files_then_teardown_removes_a
     assert kinds == ["instance"] * 3 + ["key_pair", "security_group"]
     assert "mixed_precision" not in record.extra  # each rank decides on its own CPU
     assert record.cores_per_node == 8 and record.instance_type == "m7i.4xlarge"  # 16 vCPUs on 8 cores
+    assert record.memory_per_node == 64 * 2**30  # MemoryInfo: `launch --ppn auto` fits ranks into it
     assert record.venv == "/opt/xeontune/venv" and record.work_dir == "/opt/xeontune/work"
     assert json.dumps(record.to_json()).count("testing") == 0  # no credential in the state file
 

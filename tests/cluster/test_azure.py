@@ -121,6 +121,7 @@ def test_up_creates_the_group_network_and_vms_then_teardown_deletes_the_group(ar
     assert record.head.public_ip and all(n.public_ip is None for n in record.nodes if n.role == "worker")
     assert {r.kind for r in record.resources} >= {"resource_group", "virtual_machine", "network_interface"}
     assert record.cores_per_node == 8 and "mixed_precision" not in record.extra
+    assert record.memory_per_node == 64 * 2**30  # the size's MemoryGB capability
     # Long-running operations really were polled through the SDK.
     assert any("/operations/" in p for m, p in arm.arm.requests if m == "GET")
 

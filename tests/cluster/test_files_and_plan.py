@@ -15,6 +15,7 @@ from xeontune.cli import main
 from xeontune.cluster import files, manage, ssh, state
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
+from xeontune.train.ranks import frozen_weight_bytes
 
 
 @pytest.fixture
@@ -225,6 +226,12 @@ def test_ppn_auto_follows_the_ranks_per_node_rule(xeontune_home, capsys, tiny_mo
     assert launch.resolve_ppn(rec, "auto", args) == 2  # 2 cores: 2 x 1
     assert launch.resolve_ppn(rec, "3", args) == 3
     rec.cores_per_node = 16
+    # A node whose RAM holds fewer ranks than its cores would: memory decides.
+    per_rank = placement.rank_memory_bytes(frozen_weight_bytes(str(tiny_model), "fp32"), 512, 1)  # auto: sized as fp32
+    rec.memory_per_node = int(3.5 * per_rank / (1 - placement.RESERVED_FRACTION))
+    assert launch.resolve_ppn(rec, "auto", args) == 3
+    rec.memory_per_node = 64 * 2**30
+    assert launch.resolve_ppn(rec, "auto", args) == 8
     state.save(rec)
     assert main(["launch", "--ppn", "auto", "--name", "sky", "--dry-run", "--", *args]) == 0
     remote = shlex.split(shlex.split(capsys.readouterr().out)[-1])

@@ -137,6 +137,7 @@ class CloudPlan:
     user_error: Callable[[BaseException, str], UserError]  # ... and how each becomes one line
     extra: dict[str, str] = field(default_factory=dict)  # the provider's own keys for the record
     client: Any = None  # the provider's SDK client(s), reused by ``create``
+    memory_per_node: int | None = None  # bytes of RAM, when the API says
 
 
 class CloudProvider(Provider):
@@ -168,6 +169,7 @@ class CloudProvider(Provider):
         plan = self.plan(spec)
         record = new_record(spec.name, self.name, plan.region, self.ssh_user)
         record.instance_type, record.cores_per_node = plan.instance_type, plan.cores_per_node or None
+        record.memory_per_node = plan.memory_per_node or None
         record.skip_bootstrap = spec.skip_bootstrap
         record.extra.update(plan.extra)
         state.save(record)

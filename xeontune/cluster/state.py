@@ -74,6 +74,7 @@ class ClusterRecord:
     # What the nodes are, when the provider knows:
     instance_type: str | None = None
     cores_per_node: int | None = None  # physical cores: OMP_NUM_THREADS = cores / --ppn on remote nodes
+    memory_per_node: int | None = None  # bytes of RAM: `launch --ppn auto` fits the ranks into it
     skip_bootstrap: bool = False  # `up --skip-bootstrap`: the nodes only run, nothing is installed
     autostop_minutes: int = 0  # the head's watcher stops the cluster after this long idle (0: none runs)
     extra: dict[str, str] = field(default_factory=dict)  # the provider's own keys, read by it alone

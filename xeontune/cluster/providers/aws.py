@@ -181,8 +181,8 @@ def _image(ec2: Any, ami: str) -> tuple[str, str]:
     return images[0]["ImageId"], images[0].get("RootDeviceName") or "/dev/sda1"
 
 
-def _check_instance_type(ec2: Any, instance_type: str) -> int:
-    """Physical cores of ``instance_type`` (what a node's ranks share); UserError if unknown."""
+def _check_instance_type(ec2: Any, instance_type: str) -> tuple[int, int]:
+    """(physical cores, bytes of RAM) of ``instance_type``: what a node's ranks share; UserError if unknown."""
     from botocore.exceptions import ClientError
 
     try:
@@ -195,7 +195,8 @@ def _check_instance_type(ec2: Any, instance_type: str) -> int:
     if not found:
         raise UserError(f"unknown AWS instance type {instance_type!r} (default: {DEFAULT_INSTANCE_TYPE})")
     cpu = found[0].get("VCpuInfo", {})
-    return int(cpu.get("DefaultCores") or cpu.get("DefaultVCpus") or 0)
+    memory = int(found[0].get("MemoryInfo", {}).get("SizeInMiB") or 0) * 2**20
+    return int(cpu.get("DefaultCores") or cpu.get("DefaultVCpus") or 0), memory
 
 
 def _pick_subnet(ec2: Any, subnet: str | None, instance_type: str) -> tuple[str, str]:
@@ -454,7 +455,7 @@ class Aws(cloud.CloudProvider):
         ec2 = _client(region)
         # Everything here only reads: a bad type, AMI or subnet fails before anything exists.
         try:
-            cores = _check_instance_type(ec2, instance_type)
+            cores, memory = _check_instance_type(ec2, instance_type)
             ami, root_device = _image(ec2, spec.image) if spec.image else latest_ubuntu_lts(ec2)
             subnet, vpc = _pick_subnet(ec2, spec.subnet, instance_type)
             taken = in_use(ec2, spec.name)
@@ -465,7 +466,7 @@ class Aws(cloud.CloudProvider):
                             f"{' ...' if len(taken) > 4 else ''}), not from this state dir: choose another --name, "
                             f"or if it is yours, `xeontune teardown --name {spec.name} --provider aws --region {region}`")
         return cloud.CloudPlan(
-            region=region, instance_type=instance_type, image=ami, cores_per_node=cores,
+            region=region, instance_type=instance_type, image=ami, cores_per_node=cores, memory_per_node=memory,
             errors=_aws_errors(), user_error=_user_error,
             estimate=pricing.aws(instance_type, spec.num_nodes, DISK_GB, spec.spot), client=ec2,
             extra={"ami": ami, "root_device": root_device, "vpc": vpc, "subnet": subnet, "spot": "1" if spec.spot else "0",

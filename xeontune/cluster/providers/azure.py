@@ -149,8 +149,8 @@ def _plain(obj: Any) -> Any:
 # --- up -----------------------------------------------------------------------------------------
 
 
-def _check_location_and_size(c: _Clients, location: str, size: str) -> int:
-    """Physical cores of ``size`` in ``location``; UserError for an unknown location or size."""
+def _check_location_and_size(c: _Clients, location: str, size: str) -> tuple[int, int]:
+    """(physical cores, bytes of RAM) of ``size`` in ``location``; UserError for an unknown location or size."""
     skus = [_plain(s) for s in c.compute.resource_skus.list(filter=f"location eq '{location}'")]
     vms = [s for s in skus if s.get("resourceType") == "virtualMachines"]
     if not vms:
@@ -161,7 +161,8 @@ def _check_location_and_size(c: _Clients, location: str, size: str) -> int:
     if any(r.get("reasonCode") == "NotAvailableForSubscription" for r in match.get("restrictions") or []):
         raise UserError(f"Azure VM size {size!r} is not available to this subscription in {location}")
     caps = {c_["name"]: c_["value"] for c_ in match.get("capabilities") or []}
-    return int(caps.get("vCPUs", "0")) // max(1, int(caps.get("vCPUsPerCore", "1")))
+    cores = int(caps.get("vCPUs", "0")) // max(1, int(caps.get("vCPUsPerCore", "1")))
+    return cores, int(float(caps.get("MemoryGB", "0")) * 2**30)  # Azure's "GB" are GiB (D16s_v6: 64)
 
 
 def latest_ubuntu_lts(c: _Clients, location: str) -> dict[str, str]:
@@ -280,7 +281,7 @@ class Azure(cloud.CloudProvider):
         ssh_cidr = cloud.ssh_cidr(spec.ssh_cidr)
         c = _Clients()
         try:  # read-only checks: a bad region, size or image fails before anything exists
-            cores = _check_location_and_size(c, location, size)
+            cores, memory = _check_location_and_size(c, location, size)
             image = ":".join((_image_ref(spec.image) if spec.image else latest_ubuntu_lts(c, location)).values())
             taken = c.resource.resource_groups.check_existence(group_name(spec.name))
         except _azure_errors() as exc:
@@ -290,7 +291,7 @@ class Azure(cloud.CloudProvider):
                             f"not from this state dir: choose another --name, or if it is yours, "
                             f"`xeontune teardown --name {spec.name} --provider azure`")
         return cloud.CloudPlan(
-            region=location, instance_type=size, image=image, cores_per_node=cores,
+            region=location, instance_type=size, image=image, cores_per_node=cores, memory_per_node=memory,
             errors=_azure_errors(), user_error=_user_error,
             estimate=pricing.azure(size, spec.num_nodes), client=c,
             extra={"image": image, "ssh_cidr": ssh_cidr, "resource_group": group_name(spec.name),
