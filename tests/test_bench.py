@@ -89,7 +89,7 @@ def test_peak_rss_child_reports_its_own_peak(tiny_model):
 @pytest.mark.parametrize(
     "argv",
     [["--steps", "0"], ["--resolution", "60"], ["--model", "/nonexistent/model"], ["--warmup", "-1"],
-     ["--ranks-per-node", "1,x"]],
+     ["--ranks-per-node", "1,x"], ["--ranks-per-node", "1,4096"]],
 )
 def test_bad_input_is_a_one_line_error(argv, capsys):
     assert main(["bench", *argv, "--allocator", "none"]) == 2

@@ -138,7 +138,7 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--warmup must be at least 0")
     if args.resolution < 32 or args.resolution % 8:
         raise UserError(f"--resolution must be a multiple of 8 and at least 32, got {args.resolution}")
-    rank_counts(args.ranks_per_node, 10**6)  # fails now on a bad list, not after minutes of steps
+    rank_counts(args.ranks_per_node, physical_cores())  # fails now on a bad list, not after minutes of steps
 
 
 def rank_counts(spec: str, physical: int) -> list[int | str]:
@@ -154,6 +154,10 @@ def rank_counts(spec: str, physical: int) -> list[int | str]:
             counts.append(item if item == "auto" else int(item))
         else:
             raise UserError(f"--ranks-per-node: {item!r} is not a positive count, auto, powers or none")
+    too_many = [c for c in counts if c != "auto" and int(c) > physical]
+    if too_many:  # as `train --nproc-per-node` would refuse each of them, minutes later
+        raise UserError(f"--ranks-per-node: {', '.join(map(str, too_many))} more than this machine's {physical} "
+                        "physical cores (each rank needs a core of its own)")
     return counts
 
 
