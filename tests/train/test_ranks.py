@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from xeontune import placement
 from xeontune.train.options import parse_args
-from xeontune.train.ranks import frozen_weight_bytes, plan_ranks
+from xeontune.train.ranks import TEXT_ENCODER_LINEAR_SHARE, frozen_weight_bytes, plan_ranks
 
 GB = 10**9
 
@@ -86,7 +86,9 @@ def test_rank_memory_grows_with_pixels_and_batch():
 def test_frozen_weight_bytes_of_a_local_model(tiny_model):
     fp32, bf16 = frozen_weight_bytes(str(tiny_model), "fp32"), frozen_weight_bytes(str(tiny_model), "bf16")
     unet = sum(p.stat().st_size for p in (Path(tiny_model) / "unet").glob("*.safetensors"))
-    assert fp32 - bf16 == unet // 2  # the UNet is held in bf16, the rest as stored
+    text = sum(p.stat().st_size for p in (Path(tiny_model) / "text_encoder").glob("*.safetensors"))
+    # the UNet and the text encoder's Linear layers are held in bf16, the rest as stored
+    assert abs((fp32 - bf16) - (unet // 2 + text * TEXT_ENCODER_LINEAR_SHARE / 2)) <= 1
     assert frozen_weight_bytes("some-org/some-model", "bf16") < frozen_weight_bytes("some-org/some-model", "fp32")
 
 
@@ -215,6 +217,40 @@ def test_bf16_unet_comes_from_a_mapped_copy(tiny_model, tmp_path, monkeypatch):
     os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))
     assert components.bf16_copy_dir(str(tiny_model), None, None) != copy
     os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns - 10**9))
+
+
+def test_bf16_text_encoder_linears_come_from_a_mapped_copy(tiny_model, tmp_path, monkeypatch):
+    """The text encoder's Linear layers in bf16: the first run casts and writes a copy, the ranks'
+    launcher writes it before they start, and later loads memory-map it with the same weights; the
+    LayerNorms and the token table stay fp32; a damaged copy only costs the conversion."""
+    import torch
+
+    from xeontune.train import components
+
+    monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
+    model = str(tiny_model)
+
+    def loaded():
+        parts = components.Components(None, components.load_text_encoder(model), None, None, None)
+        components.cast_text_encoder_linears(parts, torch.bfloat16, model)
+        assert parts.text_encoder_cast
+        return parts.text_encoder
+
+    components.ensure_bf16_copies(model)  # what `--nproc-per-node` runs before the ranks
+    copy = components.bf16_copy_dir(model, None, None, "text_encoder") / components.TEXT_LINEARS_FILE
+    assert copy.is_file() and str(copy.resolve()) not in Path("/proc/self/maps").read_text()
+    cast = {n: p.detach().clone() for n, p in components.load_text_encoder(model).named_parameters()}
+    mapped = loaded()
+    assert str(copy.resolve()) in Path("/proc/self/maps").read_text()  # mapped, not read and converted
+    for name, p in mapped.named_parameters():
+        linear = "_proj." in name or ".fc" in name
+        assert p.dtype == (torch.bfloat16 if linear else torch.float32), name
+        assert torch.equal(p, cast[name].to(p.dtype)), name
+    damaged = copy.with_name("damaged")
+    damaged.write_bytes(b"damaged")
+    damaged.rename(copy)  # a new file, as every writer makes it: a run that maps the old one reads on
+    again = loaded()  # converts, with a warning, and trains the same
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), mapped.parameters(), strict=True))
 
 
 def test_an_unwritable_cache_only_costs_speed(tiny_model, tmp_path, monkeypatch, caplog):

@@ -182,17 +182,52 @@ def test_validation_without_the_vae_encoder(base_args, tmp_path, precision):
         "step-000001-0.png", "step-000002-0.png"]
 
 
-def test_bf16_trains_on_a_bf16_unet_but_saves_the_original(base_args, tmp_path):
-    """bf16 loads the frozen UNet in bf16 once; a saved full pipeline still holds the model's own UNet."""
+def test_bf16_trains_on_bf16_frozen_weights_but_saves_the_originals(base_args, tmp_path):
+    """bf16 loads the frozen UNet in bf16 once and casts the text encoder's Linear layers; a saved
+    full pipeline still holds the model's own UNet and text encoder (plus the learned rows)."""
     from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextModel
 
     opts = parse_args(base_args + ["--mixed-precision", "bf16"])
     run, _ = loop.setup(opts, loop.make_accelerator(opts))
     assert {p.dtype for p in run.components.unet.parameters()} == {torch.bfloat16}
-    assert {p.dtype for p in run.components.text_encoder.parameters()} == {torch.float32}
+    text_dtypes = {name: p.dtype for name, p in run.components.text_encoder.named_parameters()}
+    assert {d for n, d in text_dtypes.items() if "_proj" in n or ".fc" in n} == {torch.bfloat16}
+    assert {d for n, d in text_dtypes.items() if "norm" in n or "embedding" in n} == {torch.float32}
 
     train(base_args + ["--mixed-precision", "bf16", "--save-as-full-pipeline", "--max-train-steps", "1"])
     original = UNet2DConditionModel.from_pretrained(base_args[1], subfolder="unet").state_dict()
     saved = UNet2DConditionModel.from_pretrained(tmp_path / "out" / "pipeline", subfolder="unet").state_dict()
     assert saved.keys() == original.keys()
     assert all(saved[k].dtype == original[k].dtype and torch.equal(saved[k], original[k]) for k in saved)
+    original = CLIPTextModel.from_pretrained(base_args[1], subfolder="text_encoder").state_dict()
+    saved = CLIPTextModel.from_pretrained(tmp_path / "out" / "pipeline", subfolder="text_encoder").state_dict()
+    table = "embeddings.token_embedding.weight"
+    assert saved.keys() == original.keys()
+    assert all(saved[k].dtype == original[k].dtype == torch.float32 and torch.equal(saved[k], original[k])
+               for k in saved if k != table)
+    rows = original[table].shape[0]
+    assert torch.equal(saved[table][:rows], original[table]) and saved[table].shape[0] == rows + 1
+
+
+def test_bf16_text_encoder_linears_compute_what_autocast_did(tiny_model):
+    """Casting the frozen text encoder's Linear layers to bf16 once gives, under bf16 autocast, the
+    same hidden states and the same gradient to the trained rows, bit for bit, as fp32 weights that
+    autocast casts at every step: the cast is only saved, not changed."""
+    from xeontune.train import components
+
+    def hidden_and_grad(cast: bool):
+        loaded = components.load(str(tiny_model))
+        if cast:
+            components.cast_text_encoder_linears(loaded, torch.bfloat16)
+        table = loaded.text_encoder.get_input_embeddings().weight
+        table.requires_grad_(True)
+        ids = torch.tensor([[0, 5, 17, 3, 1] + [2] * 11])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = loaded.text_encoder(ids)[0]
+        (hidden.float() ** 2).mean().backward()
+        return hidden.detach(), table.grad[[5, 17]].clone()
+
+    (h32, g32), (h16, g16) = hidden_and_grad(False), hidden_and_grad(True)
+    assert g32.abs().sum() > 0
+    assert torch.equal(h16, h32) and torch.equal(g16, g32)

@@ -29,7 +29,14 @@ import torch.nn.functional as F
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_dir, atomic_write_json
 from xeontune.train import checkpoint, tokens, validation
-from xeontune.train.components import Components, load, load_unet, unet_dtype
+from xeontune.train.components import (
+    Components,
+    cast_text_encoder_linears,
+    load,
+    load_text_encoder,
+    load_unet,
+    unet_dtype,
+)
 from xeontune.train.data import Latents, SamplePlan, load_images, templates_for
 from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
@@ -330,6 +337,7 @@ def setup(
     shared = components is not None
     if components is None:
         components = load(opts.model, opts.revision, opts.variant, unet_dtype=unet_dtype(precision))
+        cast_text_encoder_linears(components, unet_dtype(precision), opts.model, opts.revision, opts.variant)
     placeholder = tokens.add_placeholder_tokens(
         components.tokenizer, opts.placeholder_token, opts.num_vectors, opts.initializer_token
     )
@@ -573,6 +581,8 @@ def save_pipeline(run: Run, target: Path) -> Path:
     unet = components.unet_for_inference
     if components.unet_cast:  # trained on a bf16 copy: save the UNet as the model's files hold it
         unet = load_unet(run.opts.model, run.opts.revision, run.opts.variant)
+    if components.text_encoder_cast:  # likewise its Linear layers
+        text_encoder = load_text_encoder(run.opts.model, run.opts.revision, run.opts.variant)
     wrapped = text_encoder.get_input_embeddings()
     text_encoder.set_input_embeddings(tokens.merged_table(run.embedding, run.placeholder))
     text_encoder.config.vocab_size = text_encoder.get_input_embeddings().weight.shape[0]

@@ -23,8 +23,10 @@ from xeontune.train.options import TrainOptions
 log = logging.getLogger(__name__)
 
 # SD1.5's frozen weights when the model is not a local folder we can measure: UNet 860 M params,
-# text encoder 123 M (kept fp32), VAE 84 M (fp32; its encoder is freed once latents are cached).
+# text encoder 123 M (its Linear layers, 85 M, in bf16 under bf16), VAE 84 M (fp32; its encoder is
+# freed once latents are cached).
 SD15_UNET_PARAMS, SD15_TEXT_ENCODER_BYTES, SD15_VAE_BYTES = 860e6, 492e6, 335e6
+TEXT_ENCODER_LINEAR_SHARE = 85 / 123
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
@@ -38,17 +40,24 @@ def _folder_bytes(folder: Path) -> int:
 
 
 def frozen_weight_bytes(model: str, precision: str) -> int:
-    """Bytes of frozen weights one rank holds: the UNet in the training dtype, the rest as stored."""
+    """Bytes of frozen weights one rank holds: the UNet and the text encoder's Linear layers in the
+    training dtype, the rest as stored."""
     root = Path(model)
     if not root.is_dir():
-        return int(SD15_UNET_PARAMS * (2 if precision == "bf16" else 4) + SD15_TEXT_ENCODER_BYTES + SD15_VAE_BYTES)
+        unet = SD15_UNET_PARAMS * (2 if precision == "bf16" else 4)
+        return int(unet + _text_encoder_bytes(SD15_TEXT_ENCODER_BYTES, precision) + SD15_VAE_BYTES)
     unet = _folder_bytes(root / "unet")
     # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
     if any((root / "unet").glob("*.safetensors")) and any((root / "unet").glob("*.bin")):
         unet //= 2
     if precision == "bf16":
         unet //= 2  # cast once at load (stored in fp32 in the common pipelines)
-    return unet + _folder_bytes(root / "text_encoder") + _folder_bytes(root / "vae")
+    return int(unet + _text_encoder_bytes(_folder_bytes(root / "text_encoder"), precision) + _folder_bytes(root / "vae"))
+
+
+def _text_encoder_bytes(stored: float, precision: str) -> float:
+    """Under bf16 its Linear layers are held in bf16 (components.cast_text_encoder_linears)."""
+    return stored * (1 - TEXT_ENCODER_LINEAR_SHARE / 2) if precision == "bf16" else stored
 
 
 def plan_ranks(opts: TrainOptions, precision: str) -> placement.RankPlan:
@@ -67,16 +76,16 @@ def plan_ranks(opts: TrainOptions, precision: str) -> placement.RankPlan:
 
 
 def prepare_shared_weights(opts: TrainOptions, precision: str) -> None:
-    """In bf16, make the UNet's bf16 copy before the ranks start, so that they all memory-map one
+    """In bf16, make the bf16 copies (UNet, text encoder Linear layers) before the ranks start, so that they all memory-map one
     file (its pages held once for the node) and none converts. In a child process: converting
     peaks at the fp32 size, which this launcher should not keep for the whole run."""
     if precision != "bf16":
         return
-    code = "import sys; from xeontune.train.components import ensure_bf16_unet; ensure_bf16_unet(*sys.argv[1:])"
+    code = "import sys; from xeontune.train.components import ensure_bf16_copies; ensure_bf16_copies(*sys.argv[1:])"
     done = subprocess.run([sys.executable, "-c", code, str(opts.model), opts.revision or "", opts.variant or ""],
                           capture_output=True, text=True)
     if done.returncode != 0:  # the ranks load on their own and report the real problem
-        log.warning("could not prepare the bf16 UNet copy: %s", (done.stderr.strip().splitlines() or ["?"])[-1])
+        log.warning("could not prepare the bf16 weight copies: %s", (done.stderr.strip().splitlines() or ["?"])[-1])
 
 
 def run_ranks(opts: TrainOptions, argv: list[str], ranks: int) -> int:
