@@ -189,7 +189,7 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
     if not remote:
         env["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
         env["HOME"] = os.environ.get("HOME", "/root")
-        if "XEONTUNE_CACHE" in os.environ:  # where the bf16 UNet copy lives (this machine's path)
+        if "XEONTUNE_CACHE" in os.environ:  # where the bf16 weight copies live (this machine's path)
             env["XEONTUNE_CACHE"] = os.environ["XEONTUNE_CACHE"]
         pythonpath = _rank_pythonpath()
         if pythonpath:
