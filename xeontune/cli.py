@@ -147,6 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_cloud_options(p: argparse.ArgumentParser) -> None:
+    """Where and what a new cloud cluster is: shared by `cluster up` and `run`."""
+    p.add_argument("--region", help="cloud region (aws: e.g. us-east-1; azure: e.g. eastus)")
+    p.add_argument("--instance-type", help="aws instance type / azure VM size")
+    p.add_argument("--ami", dest="image", help="aws: AMI id instead of the current Ubuntu LTS")
+    p.add_argument("--spot", action="store_true", help="aws: spot instances")
+    p.add_argument("--subnet", help="aws: subnet id instead of the default VPC")
+    p.add_argument("--ssh-cidr", help="CIDR allowed to SSH in (default: your public address /32)")
+
+
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     from xeontune.cluster import providers  # the registry only: provider modules load on use
 
@@ -157,12 +167,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--provider", required=True, choices=providers.names())
     p.add_argument("-n", "--nodes", type=int, default=2, help="number of nodes (default 2)")
     p.add_argument("--name", default="default", help="cluster name (default: default)")
-    p.add_argument("--region", help="cloud region (aws: e.g. us-east-1; azure: e.g. eastus)")
-    p.add_argument("--instance-type", help="aws instance type / azure VM size")
-    p.add_argument("--ami", dest="image", help="aws: AMI id instead of the current Ubuntu LTS")
-    p.add_argument("--spot", action="store_true", help="aws: spot instances")
-    p.add_argument("--subnet", help="aws: subnet id instead of the default VPC")
-    p.add_argument("--ssh-cidr", help="CIDR allowed to SSH in (default: your public address /32)")
+    _add_cloud_options(p)
     p.add_argument("--data-dir", help="training data to sync to every node")
     p.add_argument("--skip-bootstrap", action="store_true", help="stop once the nodes and files exist")
     p.add_argument("--autostop", type=int, metavar="MINUTES", default=0,
@@ -239,12 +244,7 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
                    "name (default: a new cluster named run-XXXXXX)")
     p.add_argument("--keep", action="store_true", help="keep the cluster afterwards (the last line says how to delete it)")
     p.add_argument("--dist-backend", choices=["auto", "gloo", "ccl"], default="auto")
-    p.add_argument("--region", help="cloud region (aws: e.g. us-east-1; azure: e.g. eastus)")
-    p.add_argument("--instance-type", help="aws instance type / azure VM size")
-    p.add_argument("--ami", dest="image", help="aws: AMI id instead of the current Ubuntu LTS")
-    p.add_argument("--spot", action="store_true", help="aws: spot instances")
-    p.add_argument("--subnet", help="aws: subnet id instead of the default VPC")
-    p.add_argument("--ssh-cidr", help="CIDR allowed to SSH in (default: your public address /32)")
+    _add_cloud_options(p)
     p.add_argument("--autostop", type=int, metavar="MINUTES",
                    help="the head stops the cluster by itself after this long idle, even if this machine "
                    "goes away (default on aws: 30; 0 = off; see `cluster up --autostop`)")

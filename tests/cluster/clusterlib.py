@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -24,6 +26,16 @@ def local_cluster_missing() -> str | None:
     if not shutil.which("ssh"):
         return "needs openssh-client"
     return None
+
+
+def require_local_cluster() -> None:
+    """Skip where the local provider cannot run (a developer without root: `make test` as root runs
+    these); fail in CI, which runs as root after scripts/install-test-deps.sh."""
+    why = local_cluster_missing()
+    if why and os.environ.get("CI"):
+        pytest.fail(f"CI runs as root with scripts/install-test-deps.sh, yet the local cluster {why}")
+    if why:
+        pytest.skip(why)
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:

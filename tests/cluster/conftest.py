@@ -12,17 +12,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.clusterlib import leftovers, local_cluster_missing
+from tests.cluster.clusterlib import leftovers, require_local_cluster
 
 
 @pytest.fixture(scope="module")
 def local_cluster(request, tmp_path_factory) -> Iterator:
     """A 3-node local cluster for the whole module (about 1 s to create); torn down afterwards."""
-    why = local_cluster_missing()
-    if why and os.environ.get("CI"):
-        pytest.fail(f"CI runs as root with scripts/install-test-deps.sh, yet the local cluster {why}")
-    if why:  # a developer without root: `make test` as root (and CI) runs these
-        pytest.skip(why)
+    require_local_cluster()
     from xeontune.cluster import manage, providers, state
 
     name = f"t{os.getpid() % 100000}-{request.module.__name__.rsplit('.', 1)[-1][5:13].replace('_', '-')}".rstrip("-")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.clusterlib import REPO, cli, leftovers, local_cluster_missing
+from tests.cluster.clusterlib import REPO, cli, leftovers, require_local_cluster
 from xeontune import launch
 from xeontune.cluster import autostop, files, manage, ssh, state
 from xeontune.cluster.providers import ClusterSpec
@@ -32,8 +32,7 @@ IDLE_S = 6
 @pytest.fixture
 def own_name(request, xeontune_home) -> Iterator[str]:
     """A cluster name unique to this run and test, torn down afterwards if it is still there."""
-    if local_cluster_missing():
-        pytest.skip(local_cluster_missing())
+    require_local_cluster()
     name = f"a{os.getpid() % 100000}-{request.node.name[5:13].replace('_', '-')}".rstrip("-")
     yield name
     if state.exists(name) or leftovers(name):

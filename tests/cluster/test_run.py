@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.clusterlib import REPO, cli, leftovers, local_cluster_missing
+from tests.cluster.clusterlib import REPO, cli, leftovers, require_local_cluster
 from tests.cluster.test_distributed_training import OFFLINE, load_vectors, train_args, trainer_pids
 from xeontune.cluster import state
 
@@ -32,11 +32,7 @@ def tiny(tiny_model, sample_images):
 
 @pytest.fixture
 def root_home(xeontune_home):
-    why = local_cluster_missing()
-    if why and os.environ.get("CI"):
-        pytest.fail(f"CI runs as root with scripts/install-test-deps.sh, yet the local cluster {why}")
-    if why:
-        pytest.skip(why)
+    require_local_cluster()
     return xeontune_home
 
 
