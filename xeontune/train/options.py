@@ -78,7 +78,8 @@ class TrainOptions:
     compile: bool = opt(False, "torch.compile the UNet (inductor); measure before relying on it", group="hardware")
     nproc_per_node: str = opt("1", "data-parallel ranks on this machine, each pinned to its own physical cores: "
                               "a number, or auto (one rank per 2 cores from 4 cores up, one per core below, "
-                              "as many as memory holds); see docs/performance.md", group="hardware")
+                              "as many as memory holds). The global batch grows with it: --train-batch-size x ranks; "
+                              "--scale-lr scales the learning rate by that; see docs/performance.md", group="hardware")
     dist_backend: str = opt("gloo", "torch.distributed backend when launched on several ranks",
                             choices=("gloo", "ccl"), group="hardware")
     dist_timeout: float = opt(60.0, "seconds a collective inside a step may wait for a rank before the job fails",
