@@ -28,6 +28,15 @@ def local_cluster_missing() -> str | None:
     return None
 
 
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def require_local_cluster() -> None:
     """Skip where the local provider cannot run (a developer without root: `make test` as root runs
     these); fail in CI, which runs as root after scripts/install-test-deps.sh."""

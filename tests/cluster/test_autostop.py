@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.clusterlib import REPO, cli, leftovers, require_local_cluster
+from tests.cluster.clusterlib import REPO, cli, leftovers, process_alive, require_local_cluster
 from xeontune import launch
 from xeontune.cluster import autostop, files, manage, ssh, state
 from xeontune.cluster.providers import ClusterSpec
@@ -139,13 +139,6 @@ def test_env_reaches_every_rank_on_every_node(local_cluster):
         assert shown(proc.stdout, "PYTHONPATH") == dict.fromkeys(namespaces, repr(str(REPO)))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def _pid_in(netns: str | None) -> int:
     """A process in ``netns`` (its sshd), to read the namespace id the ranks there report."""
@@ -191,7 +184,7 @@ def test_a_cloud_head_starts_its_watcher_detached_over_ssh(local_cluster):
         assert os.stat(f"/proc/{pid}/ns/net").st_ino == head_ns
         # a session of its own (double fork: its leader has exited), not the SSH session's
         sid = os.getsid(pid)
-        assert sid not in (os.getsid(0), pid) and not _alive(sid)
+        assert sid not in (os.getsid(0), pid) and not process_alive(sid)
         log = Path(autostop.log_path(cloudy)).read_text()
         assert f"watching cluster {name!r} (pid {pid}): poweroff after 3600s idle" in log
         assert "--workers node1,node2" in log

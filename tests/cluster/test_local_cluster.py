@@ -19,7 +19,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from tests.cluster.clusterlib import REPO, cli, leftovers
+from tests.cluster.clusterlib import REPO, cli, leftovers, process_alive
 from xeontune import launch
 from xeontune.cluster import files, manage, ssh, state
 from xeontune.errors import UserError
@@ -189,7 +189,7 @@ def test_killing_one_rank_stops_the_job(local_cluster, tmp_path):
     assert rc != 0
     assert took < 60
     time.sleep(1)
-    alive = [p for p in pids if _running(p)]
+    alive = [p for p in pids if process_alive(p)]
     assert not alive, f"rank processes still running: {alive}"
     for node in local_cluster.nodes:
         out = subprocess.run(["ip", "netns", "pids", node.resource_id], capture_output=True, text=True).stdout
@@ -197,13 +197,6 @@ def test_killing_one_rank_stops_the_job(local_cluster, tmp_path):
         assert not [c for c in cmds if "allreduce_probe" in c or "hydra" in c], cmds
     print(f"job ended {took:.1f} s after a rank was killed, rc={rc}")
 
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _cmdline(pid: int) -> str:
@@ -243,7 +236,7 @@ def test_ctrl_c_stops_every_rank(local_cluster, tmp_path):
             proc.wait()
     assert proc.returncode == 130, err[-2000:]
     time.sleep(1)
-    assert not [p for p in pids if _running(p)]
+    assert not [p for p in pids if process_alive(p)]
 
 
 def test_missing_mpirun_is_a_one_line_error(local_cluster):
