@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per variant first (default 1)")
     p.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "fp32"))
     p.add_argument("--ipex", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--pack-weights", default="auto", choices=("auto", "on", "off"),
+                   help="the optimized variant's --pack-weights (the baseline never packs; default auto)")
     p.add_argument("--compile", action="store_true", help="torch.compile the UNet (first step compiles: minutes)")
     p.add_argument("--allocator", default="auto", choices=("auto", "tcmalloc", "jemalloc", "none"),
                    help="allocator to preload by re-executing the bench (default auto: tcmalloc, else jemalloc)")
@@ -241,7 +243,7 @@ def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace
         model=str(model), data_dir=str(data), placeholder_token=TOKEN, initializer_token="toy",
         resolution=args.resolution, train_batch_size=args.batch_size, max_train_steps=args.warmup + args.steps,
         output_dir=str(out), mixed_precision=args.mixed_precision, ipex=args.ipex, compile=args.compile,
-        report_to="none", cache_latents=variant != "baseline", train_full_table=variant == "baseline",
+        pack_weights=args.pack_weights if variant != "baseline" else "off", report_to="none", cache_latents=variant != "baseline", train_full_table=variant == "baseline",
     ))
 
 
@@ -357,11 +359,15 @@ def count_gflop(run, step: int) -> float:
     """FLOPs of one compute pass (forward and backward) by torch.utils.flop_counter.
 
     Counted in the baseline worker where there is one: its UNet is stock torch, while compiled
-    graphs and IPEX's own kernels are not aten ops the counter sees."""
+    graphs and IPEX's own kernels are not aten ops the counter sees. Packed layers are counted as
+    the stock layers they replace (the same arithmetic)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from xeontune.train import packed
+
     counter = FlopCounterMode(display=False)
-    compute_pass(run, step, around=counter)  # the batch's latents (a VAE encode in the baseline) not counted
+    with packed.stock_layers(run.components.unet):
+        compute_pass(run, step, around=counter)  # the batch's latents (a VAE encode in the baseline) not counted
     return counter.get_total_flops() / 1e9
 
 
@@ -456,7 +462,7 @@ def baseline_worker(args: argparse.Namespace) -> int:
 
     replies = os.fdopen(os.dup(1), "w")  # our protocol; anything a library prints goes to the log
     os.dup2(2, 1)
-    args.ipex, args.compile = "off", False
+    args.ipex, args.compile, args.pack_weights = "off", False, "off"
     model = resolve_model(args.model, args.models_dir)
     with tempfile.TemporaryDirectory(prefix="xeontune-bench-baseline-") as tmp:
         data = Path(tmp) / "data"
@@ -613,7 +619,7 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             "model": args.model, "model_path": str(model), "resolution": args.resolution,
             "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "precision": precision,
             "statistic": args.statistic,
-            "ipex": args.ipex, "compile": args.compile, "threads": torch.get_num_threads(),
+            "ipex": args.ipex, "compile": args.compile, "pack_weights": args.pack_weights, "threads": torch.get_num_threads(),
             "allocator": loaded_allocator(), "torch": torch.__version__, "cpu": _cpu_model(),
             "backend_notes": notes, "targets": TARGETS,
         },
@@ -643,7 +649,8 @@ def rss_in_child(args: argparse.Namespace, variant: str, model: Path) -> dict[st
         sys.executable, "-m", "xeontune.bench", "--rss-child", variant, "--model", str(model),
         "--resolution", str(args.resolution), "--batch-size", str(args.batch_size),
         "--steps", str(min(args.steps, 2)), "--warmup", str(min(args.warmup, 1)),
-        "--mixed-precision", args.mixed_precision, "--ipex", args.ipex, "--allocator", "none",
+        "--mixed-precision", args.mixed_precision, "--ipex", args.ipex, "--pack-weights", args.pack_weights,
+        "--allocator", "none",
         *(["--compile"] if args.compile else []),
     ]
     done = subprocess.run(argv, capture_output=True, text=True)

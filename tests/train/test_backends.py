@@ -24,9 +24,9 @@ def _no_ipex(monkeypatch):
 def test_ipex_off_and_unavailable_leave_models_alone(monkeypatch):
     _no_ipex(monkeypatch)
     unet, vae = _models()
-    out_unet, out_vae, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off")
+    out_unet, out_vae, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="off")
     assert out_unet is unet and out_vae is vae and notes == ["IPEX: off (--ipex off)"]
-    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="auto")
+    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="auto", pack="off")
     assert notes == ["IPEX: not used (not installed)"]
 
 
@@ -43,7 +43,7 @@ def test_auto_skips_ipex_without_avx512_and_never_imports_it(monkeypatch):
         hardware, "ipex_info", lambda *a: hardware.IpexInfo("2.8.0", True, False, "no AVX-512 here")
     )
     unet, vae = _models()
-    out_unet, out_vae, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="auto")
+    out_unet, out_vae, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="auto", pack="off")
     assert out_unet is unet and out_vae is vae and notes == ["IPEX: not used (no AVX-512 here)"]
 
 

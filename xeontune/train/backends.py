@@ -1,4 +1,10 @@
-"""IPEX and torch.compile applied to the frozen models, once, after they are loaded.
+"""Packed weights, IPEX and torch.compile applied to the frozen models, once, after they are loaded.
+
+Packed weights (`--pack-weights`, xeontune/train/packed.py): with stock torch, the frozen UNet's
+convolutions and Linear layers run on weights reordered for oneDNN once, instead of at every call.
+`auto` packs in bf16 (where it made the UNet's forward and backward 1.6x faster on an AMX Xeon,
+docs/performance.md) unless IPEX was applied (it packs its own) or the UNet is compiled; fp32 is
+not packed by `auto`: on the AVX2 machine IPEX's blocked fp32 convolutions were 12x slower.
 
 Precision: with bf16 the frozen UNet arrives here already in bf16 (`components.load` loads it so,
 once: no per-step weight cast under autocast, half the memory), and the step runs under bf16
@@ -31,19 +37,26 @@ from torch import nn
 
 from xeontune import hardware
 from xeontune.errors import UserError
+from xeontune.train import packed
 
 log = logging.getLogger(__name__)
 
 IPEX_CHOICES = ("auto", "on", "off")
+PACK_CHOICES = packed.PACK_CHOICES
 PREPACK_ENV = "XEONTUNE_IPEX_PREPACK"
 
 
 def prepare_frozen_models(
-    unet: nn.Module, vae: nn.Module, *, precision: str, ipex: str = "auto", compile: bool = False
+    unet: nn.Module, vae: nn.Module, *, precision: str, ipex: str = "auto", compile: bool = False,
+    pack: str = "auto",
 ) -> tuple[nn.Module, nn.Module, list[str]]:
     """Return (unet, vae, notes): the models to train with and one line per decision taken."""
     if ipex not in IPEX_CHOICES:
         raise UserError(f"--ipex must be one of {', '.join(IPEX_CHOICES)}, got {ipex!r}")
+    if pack not in PACK_CHOICES:
+        raise UserError(f"--pack-weights must be one of {', '.join(PACK_CHOICES)}, got {pack!r}")
+    if pack == "on" and compile:
+        raise UserError("--pack-weights on and --compile cannot be combined: inductor packs weights itself")
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     notes: list[str] = []
@@ -58,12 +71,35 @@ def prepare_frozen_models(
         else:
             unet, vae, note = _apply_ipex(unet, vae, precision, _prepack_choice(info), info.installed or "")
             notes.append(note)
+            if pack == "on":
+                notes.append("packed weights: not applied (IPEX packs the UNet's weights itself)")
+            pack = "off"
+    if compile and pack == "auto":
+        pack = "off"
+    notes.extend(_apply_packing(unet, precision, pack))
     if compile:
         # Compilation happens on the first call: the first step takes minutes, and on the
         # 2-core AVX2 machine the compiled UNet was slower than eager (docs/performance.md).
         unet = torch.compile(unet)
         notes.append("torch.compile: UNet wrapped (inductor CPU); the first step compiles it")
     return unet, vae, notes
+
+
+def _apply_packing(unet: nn.Module, precision: str, pack: str) -> list[str]:
+    """Pack the UNet's weights for oneDNN (stock torch) as ``pack`` says; the notes say what was done."""
+    if pack == "off":
+        return []
+    if pack == "auto" and precision != "bf16":
+        return ["packed weights: not used in fp32 (--pack-weights auto packs in bf16; on forces it)"]
+    dtype = next(unet.parameters()).dtype
+    ok, why = packed.available(dtype)
+    if not ok:
+        if pack == "on":
+            raise UserError(f"--pack-weights on, but {why}")
+        return [f"packed weights: not used ({why})"]
+    start = time.perf_counter()
+    report = packed.pack(unet)
+    return [f"{report.describe()} ({time.perf_counter() - start:.1f} s)"]
 
 
 def _prepack_choice(info: hardware.IpexInfo) -> bool:

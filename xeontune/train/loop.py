@@ -344,7 +344,8 @@ def setup(
     notes: list[str] = []
     if not shared:
         components.unet, components.vae, notes = prepare_frozen_models(
-            components.unet, components.vae, precision=precision, ipex=opts.ipex, compile=opts.compile
+            components.unet, components.vae, precision=precision, ipex=opts.ipex, compile=opts.compile,
+            pack=opts.pack_weights,
         )
     if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))

@@ -75,6 +75,10 @@ class TrainOptions:
                                choices=("auto", "bf16", "fp32", "no", "fp16"), group="hardware")
     ipex: str = opt("auto", "use intel-extension-for-pytorch when installed and compatible",
                     choices=("auto", "on", "off"), group="hardware")
+    pack_weights: str = opt("auto", "reorder the frozen UNet's weights for oneDNN once instead of at every call "
+                            "(stock torch; what IPEX's prepacking does): auto packs in bf16 when IPEX is not used; "
+                            "costs about twice the UNet's bf16 size in memory per rank", choices=("auto", "on", "off"),
+                            group="hardware")
     compile: bool = opt(False, "torch.compile the UNet (inductor); measure before relying on it", group="hardware")
     nproc_per_node: str = opt("1", "data-parallel ranks on this machine, each pinned to its own physical cores: "
                               "a number, or auto (one rank per 2 cores from 4 cores up, one per core below, "

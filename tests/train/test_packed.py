@@ -1,0 +1,178 @@
+"""Packed frozen layers (xeontune/train/packed.py): the same outputs and input gradients as the stock
+layers, in fp32 and in bf16, on every CPU; only their forward changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from xeontune.errors import UserError
+from xeontune.train import backends, packed
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _frozen(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    return module.to(dtype).requires_grad_(False).eval()
+
+
+def _out_and_input_grad(model: nn.Module, x: torch.Tensor, autocast: bool = False):
+    x = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(x)
+    (out.float() ** 2).sum().backward()
+    return out.detach().float(), x.grad.float()
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: the same numbers up to summation order; bf16: within bf16 rounding of the largest value."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+    else:
+        assert (got - want).norm() / want.norm() < 2e-2
+
+
+def _require(dtype: torch.dtype) -> None:
+    ok, why = packed.available(dtype)
+    assert ok, f"packed {dtype} layers should run on every x86 CPU with stock torch: {why}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kernel,padding", [(3, 1), (1, 0), (3, 0), (5, 2)])
+def test_packed_conv_matches_stock_forward_and_input_gradient(dtype, kernel, padding):
+    _require(dtype)
+    torch.manual_seed(0)
+    stock = _frozen(nn.Conv2d(16, 24, kernel, padding=padding), dtype)
+    x = torch.randn(2, 16, 9, 9, dtype=dtype)
+    want = _out_and_input_grad(stock, x)
+    report = packed.pack(stock)
+    assert (report.convolutions, report.linears) == (1, 0) and isinstance(stock, packed.PackedConv2d)
+    got = _out_and_input_grad(stock, x)
+    assert stock._packed is not None and stock._packed_back is not None  # the packed path ran, both ways
+    for g, w in zip(got, want, strict=True):
+        _assert_close(g, w, dtype)
+    # another input shape than the one the weights were packed for (validation's batch, say)
+    other = torch.randn(3, 16, 5, 7, dtype=dtype)
+    packed.unpack(stock)
+    want = _out_and_input_grad(stock, other)
+    packed.pack(stock)
+    _out_and_input_grad(stock, x)
+    for g, w in zip(_out_and_input_grad(stock, other), want, strict=True):
+        _assert_close(g, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(5, 32), (2, 7, 32)], ids=["2d", "3d"])
+def test_packed_linear_matches_stock_forward_and_input_gradient(dtype, shape):
+    _require(dtype)
+    torch.manual_seed(0)
+    stock = _frozen(nn.Linear(32, 48), dtype)
+    x = torch.randn(*shape, dtype=dtype)
+    want = _out_and_input_grad(stock, x)
+    packed.pack(stock)
+    got = _out_and_input_grad(stock, x)
+    assert stock._packed is not None and stock._packed_back is not None
+    for g, w in zip(got, want, strict=True):
+        _assert_close(g, w, dtype)
+
+
+def test_under_bf16_autocast_packed_bf16_layers_compute_what_autocast_did():
+    """The trainer's case: bf16 weights, fp32 activations, bf16 autocast."""
+    _require(torch.bfloat16)
+    torch.manual_seed(0)
+    stock = _frozen(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(2), nn.Linear(36, 12)), torch.bfloat16)
+    x = torch.randn(2, 8, 6, 6)
+    want = _out_and_input_grad(stock, x, autocast=True)
+    packed.pack(stock)
+    got = _out_and_input_grad(stock, x, autocast=True)
+    assert stock[0]._packed is not None and stock[2]._packed is not None
+    assert got[1].dtype == torch.float32  # the gradient reaches the fp32 input in its dtype
+    for g, w in zip(got, want, strict=True):
+        _assert_close(g, w, torch.bfloat16)
+
+
+def test_fp32_weights_under_bf16_autocast_run_the_stock_layer():
+    """The packed kernels take one dtype; where autocast wants another, the stock layer runs, exactly."""
+    torch.manual_seed(0)
+    model = _frozen(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(1), nn.Linear(64, 3)), torch.float32)
+    x = torch.randn(1, 4, 4, 4)
+    want = _out_and_input_grad(model, x, autocast=True)
+    packed.pack(model)
+    got = _out_and_input_grad(model, x, autocast=True)
+    assert model[0]._packed is None and model[2]._packed is None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_an_input_without_gradient_never_packs_the_backward_weight():
+    """The UNet's first convolution sees the noisy latents, which need no gradient: no second copy."""
+    conv = _frozen(nn.Conv2d(4, 8, 3, padding=1), torch.float32)
+    packed.pack(conv)
+    hidden = torch.randn(1, 8, 4, 4, requires_grad=True)
+    (conv(torch.randn(1, 4, 4, 4)) * hidden).sum().backward()
+    assert conv._packed is not None and conv._packed_back is None
+
+
+def test_only_frozen_stride_one_layers_are_packed_and_the_state_dict_is_kept():
+    model = nn.Sequential(
+        nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.Conv2d(4, 4, 3, padding=1),
+        nn.Conv2d(4, 4, 3, padding=1, groups=2), nn.Flatten(), nn.Linear(4, 4), nn.Linear(4, 4),
+    ).requires_grad_(False)
+    model[2].requires_grad_(True)  # a trainable layer: its weight gradient is not computed by packing
+    model[6].requires_grad_(True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = packed.pack(model)
+    assert (report.convolutions, report.linears) == (1, 1)
+    assert report.parameters == model[0].weight.numel() + model[5].weight.numel()
+    assert [type(m).__name__ for m in model] == [
+        "PackedConv2d", "Conv2d", "Conv2d", "Conv2d", "Flatten", "PackedLinear", "Linear"]
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert isinstance(model[0], nn.Conv2d)  # code that asks for a Conv2d still finds one
+    packed.unpack(model)
+    assert [type(m) for m in model][:2] == [nn.Conv2d, nn.Conv2d] and not hasattr(model[0], "_packed")
+
+
+def test_stock_layers_swaps_back_for_a_while_and_keeps_the_packed_weights():
+    conv = _frozen(nn.Conv2d(4, 4, 3, padding=1), torch.float32)
+    packed.pack(conv)
+    conv(torch.randn(1, 4, 4, 4))
+    kept = conv._packed
+    with packed.stock_layers(conv):
+        assert type(conv) is nn.Conv2d
+    assert type(conv) is packed.PackedConv2d and conv._packed is kept
+
+
+def _unet_and_vae():
+    unet, vae = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1)), nn.Sequential(nn.Conv2d(3, 4, 1))
+    return unet.requires_grad_(False), vae.requires_grad_(False)  # frozen, as components.load leaves them
+
+
+def test_auto_packs_in_bf16_only_and_on_forces_fp32(monkeypatch):
+    unet, vae = _unet_and_vae()
+    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto")
+    assert type(unet[0]) is nn.Conv2d and "not used in fp32" in notes[-1]
+    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="on")
+    assert type(unet[0]) is packed.PackedConv2d and "1 convolution and 0 Linear layers" in notes[-1]
+    unet, vae = _unet_and_vae()
+    unet.to(torch.bfloat16)
+    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="auto")
+    assert type(unet[0]) is packed.PackedConv2d and type(vae[0]) is nn.Conv2d
+    unet, vae = _unet_and_vae()
+    backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="off")
+    assert type(unet[0]) is nn.Conv2d
+
+
+def test_packing_gives_way_to_compile_and_refuses_to_be_forced_where_it_cannot_run(monkeypatch):
+    unet, vae = _unet_and_vae()
+    out, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="auto", compile=True)
+    assert type(unet[0]) is nn.Conv2d and getattr(out, "_orig_mod", None) is unet
+    with pytest.raises(UserError, match="cannot be combined"):
+        backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="on", compile=True)
+    with pytest.raises(UserError, match="--pack-weights must be"):
+        backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="yes")
+    monkeypatch.setattr(packed, "available", lambda dtype: (False, "no oneDNN here"))
+    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="auto")
+    assert type(unet[0]) is nn.Conv2d and notes[-1] == "packed weights: not used (no oneDNN here)"
+    with pytest.raises(UserError, match="--pack-weights on, but no oneDNN here"):
+        backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="on")

@@ -1,0 +1,234 @@
+"""The frozen UNet's convolutions and Linear layers with their weights reordered for oneDNN once.
+
+Why: stock torch hands oneDNN a plain-layout weight at every call, and oneDNN reorders it into its
+blocked (on AMX: VNNI-tiled) layout every time: for a 1280-channel 3x3 convolution at 8x8 that
+reorder costs ten times the arithmetic. The UNet's weights never change here, so they are reordered
+once, with the kernels torch ships for inductor's frozen graphs (``torch.ops.mkldnn``). This is what
+IPEX's weight prepacking does, with stock torch.
+
+Textual inversion needs the gradient of the loss with respect to each layer's input only (the
+weights are frozen), and that gradient is itself a forward layer with a second reordered weight:
+- Linear: dL/dx = g @ W, a Linear with weight W^T;
+- Conv2d, stride 1: dL/dx = conv(g, W^T with its kernel flipped, padding k-1-p).
+So a packed layer holds two reordered weights (the second made on the first backward that needs it)
+and runs forward and backward as forward kernels. The module keeps its class's parameters and
+state_dict: only its forward changes (``pack`` swaps the class for a subclass of it; ``unpack``
+swaps it back). Measured in docs/performance.md ("Packed weights").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACK_CHOICES = ("auto", "on", "off")
+
+
+@functools.cache
+def available(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether this torch and CPU run the packed kernels in ``dtype``, checked once by running a small
+    packed convolution and Linear, forward and backward, against the stock layers."""
+    if not torch.backends.mkldnn.is_available():
+        return False, "this torch build has no oneDNN (mkldnn)"
+    for name in ("_convolution_pointwise", "_linear_pointwise", "_reorder_linear_weight"):
+        if not hasattr(torch.ops.mkldnn, name):
+            return False, f"this torch has no torch.ops.mkldnn.{name}"
+    if not hasattr(torch._C._nn, "mkldnn_reorder_conv2d_weight"):
+        return False, "this torch has no mkldnn_reorder_conv2d_weight"
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.Flatten(2), nn.Linear(16, 8)).to(dtype)
+    model.requires_grad_(False)
+    x = torch.randn(1, 8, 4, 4, generator=generator, dtype=dtype)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        x_ = x.clone().requires_grad_(True)
+        out = model(x_)
+        out.float().square().sum().backward()
+        return out.detach().float(), x_.grad.float()
+
+    expected = run()
+    try:
+        pack(model)
+        got = run()
+    except RuntimeError as exc:  # oneDNN has no kernel for this dtype on this CPU
+        return False, f"oneDNN cannot run packed {dtype} layers here ({str(exc).splitlines()[0][:120]})"
+    finally:
+        unpack(model)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    for want, have in zip(expected, got, strict=True):
+        if not torch.allclose(have, want, rtol=tolerance, atol=tolerance * want.abs().max().item()):
+            return False, f"packed {dtype} layers disagree with stock torch here"
+    return True, "oneDNN kernels run and agree with stock torch"
+
+
+def _fast_path(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """The packed kernels take one dtype for input and weight; under CPU autocast to another dtype
+    (fp32 weights with bf16 autocast), or off the CPU, the stock layer runs instead."""
+    if x.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu") == weight.dtype
+    return x.dtype == weight.dtype
+
+
+class _ConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, conv: PackedConv2d) -> torch.Tensor:
+        ctx.conv = conv
+        return torch.ops.mkldnn._convolution_pointwise(
+            x, conv.packed_weight(x.shape), conv.bias, conv.padding, [1, 1], [1, 1], 1, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        conv = ctx.conv
+        grad = grad.to(conv.weight.dtype)
+        if not (grad.is_contiguous() or grad.is_contiguous(memory_format=torch.channels_last)):
+            grad = grad.contiguous()
+        back_padding = [conv.kernel_size[0] - 1 - conv.padding[0]] * 2
+        return torch.ops.mkldnn._convolution_pointwise(
+            grad, conv.packed_input_grad_weight(grad.shape), None, back_padding, [1, 1], [1, 1], 1, "none", [], "",
+        ), None
+
+
+class PackedConv2d(nn.Conv2d):
+    """A frozen stride-1 Conv2d whose forward and input gradient run on once-reordered weights."""
+
+    _packed: torch.Tensor | None
+    _packed_back: torch.Tensor | None
+
+    @staticmethod
+    def eligible(conv: nn.Module) -> bool:
+        if type(conv) is not nn.Conv2d or conv.weight.requires_grad:
+            return False
+        k, p = conv.kernel_size, conv.padding
+        return (conv.stride == (1, 1) and conv.dilation == (1, 1) and conv.groups == 1
+                and conv.padding_mode == "zeros" and isinstance(p, tuple) and k[0] == k[1] and p[0] == p[1]
+                and p[0] <= k[0] - 1)
+
+    def packed_weight(self, input_shape: torch.Size) -> torch.Tensor:
+        if self._packed is None:
+            self._packed = _reorder_conv(self.weight.detach(), self.padding, input_shape)
+        return self._packed
+
+    def packed_input_grad_weight(self, grad_shape: torch.Size) -> torch.Tensor:
+        if self._packed_back is None:
+            flipped = self.weight.detach().transpose(0, 1).flip(2, 3).contiguous()
+            back_padding = (self.kernel_size[0] - 1 - self.padding[0],) * 2
+            self._packed_back = _reorder_conv(flipped, back_padding, grad_shape)
+        return self._packed_back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _fast_path(self.weight, x):
+            return super().forward(x)
+        return _ConvFunction.apply(x.to(self.weight.dtype), self)
+
+
+def _reorder_conv(weight: torch.Tensor, padding: tuple[int, ...], input_shape: torch.Size) -> torch.Tensor:
+    return torch._C._nn.mkldnn_reorder_conv2d_weight(
+        weight.to_mkldnn(), list(padding), [1, 1], [1, 1], 1, list(input_shape))
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, linear: PackedLinear) -> torch.Tensor:
+        ctx.linear = linear
+        return torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight(x), linear.bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        linear = ctx.linear
+        grad = grad.to(linear.weight.dtype).contiguous()
+        return torch.ops.mkldnn._linear_pointwise(
+            grad, linear.packed_input_grad_weight(grad), None, "none", [], ""), None
+
+
+class PackedLinear(nn.Linear):
+    """A frozen Linear whose forward and input gradient run on once-reordered weights."""
+
+    _packed: torch.Tensor | None
+    _packed_back: torch.Tensor | None
+
+    @staticmethod
+    def eligible(linear: nn.Module) -> bool:
+        return type(linear) is nn.Linear and not linear.weight.requires_grad
+
+    def packed_weight(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), x.numel() // x.shape[-1])
+        return self._packed
+
+    def packed_input_grad_weight(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._packed_back is None:
+            transposed = self.weight.detach().t().contiguous()
+            self._packed_back = torch.ops.mkldnn._reorder_linear_weight(transposed, grad.numel() // grad.shape[-1])
+        return self._packed_back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _fast_path(self.weight, x):
+            return F.linear(x, self.weight, self.bias)
+        return _LinearFunction.apply(x.to(self.weight.dtype).contiguous(), self)
+
+
+@dataclass(frozen=True)
+class PackReport:
+    convolutions: int
+    linears: int
+    parameters: int  # weights packed (each is held again, reordered, once or twice: see module doc)
+
+    def describe(self) -> str:
+        convolutions = f"{self.convolutions} convolution{'s' if self.convolutions != 1 else ''}"
+        linears = f"{self.linears} Linear layer{'s' if self.linears != 1 else ''}"
+        return (f"packed weights: the UNet's {convolutions} and {linears} ({self.parameters / 1e6:.1f} M weights) "
+                "reordered for oneDNN once")
+
+
+_PACKED = {nn.Conv2d: PackedConv2d, nn.Linear: PackedLinear}
+
+
+def pack(model: nn.Module) -> PackReport:
+    """Make every eligible frozen Conv2d and Linear in ``model`` a packed one, in place. The reorders
+    happen on first use, with that call's real input shape."""
+    counts = {nn.Conv2d: 0, nn.Linear: 0}
+    parameters = 0
+    for module in model.modules():
+        kind = type(module)
+        if kind in _PACKED and _PACKED[kind].eligible(module):
+            module.__class__ = _PACKED[kind]
+            module._packed = module._packed_back = None
+            counts[kind] += 1
+            parameters += module.weight.numel()
+    return PackReport(counts[nn.Conv2d], counts[nn.Linear], parameters)
+
+
+def unpack(model: nn.Module) -> None:
+    """Undo ``pack``: the stock layers again, the reordered copies freed."""
+    for module in model.modules():
+        for stock, packed in _PACKED.items():
+            if type(module) is packed:
+                module.__class__ = stock
+                del module._packed, module._packed_back
+
+
+@contextlib.contextmanager
+def stock_layers(model: nn.Module) -> Iterator[None]:
+    """Run ``model``'s packed layers as stock ones for a while (FLOP counting sees aten ops only),
+    keeping their reordered weights for afterwards."""
+    swapped = [(m, type(m)) for m in model.modules() if type(m) in _PACKED.values()]
+    stock = {packed: plain for plain, packed in _PACKED.items()}
+    for module, kind in swapped:
+        module.__class__ = stock[kind]
+    try:
+        yield
+    finally:
+        for module, kind in swapped:
+            module.__class__ = kind
