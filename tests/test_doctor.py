@@ -13,8 +13,15 @@ def test_doctor_table(capsys, fake_cpu):
     out = capsys.readouterr().out
     native = next(line for line in out.splitlines() if "native bf16" in line)
     assert native.startswith("ok") if fake_cpu == "amx-xeon" else native.startswith("warn")
-    for item in ("CPU", "ISA flags", "precision", "IPEX", "allocator", "mpirun", "collectives"):
+    for item in ("CPU", "ISA flags", "precision", "IPEX", "packed weights", "allocator", "mpirun", "collectives"):
         assert item in out
+    packing = next(line for line in out.splitlines() if "packed weights" in line)
+    if fake_cpu == "avx2-only":
+        assert "not used in fp32" in packing
+    else:  # bf16: packed where oneDNN has bf16 kernels (the real CPU's, whatever the faked flags say)
+        import torch
+
+        assert ("yes:" in packing) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     # every row that is not ideal says what to do
     lines = out.splitlines()
     for i, line in enumerate(lines):
@@ -35,4 +42,7 @@ def test_doctor_json(capsys, fake_cpu):
     assert {"path", "flavour"} <= set(report["mpi"])
     assert {"gloo", "ccl"} == set(report["collectives"])
     assert report["torch"]["version"] and "usable" in report["ipex"]
+    import torch
+
+    assert report["packing"]["used"] == (fake_cpu == "amx-xeon" and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert int(report["launch_env"]["OMP_NUM_THREADS"]) >= 1

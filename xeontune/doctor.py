@@ -35,6 +35,27 @@ class TorchInfo:
     threads: int
 
 
+@dataclass
+class PackingInfo:
+    used: bool  # what --pack-weights auto does with this CPU's precision
+    reason: str
+
+
+def packing_info(precision: str) -> PackingInfo:
+    """What `--pack-weights auto` does here: pack the frozen UNet's weights for oneDNN in bf16."""
+    if precision != "bf16":
+        return PackingInfo(False, "not used in fp32 (auto packs in bf16; --pack-weights on forces it)")
+    import torch
+
+    from xeontune.train import packed
+
+    ok, why = packed.available(torch.bfloat16)
+    if not ok:
+        return PackingInfo(False, why)
+    return PackingInfo(True, "yes: the frozen UNet's weights are reordered for oneDNN once "
+                       "(on a 2-core AMX Xeon the step ran 1.6x faster; --ipex auto then leaves IPEX out)")
+
+
 def torch_info() -> TorchInfo:
     import torch
 
@@ -116,6 +137,7 @@ class HardwareReport:
     precision: str
     precision_reason: str
     ipex: IpexInfo
+    packing: PackingInfo
     libraries: Libraries
     mpi: MpiInfo
     collectives: CollectivesInfo
@@ -133,6 +155,7 @@ def collect() -> HardwareReport:
         precision=precision,
         precision_reason=reason,
         ipex=ipex_info(torch.version),
+        packing=packing_info(precision),
         libraries=libraries(),
         mpi=mpi_info(),
         collectives=collectives_info(),
@@ -174,6 +197,10 @@ def checks(r: HardwareReport) -> list[Check]:
             "IPEX", f"{r.ipex.installed}: {r.ipex.reason}" if r.ipex.installed else r.ipex.reason,
             r.ipex.usable or r.ipex.installed is None,
             "uninstall it or use `make test-ipex`'s venv (torch 2.8 + IPEX 2.8); stock torch is used meanwhile",
+        ),
+        Check(
+            "packed weights (--pack-weights auto)", r.packing.reason, r.packing.used or r.precision != "bf16",
+            "stock torch reorders every weight at every call: a torch build with oneDNN packs them once",
         ),
         Check(
             "allocator", r.libraries.tcmalloc or r.libraries.jemalloc or "none found", bool(r.libraries.tcmalloc),

@@ -84,11 +84,15 @@ def test_rank_memory_grows_with_pixels_and_batch():
 
 
 def test_frozen_weight_bytes_of_a_local_model(tiny_model):
-    fp32, bf16 = frozen_weight_bytes(str(tiny_model), "fp32"), frozen_weight_bytes(str(tiny_model), "bf16")
+    fp32, bf16 = frozen_weight_bytes(str(tiny_model), "fp32"), frozen_weight_bytes(str(tiny_model), "bf16", "off")
     unet = sum(p.stat().st_size for p in (Path(tiny_model) / "unet").glob("*.safetensors"))
     text = sum(p.stat().st_size for p in (Path(tiny_model) / "text_encoder").glob("*.safetensors"))
     # the UNet and the text encoder's Linear layers are held in bf16, the rest as stored
     assert abs((fp32 - bf16) - (unet // 2 + text * TEXT_ENCODER_LINEAR_SHARE / 2)) <= 1
+    # packed weights (auto packs in bf16): the UNet once more, reordered for the input gradient
+    assert frozen_weight_bytes(str(tiny_model), "bf16") - bf16 == unet // 2
+    assert frozen_weight_bytes(str(tiny_model), "fp32", "on") - fp32 == unet
+    assert frozen_weight_bytes(str(tiny_model), "fp32", "auto") == fp32
     assert frozen_weight_bytes("some-org/some-model", "bf16") < frozen_weight_bytes("some-org/some-model", "fp32")
 
 

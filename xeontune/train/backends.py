@@ -62,6 +62,10 @@ def prepare_frozen_models(
     notes: list[str] = []
     if ipex == "off":
         notes.append("IPEX: off (--ipex off)")
+    elif ipex == "auto" and _packing_beats_ipex(precision, pack, compile):
+        # decided before IPEX is imported: importing it alone swaps in some of its kernels
+        notes.append("IPEX: not used (in bf16, stock torch with packed weights was 1.22x faster than IPEX 2.8 "
+                     "on an AMX Xeon; --ipex on forces it)")
     else:
         info = hardware.ipex_info()
         if not info.usable and ipex == "on":
@@ -83,6 +87,12 @@ def prepare_frozen_models(
         unet = torch.compile(unet)
         notes.append("torch.compile: UNet wrapped (inductor CPU); the first step compiles it")
     return unet, vae, notes
+
+
+def _packing_beats_ipex(precision: str, pack: str, compile: bool) -> bool:
+    """Where `--ipex auto` leaves IPEX out for packed weights: bf16 (measured side by side in one venv,
+    torch 2.8, 256 px on an AMX Xeon: 0.686 s/step packed, 0.835 IPEX, 1.143 stock; docs/performance.md)."""
+    return precision == "bf16" and pack != "off" and not compile and packed.available(torch.bfloat16)[0]
 
 
 def _apply_packing(unet: nn.Module, precision: str, pack: str) -> list[str]:

@@ -39,20 +39,25 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*") if p.name.endswith(WEIGHT_SUFFIXES)) if folder.is_dir() else 0
 
 
-def frozen_weight_bytes(model: str, precision: str) -> int:
+def frozen_weight_bytes(model: str, precision: str, pack_weights: str = "auto") -> int:
     """Bytes of frozen weights one rank holds: the UNet and the text encoder's Linear layers in the
-    training dtype, the rest as stored."""
+    training dtype, the rest as stored. With packed weights (`--pack-weights`: auto packs in bf16) the
+    UNet counts twice: its layers are held reordered for the forward and again for the input
+    gradient, each rank its own, while the plain weights' pages are handed back once reordered."""
     root = Path(model)
     if not root.is_dir():
         unet = SD15_UNET_PARAMS * (2 if precision == "bf16" else 4)
-        return int(unet + _text_encoder_bytes(SD15_TEXT_ENCODER_BYTES, precision) + SD15_VAE_BYTES)
-    unet = _folder_bytes(root / "unet")
-    # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
-    if any((root / "unet").glob("*.safetensors")) and any((root / "unet").glob("*.bin")):
-        unet //= 2
-    if precision == "bf16":
-        unet //= 2  # cast once at load (stored in fp32 in the common pipelines)
-    return int(unet + _text_encoder_bytes(_folder_bytes(root / "text_encoder"), precision) + _folder_bytes(root / "vae"))
+        rest = _text_encoder_bytes(SD15_TEXT_ENCODER_BYTES, precision) + SD15_VAE_BYTES
+    else:
+        unet = _folder_bytes(root / "unet")
+        # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
+        if any((root / "unet").glob("*.safetensors")) and any((root / "unet").glob("*.bin")):
+            unet //= 2
+        if precision == "bf16":
+            unet //= 2  # cast once at load (stored in fp32 in the common pipelines)
+        rest = _text_encoder_bytes(_folder_bytes(root / "text_encoder"), precision) + _folder_bytes(root / "vae")
+    packed = pack_weights == "on" or (pack_weights == "auto" and precision == "bf16")
+    return int(unet * (2 if packed else 1) + rest)
 
 
 def _text_encoder_bytes(stored: float, precision: str) -> float:
@@ -66,7 +71,7 @@ def plan_ranks(opts: TrainOptions, precision: str) -> placement.RankPlan:
     numa_nodes = len({c.numa_node for c in cores})
     if opts.nproc_per_node == "auto":
         per_rank = placement.rank_memory_bytes(
-            frozen_weight_bytes(str(opts.model), precision), opts.resolution, opts.train_batch_size)
+            frozen_weight_bytes(str(opts.model), precision, opts.pack_weights), opts.resolution, opts.train_batch_size)
         return placement.auto_ranks(len(cores), numa_nodes, placement.available_memory_bytes(), per_rank)
     ranks = int(opts.nproc_per_node)
     if ranks > len(cores):
