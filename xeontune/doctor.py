@@ -42,18 +42,20 @@ class PackingInfo:
 
 
 def packing_info(precision: str) -> PackingInfo:
-    """What `--pack-weights auto` does here: pack the frozen UNet's weights for oneDNN in bf16."""
-    if precision != "bf16":
-        return PackingInfo(False, "not used in fp32 (auto packs in bf16; --pack-weights on forces it)")
+    """What `--pack-weights auto` does here: pack the frozen UNet's weights for oneDNN (xeontune/train/packed.py)."""
     import torch
 
+    from xeontune.hardware import has_avx512
     from xeontune.train import packed
 
-    ok, why = packed.available(torch.bfloat16)
+    wanted, why = packed.auto_packs(precision, has_avx512())
+    if not wanted:
+        return PackingInfo(False, why)
+    ok, why = packed.available(torch.bfloat16 if precision == "bf16" else torch.float32)
     if not ok:
         return PackingInfo(False, why)
-    return PackingInfo(True, "yes: the frozen UNet's weights are reordered for oneDNN once "
-                       "(on a 2-core AMX Xeon the step ran 1.6x faster; --ipex auto then leaves IPEX out)")
+    return PackingInfo(True, f"yes, in {precision}: the frozen UNet's weights are reordered for oneDNN once "
+                       "(--ipex auto then leaves IPEX out; docs/performance.md)")
 
 
 def torch_info() -> TorchInfo:
@@ -199,7 +201,7 @@ def checks(r: HardwareReport) -> list[Check]:
             "uninstall it or use `make test-ipex`'s venv (torch 2.8 + IPEX 2.8); stock torch is used meanwhile",
         ),
         Check(
-            "packed weights (--pack-weights auto)", r.packing.reason, r.packing.used or r.precision != "bf16",
+            "packed weights (--pack-weights auto)", r.packing.reason, r.packing.used or "AVX-512" in r.packing.reason,
             "stock torch reorders every weight at every call: a torch build with oneDNN packs them once",
         ),
         Check(

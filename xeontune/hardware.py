@@ -66,6 +66,11 @@ def choose_precision(requested: str) -> tuple[str, str]:
 
 def ipex_prepack_supported(flags: Iterable[str] | None = None) -> bool:
     """Whether IPEX's weight prepacking is worth using (and, for bf16, possible) on this CPU."""
+    return has_avx512(flags)
+
+
+def has_avx512(flags: Iterable[str] | None = None) -> bool:
+    """AVX-512 BW/VL/DQ: where oneDNN's blocked-weight kernels were measured to pay off in fp32."""
     have = set(cpu_flags() if flags is None else flags)
     return all(f in have for f in IPEX_PREPACK_FLAGS)
 

@@ -39,7 +39,7 @@ def _train(model, data, out, ipex: str, precision: str, prepack: bool, *extra: s
         "--model", str(model), "--data-dir", str(data), "--placeholder-token", "<toy-bot>",
         "--initializer-token", "toy", "--resolution", "64", "--max-train-steps", str(STEPS),
         "--learning-rate", "5e-3", "--output-dir", str(out), "--ipex", ipex, "--report-to", "none",
-        "--mixed-precision", precision, *extra,
+        "--mixed-precision", precision, "--pack-weights", "off", *extra,  # stock layers, as IPEX found them
     ]
     env = {**os.environ, backends.PREPACK_ENV: "on" if prepack else "off"}
     done = subprocess.run(

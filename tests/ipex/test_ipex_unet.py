@@ -116,7 +116,7 @@ def _ipex_modules(model: nn.Module) -> set[str]:
 
 def test_auto_uses_ipex_only_on_a_cpu_with_avx512(tiny_model, fake_cpu):
     unet, vae = _load(tiny_model)
-    out_unet, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="auto")
+    out_unet, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="auto", pack="off")
     if fake_cpu == "amx-xeon":
         # ipex.optimize(inplace=True) changes the model in place: look for its prepacked modules
         assert notes[0].startswith("IPEX ") and "optimized" in notes[0] and "convolutions prepacked" in notes[0]
@@ -124,6 +124,21 @@ def test_auto_uses_ipex_only_on_a_cpu_with_avx512(tiny_model, fake_cpu):
     else:  # AVX2 only: IPEX's prepacked convolutions were 12-14x slower there (docs/performance.md)
         assert out_unet is unet and notes[0].startswith("IPEX: not used") and "AVX-512" in notes[0]
         assert not _ipex_modules(out_unet)
+
+
+def test_auto_leaves_ipex_out_in_bf16_where_packed_weights_run(tiny_model, fake_cpu):
+    """Stock torch with packed weights beat IPEX 2.8 (docs/performance.md): in bf16 `--ipex auto`
+    packs instead, on every CPU that runs oneDNN's bf16 kernels, whatever IPEX could do there."""
+    from xeontune.train import packed
+
+    if not packed.available(torch.bfloat16)[0]:  # no oneDNN bf16 kernels on this CPU: no packing either
+        assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return
+    unet, vae = _load(tiny_model)
+    unet.to(torch.bfloat16)
+    out_unet, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="auto")
+    assert out_unet is unet and notes[0].startswith("IPEX: not used (stock torch with packed weights") and not _ipex_modules(unet)
+    assert any(type(m) is packed.PackedConv2d for m in unet.modules())
 
 
 def test_optimized_unet_forward_and_backward_match_stock_fp32(tiny_model, tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from xeontune import placement
 from xeontune.train.options import parse_args
-from xeontune.train.ranks import TEXT_ENCODER_LINEAR_SHARE, frozen_weight_bytes, plan_ranks
+from xeontune.train.ranks import TEXT_ENCODER_LINEAR_SHARE, frozen_weight_bytes, packs, plan_ranks
 
 GB = 10**9
 
@@ -84,15 +84,20 @@ def test_rank_memory_grows_with_pixels_and_batch():
 
 
 def test_frozen_weight_bytes_of_a_local_model(tiny_model):
-    fp32, bf16 = frozen_weight_bytes(str(tiny_model), "fp32"), frozen_weight_bytes(str(tiny_model), "bf16", "off")
+    fp32, bf16 = frozen_weight_bytes(str(tiny_model), "fp32"), frozen_weight_bytes(str(tiny_model), "bf16")
     unet = sum(p.stat().st_size for p in (Path(tiny_model) / "unet").glob("*.safetensors"))
     text = sum(p.stat().st_size for p in (Path(tiny_model) / "text_encoder").glob("*.safetensors"))
     # the UNet and the text encoder's Linear layers are held in bf16, the rest as stored
     assert abs((fp32 - bf16) - (unet // 2 + text * TEXT_ENCODER_LINEAR_SHARE / 2)) <= 1
-    # packed weights (auto packs in bf16): the UNet once more, reordered for the input gradient
-    assert frozen_weight_bytes(str(tiny_model), "bf16") - bf16 == unet // 2
-    assert frozen_weight_bytes(str(tiny_model), "fp32", "on") - fp32 == unet
-    assert frozen_weight_bytes(str(tiny_model), "fp32", "auto") == fp32
+    # packed weights: the UNet once more, reordered for the input gradient
+    assert frozen_weight_bytes(str(tiny_model), "bf16", packed=True) - bf16 == unet // 2
+    assert frozen_weight_bytes(str(tiny_model), "fp32", packed=True) - fp32 == unet
+
+
+def test_ranks_count_packed_weights_where_auto_packs():
+    assert packs("auto", "bf16", avx512=False) and packs("auto", "fp32", avx512=True)
+    assert not packs("auto", "fp32", avx512=False)
+    assert packs("on", "fp32", avx512=False) and not packs("off", "bf16", avx512=True)
     assert frozen_weight_bytes("some-org/some-model", "bf16") < frozen_weight_bytes("some-org/some-model", "fp32")
 
 

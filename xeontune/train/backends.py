@@ -2,9 +2,10 @@
 
 Packed weights (`--pack-weights`, xeontune/train/packed.py): with stock torch, the frozen UNet's
 convolutions and Linear layers run on weights reordered for oneDNN once, instead of at every call.
-`auto` packs in bf16 (where it made the UNet's forward and backward 1.6x faster on an AMX Xeon,
-docs/performance.md) unless IPEX was applied (it packs its own) or the UNet is compiled; fp32 is
-not packed by `auto`: on the AVX2 machine IPEX's blocked fp32 convolutions were 12x slower.
+`auto` packs in bf16 (the step 1.6x faster on an AMX Xeon, docs/performance.md) and in fp32 on
+AVX-512 CPUs (1.18x), not in fp32 on AVX2-only CPUs (not measured; IPEX's blocked fp32 convolutions
+were 12x slower there), nor when the UNet is compiled. Where packing runs, `--ipex auto` leaves IPEX
+out: packed stock torch beat IPEX 2.8 side by side in bf16 and in fp32.
 
 Precision: with bf16 the frozen UNet arrives here already in bf16 (`components.load` loads it so,
 once: no per-step weight cast under autocast, half the memory), and the step runs under bf16
@@ -64,8 +65,8 @@ def prepare_frozen_models(
         notes.append("IPEX: off (--ipex off)")
     elif ipex == "auto" and _packing_beats_ipex(precision, pack, compile):
         # decided before IPEX is imported: importing it alone swaps in some of its kernels
-        notes.append("IPEX: not used (in bf16, stock torch with packed weights was 1.22x faster than IPEX 2.8 "
-                     "on an AMX Xeon; --ipex on forces it)")
+        notes.append("IPEX: not used (stock torch with packed weights was faster than IPEX 2.8 on an AMX Xeon: "
+                     "1.22x in bf16, 1.13x in fp32; --ipex on forces it)")
     else:
         info = hardware.ipex_info()
         if not info.usable and ipex == "on":
@@ -90,17 +91,22 @@ def prepare_frozen_models(
 
 
 def _packing_beats_ipex(precision: str, pack: str, compile: bool) -> bool:
-    """Where `--ipex auto` leaves IPEX out for packed weights: bf16 (measured side by side in one venv,
-    torch 2.8, 256 px on an AMX Xeon: 0.686 s/step packed, 0.835 IPEX, 1.143 stock; docs/performance.md)."""
-    return precision == "bf16" and pack != "off" and not compile and packed.available(torch.bfloat16)[0]
+    """Where `--ipex auto` leaves IPEX out for packed weights: wherever auto packs (measured side by
+    side in one venv, torch 2.8, 256 px, AMX Xeon, s/step packed / IPEX / stock: bf16 0.686 / 0.835 /
+    1.143, fp32 1.875 / 2.122 / 2.206; docs/performance.md)."""
+    if pack == "off" or compile or not packed.auto_packs(precision, hardware.has_avx512())[0]:
+        return False
+    return packed.available(torch.bfloat16 if precision == "bf16" else torch.float32)[0]
 
 
 def _apply_packing(unet: nn.Module, precision: str, pack: str) -> list[str]:
     """Pack the UNet's weights for oneDNN (stock torch) as ``pack`` says; the notes say what was done."""
     if pack == "off":
         return []
-    if pack == "auto" and precision != "bf16":
-        return ["packed weights: not used in fp32 (--pack-weights auto packs in bf16; on forces it)"]
+    if pack == "auto":
+        wanted, why = packed.auto_packs(precision, hardware.has_avx512())
+        if not wanted:
+            return [f"packed weights: {why}"]
     dtype = next(unet.parameters()).dtype
     ok, why = packed.available(dtype)
     if not ok:

@@ -39,10 +39,9 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*") if p.name.endswith(WEIGHT_SUFFIXES)) if folder.is_dir() else 0
 
 
-def frozen_weight_bytes(model: str, precision: str, pack_weights: str = "auto") -> int:
+def frozen_weight_bytes(model: str, precision: str, packed: bool = False) -> int:
     """Bytes of frozen weights one rank holds: the UNet and the text encoder's Linear layers in the
-    training dtype, the rest as stored. With packed weights (`--pack-weights`: auto packs in bf16) the
-    UNet counts twice: its layers are held reordered for the forward and again for the input
+    training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) the UNet counts twice: its layers are held reordered for the forward and again for the input
     gradient, each rank its own, while the plain weights' pages are handed back once reordered."""
     root = Path(model)
     if not root.is_dir():
@@ -56,8 +55,18 @@ def frozen_weight_bytes(model: str, precision: str, pack_weights: str = "auto") 
         if precision == "bf16":
             unet //= 2  # cast once at load (stored in fp32 in the common pipelines)
         rest = _text_encoder_bytes(_folder_bytes(root / "text_encoder"), precision) + _folder_bytes(root / "vae")
-    packed = pack_weights == "on" or (pack_weights == "auto" and precision == "bf16")
     return int(unet * (2 if packed else 1) + rest)
+
+
+def packs(pack_weights: str, precision: str, avx512: bool | None = None) -> bool:
+    """Whether the ranks will hold packed weights (counted in their memory). ``avx512``: the nodes'
+    CPU; None for this machine's."""
+    if pack_weights != "auto":
+        return pack_weights == "on"
+    from xeontune import hardware
+    from xeontune.train.packed import auto_packs
+
+    return auto_packs(precision, hardware.has_avx512() if avx512 is None else avx512)[0]
 
 
 def _text_encoder_bytes(stored: float, precision: str) -> float:
@@ -71,7 +80,7 @@ def plan_ranks(opts: TrainOptions, precision: str) -> placement.RankPlan:
     numa_nodes = len({c.numa_node for c in cores})
     if opts.nproc_per_node == "auto":
         per_rank = placement.rank_memory_bytes(
-            frozen_weight_bytes(str(opts.model), precision, opts.pack_weights), opts.resolution, opts.train_batch_size)
+            frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision)), opts.resolution, opts.train_batch_size)
         return placement.auto_ranks(len(cores), numa_nodes, placement.available_memory_bytes(), per_rank)
     ranks = int(opts.nproc_per_node)
     if ranks > len(cores):
