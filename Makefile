@@ -39,8 +39,8 @@ test-fast: venv
 test-ipex:
 	scripts/test-ipex.sh
 
-# torch 2.8 + IPEX 2.8 in .venv-ipex: IPEX's bf16 kernels made a step 1.3x faster on an AMX Xeon
-# (docs/performance.md). Use it as .venv-ipex/bin/xeontune.
+# torch 2.8 + IPEX 2.8 in .venv-ipex (use it as .venv-ipex/bin/xeontune), optional: on an AMX Xeon
+# stock torch with packed weights, the default, was faster than IPEX (docs/performance.md).
 venv-ipex:
 	scripts/ipex-venv.sh
 
