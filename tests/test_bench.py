@@ -45,16 +45,23 @@ def test_bench_table_and_no_baseline(tiny_model, capsys):
     assert "GFLOP per step" in out
 
 
-def test_ranks_per_node_sweep_and_mfu(tiny_model, capsys):
-    """Each count is a real `xeontune train --nproc-per-node R` run; auto is marked with what it chose."""
+def test_ranks_per_node_sweep_and_mfu(tiny_model, capsys, tmp_path):
+    """Each count is a real `xeontune train --nproc-per-node R` run; auto is marked with what it chose,
+    and the table judges it against its target."""
     from xeontune import placement
+    from xeontune.bench import TARGETS
     from xeontune.train.options import parse_args
     from xeontune.train.ranks import plan_ranks
 
     argv = FAST[:-2]  # without --ranks-per-node none
-    assert main(["bench", "--model", str(tiny_model), *argv, "--steps", "2", "--no-rss", "--json",
+    saved = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tiny_model), *argv, "--steps", "2", "--no-rss", "--json-out", str(saved),
                  "--ranks-per-node", "1,auto"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    table = capsys.readouterr().out
+    result = json.loads(saved.read_text())
+    auto_row = next(r for r in result["ranks_per_node"] if r["auto"])
+    assert (f"auto ranks per node: {auto_row['vs_example']:.2f}x the example's images/s "
+            f"(target >= {TARGETS['auto_ranks_speedup_min']})") in table
     opts = parse_args(["--model", str(tiny_model), "--data-dir", ".", "--placeholder-token", "<t>",
                        "--initializer-token", "toy", "--resolution", "64", "--nproc-per-node", "auto"])
     auto = plan_ranks(opts, result["config"]["precision"]).ranks

@@ -1,8 +1,8 @@
 """The frozen UNet's convolutions and Linear layers with their weights reordered for oneDNN once.
 
 Why: stock torch hands oneDNN a plain-layout weight at every call, and oneDNN reorders it into its
-blocked (on AMX: VNNI-tiled) layout every time: for a 1280-channel 3x3 convolution at 8x8 that
-reorder costs ten times the arithmetic. The UNet's weights never change here, so they are reordered
+blocked (on AMX: VNNI-tiled) layout every time: a 1280-channel 3x3 convolution at 4x4 took 5.7 ms
+so, and 0.65 ms on a weight reordered once. The UNet's weights never change here, so they are reordered
 once, with the kernels torch ships for inductor's frozen graphs (``torch.ops.mkldnn``). This is what
 IPEX's weight prepacking does, with stock torch.
 
