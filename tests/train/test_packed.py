@@ -40,13 +40,14 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> 
 
 
 def _packs(dtype: torch.dtype) -> bool:
-    """Where oneDNN runs ``dtype``, packing must be available; elsewhere it must say no, with a reason,
-    and the calling test ends there (that refusal is the behaviour to check on this CPU)."""
+    """Where oneDNN runs ``dtype``, packing must be available. Where packing says no (a CPU without
+    oneDNN bf16 kernels), it must say why, and the calling test ends there: that refusal is the
+    behaviour to check on such a CPU."""
     ok, why = packed.available(dtype)
     if onednn_runs(dtype):
         assert ok, f"oneDNN runs {dtype} here, so packed layers should too: {why}"
-    else:
-        assert not ok and "oneDNN cannot run packed" in why
+    if not ok:
+        assert "oneDNN cannot run packed" in why
     return ok
 
 
@@ -175,7 +176,7 @@ def test_auto_packs_in_bf16_and_in_fp32_with_avx512_and_on_forces_it(fake_cpu):
     unet, vae = _unet_and_vae()
     unet.to(torch.bfloat16)
     _, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="auto")
-    if onednn_runs(torch.bfloat16):
+    if _packs(torch.bfloat16):
         assert type(unet[0]) is packed.PackedConv2d and type(vae[0]) is nn.Conv2d
     else:  # a CPU without oneDNN bf16 kernels forced to bf16: the stock layers, and a note that says why
         assert type(unet[0]) is nn.Conv2d and notes[-1].startswith("packed weights: not used (oneDNN cannot")
@@ -237,3 +238,16 @@ def test_ipex_auto_gives_way_to_packed_weights_in_bf16_without_importing_it(monk
     assert type(unet[0]) is packed.PackedConv2d
     with pytest.raises(AssertionError, match="imports IPEX"):  # without packing, auto asks about IPEX
         backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="auto", pack="off")
+
+
+def test_forcing_packing_where_it_cannot_run_is_one_line_and_exit_2(base_args, monkeypatch, capsys):
+    """What a user of an AVX2-only CPU sees for `--mixed-precision bf16 --pack-weights on`."""
+    from xeontune.cli import main
+
+    monkeypatch.setattr(packed, "available", lambda dtype: (False, f"oneDNN cannot run packed {dtype} layers here (x)"))
+    assert main(["train", *base_args, "--mixed-precision", "bf16", "--pack-weights", "on"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == ["error: --pack-weights on, but oneDNN cannot run packed torch.bfloat16 layers here (x)"]
+    with pytest.raises(SystemExit) as bad_choice:  # argparse's own one-line usage error
+        main(["train", *base_args, "--pack-weights", "sometimes"])
+    assert bad_choice.value.code == 2
