@@ -345,6 +345,17 @@ def _major_minor(version: str) -> tuple[str, ...]:
     return tuple(version.split("+")[0].split(".")[:2])
 
 
+IPEX_NOT_INSTALLED = "not installed; optional, its last release needs torch 2.8"
+
+
+def ipex_version() -> str | None:
+    """The installed IPEX's version, from its metadata (without importing it), or None."""
+    try:
+        return importlib.metadata.version("intel-extension-for-pytorch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def ipex_info(torch_version: str | None = None) -> IpexInfo:
     """Whether IPEX can be used with the torch in this environment, and why not if not.
 
@@ -355,10 +366,9 @@ def ipex_info(torch_version: str | None = None) -> IpexInfo:
 
         torch_version = torch.__version__
     prepack = ipex_prepack_supported()
-    try:
-        version = importlib.metadata.version("intel-extension-for-pytorch")
-    except importlib.metadata.PackageNotFoundError:
-        return IpexInfo(None, False, prepack, "not installed; optional, its last release needs torch 2.8")
+    version = ipex_version()
+    if version is None:
+        return IpexInfo(None, False, prepack, IPEX_NOT_INSTALLED)
     if _major_minor(version) != _major_minor(torch_version):
         return IpexInfo(
             version, False, prepack, f"IPEX {version} needs torch {'.'.join(_major_minor(version))}.*, not {torch_version}"

@@ -229,6 +229,7 @@ def test_ipex_auto_gives_way_to_packed_weights_in_bf16_without_importing_it(monk
         raise AssertionError("ipex_info imports IPEX; auto should not get that far")
 
     monkeypatch.setattr(hardware, "ipex_info", no_import)
+    monkeypatch.setattr(hardware, "ipex_version", lambda: "2.8.0")  # installed (only its metadata is read)
     unet, vae = _unet_and_vae()
     unet.to(torch.bfloat16)
     if not _packs(torch.bfloat16):
@@ -236,6 +237,10 @@ def test_ipex_auto_gives_way_to_packed_weights_in_bf16_without_importing_it(monk
     _, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="auto", pack="auto")
     assert notes[0].startswith("IPEX: not used (stock torch with packed weights")
     assert type(unet[0]) is packed.PackedConv2d
+    monkeypatch.setattr(hardware, "ipex_version", lambda: None)
+    unet, vae = _unet_and_vae()
+    _, _, notes = backends.prepare_frozen_models(unet.to(torch.bfloat16), vae, precision="bf16", ipex="auto")
+    assert notes[0] == f"IPEX: not used ({hardware.IPEX_NOT_INSTALLED})"
     with pytest.raises(AssertionError, match="imports IPEX"):  # without packing, auto asks about IPEX
         backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="auto", pack="off")
 

@@ -65,8 +65,9 @@ def prepare_frozen_models(
         notes.append("IPEX: off (--ipex off)")
     elif ipex == "auto" and _packing_beats_ipex(precision, pack, compile):
         # decided before IPEX is imported: importing it alone swaps in some of its kernels
-        notes.append("IPEX: not used (stock torch with packed weights was faster than IPEX 2.8 on an AMX Xeon: "
-                     "1.22x in bf16, 1.13x in fp32; --ipex on forces it)")
+        notes.append("IPEX: not used (" + (
+            "stock torch with packed weights was faster than IPEX 2.8 on an AMX Xeon: 1.22x in bf16, 1.13x in "
+            "fp32; --ipex on forces it)" if hardware.ipex_version() else f"{hardware.IPEX_NOT_INSTALLED})"))
     else:
         info = hardware.ipex_info()
         if not info.usable and ipex == "on":
