@@ -31,6 +31,13 @@ def _out_and_input_grad(model: nn.Module, x: torch.Tensor, autocast: bool = Fals
     return out.detach().float(), x.grad.float()
 
 
+def _stock_then_packed(model: nn.Module, x: torch.Tensor, autocast: bool = False):
+    """(output, input gradient) of ``model`` as it is, then of the same model packed in place."""
+    want = _out_and_input_grad(model, x, autocast)
+    packed.pack(model)
+    return want, _out_and_input_grad(model, x, autocast)
+
+
 def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     """fp32: the same numbers up to summation order; bf16: within bf16 rounding of the largest value."""
     if dtype == torch.float32:
@@ -83,10 +90,7 @@ def test_packed_linear_matches_stock_forward_and_input_gradient(dtype, shape):
         return
     torch.manual_seed(0)
     stock = _frozen(nn.Linear(32, 48), dtype)
-    x = torch.randn(*shape, dtype=dtype)
-    want = _out_and_input_grad(stock, x)
-    packed.pack(stock)
-    got = _out_and_input_grad(stock, x)
+    want, got = _stock_then_packed(stock, torch.randn(*shape, dtype=dtype))
     assert stock._packed is not None and stock._packed_back is not None
     for g, w in zip(got, want, strict=True):
         _assert_close(g, w, dtype)
@@ -98,10 +102,7 @@ def test_under_bf16_autocast_packed_bf16_layers_compute_what_autocast_did():
         return
     torch.manual_seed(0)
     stock = _frozen(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(2), nn.Linear(36, 12)), torch.bfloat16)
-    x = torch.randn(2, 8, 6, 6)
-    want = _out_and_input_grad(stock, x, autocast=True)
-    packed.pack(stock)
-    got = _out_and_input_grad(stock, x, autocast=True)
+    want, got = _stock_then_packed(stock, torch.randn(2, 8, 6, 6), autocast=True)
     assert stock[0]._packed is not None and stock[2]._packed is not None
     assert got[1].dtype == torch.float32  # the gradient reaches the fp32 input in its dtype
     for g, w in zip(got, want, strict=True):
@@ -112,10 +113,7 @@ def test_fp32_weights_under_bf16_autocast_run_the_stock_layer():
     """The packed kernels take one dtype; where autocast wants another, the stock layer runs, exactly."""
     torch.manual_seed(0)
     model = _frozen(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(1), nn.Linear(64, 3)), torch.float32)
-    x = torch.randn(1, 4, 4, 4)
-    want = _out_and_input_grad(model, x, autocast=True)
-    packed.pack(model)
-    got = _out_and_input_grad(model, x, autocast=True)
+    want, got = _stock_then_packed(model, torch.randn(1, 4, 4, 4), autocast=True)
     assert model[0]._packed is None and model[2]._packed is None
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
