@@ -245,7 +245,8 @@ def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace
         model=str(model), data_dir=str(data), placeholder_token=TOKEN, initializer_token="toy",
         resolution=args.resolution, train_batch_size=args.batch_size, max_train_steps=args.warmup + args.steps,
         output_dir=str(out), mixed_precision=args.mixed_precision, ipex=args.ipex, compile=args.compile,
-        pack_weights=args.pack_weights if variant != "baseline" else "off", report_to="none", cache_latents=variant != "baseline", train_full_table=variant == "baseline",
+        pack_weights=args.pack_weights if variant != "baseline" else "off", report_to="none",
+        cache_latents=variant != "baseline", train_full_table=variant == "baseline",
     ))
 
 
@@ -621,7 +622,8 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             "model": args.model, "model_path": str(model), "resolution": args.resolution,
             "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "precision": precision,
             "statistic": args.statistic,
-            "ipex": args.ipex, "compile": args.compile, "pack_weights": args.pack_weights, "threads": torch.get_num_threads(),
+            "ipex": args.ipex, "compile": args.compile, "pack_weights": args.pack_weights,
+            "threads": torch.get_num_threads(),
             "allocator": loaded_allocator(), "torch": torch.__version__, "cpu": _cpu_model(),
             "backend_notes": notes, "targets": TARGETS,
         },

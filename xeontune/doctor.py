@@ -43,16 +43,11 @@ class PackingInfo:
 
 def packing_info(precision: str) -> PackingInfo:
     """What `--pack-weights auto` does here: pack the frozen UNet's weights for oneDNN (xeontune/train/packed.py)."""
-    import torch
-
     from xeontune.hardware import has_avx512
     from xeontune.train import packed
 
-    wanted, why = packed.auto_packs(precision, has_avx512())
-    if not wanted:
-        return PackingInfo(False, why)
-    ok, why = packed.available(torch.bfloat16 if precision == "bf16" else torch.float32)
-    if not ok:
+    used, why = packed.auto_choice(precision, has_avx512())
+    if not used:
         return PackingInfo(False, why)
     return PackingInfo(True, f"yes, in {precision}: the frozen UNet's weights are reordered for oneDNN once "
                        "(--ipex auto then leaves IPEX out; docs/performance.md)")

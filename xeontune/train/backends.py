@@ -61,9 +61,11 @@ def prepare_frozen_models(
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     notes: list[str] = []
+    # decided once, up front: where auto packs, `--ipex auto` leaves IPEX out (see _auto_packing)
+    auto_pack = _auto_packing(precision, compile) if pack == "auto" else (False, "")
     if ipex == "off":
         notes.append("IPEX: off (--ipex off)")
-    elif ipex == "auto" and _packing_beats_ipex(precision, pack, compile):
+    elif ipex == "auto" and auto_pack[0]:
         # decided before IPEX is imported: importing it alone swaps in some of its kernels
         notes.append("IPEX: not used (" + (
             "stock torch with packed weights was faster than IPEX 2.8 on an AMX Xeon: 1.22x in bf16, 1.13x in "
@@ -80,9 +82,7 @@ def prepare_frozen_models(
             if pack == "on":
                 notes.append("packed weights: not applied (IPEX packs the UNet's weights itself)")
             pack = "off"
-    if compile and pack == "auto":
-        pack = "off"
-    notes.extend(_apply_packing(unet, precision, pack))
+    notes.extend(_apply_packing(unet, pack, auto_pack))
     if compile:
         # Compilation happens on the first call: the first step takes minutes, and on the
         # 2-core AVX2 machine the compiled UNet was slower than eager (docs/performance.md).
@@ -91,29 +91,27 @@ def prepare_frozen_models(
     return unet, vae, notes
 
 
-def _packing_beats_ipex(precision: str, pack: str, compile: bool) -> bool:
-    """Where `--ipex auto` leaves IPEX out for packed weights: wherever auto packs (measured side by
-    side in one venv, torch 2.8, 256 px, AMX Xeon, s/step packed / IPEX / stock: bf16 0.686 / 0.835 /
-    1.143, fp32 1.875 / 2.122 / 2.206; docs/performance.md)."""
-    if pack == "off" or compile or not packed.auto_packs(precision, hardware.has_avx512())[0]:
-        return False
-    return packed.available(torch.bfloat16 if precision == "bf16" else torch.float32)[0]
+def _auto_packing(precision: str, compile: bool) -> tuple[bool, str]:
+    """What `--pack-weights auto` does: (packs, why not). Where it packs, `--ipex auto` leaves IPEX out:
+    measured side by side in one venv (torch 2.8, 256 px, AMX Xeon), s/step packed / IPEX / stock were
+    bf16 0.686 / 0.835 / 1.143 and fp32 1.875 / 2.122 / 2.206 (docs/performance.md). A compiled UNet
+    is left to inductor."""
+    if compile:
+        return False, ""
+    return packed.auto_choice(precision, hardware.has_avx512())
 
 
-def _apply_packing(unet: nn.Module, precision: str, pack: str) -> list[str]:
-    """Pack the UNet's weights for oneDNN (stock torch) as ``pack`` says; the notes say what was done."""
+def _apply_packing(unet: nn.Module, pack: str, auto_pack: tuple[bool, str]) -> list[str]:
+    """Pack the UNet's weights for oneDNN (stock torch) as ``pack`` says (``auto_pack``: what auto
+    decided); the notes say what was done."""
     if pack == "off":
         return []
-    if pack == "auto":
-        wanted, why = packed.auto_packs(precision, hardware.has_avx512())
-        if not wanted:
-            return [f"packed weights: {why}"]
-    dtype = next(unet.parameters()).dtype
-    ok, why = packed.available(dtype)
-    if not ok:
-        if pack == "on":
+    if pack == "auto" and not auto_pack[0]:
+        return [f"packed weights: {auto_pack[1]}"] if auto_pack[1] else []
+    if pack == "on":
+        ok, why = packed.available(next(unet.parameters()).dtype)
+        if not ok:
             raise UserError(f"--pack-weights on, but {why}")
-        return [f"packed weights: not used ({why})"]
     start = time.perf_counter()
     report = packed.pack(unet)
     return [f"{report.describe()} ({time.perf_counter() - start:.1f} s)"]

@@ -42,6 +42,16 @@ def auto_packs(precision: str, avx512: bool) -> tuple[bool, str]:
     return False, "not used in fp32 without AVX-512 (not measured there; --pack-weights on forces it)"
 
 
+def auto_choice(precision: str, avx512: bool) -> tuple[bool, str]:
+    """Whether `--pack-weights auto` packs on this CPU: the rule above, then whether the kernels run in
+    the precision's dtype; when it does not, the reason (one phrase, for notes and `doctor`)."""
+    wanted, why = auto_packs(precision, avx512)
+    if not wanted:
+        return False, why
+    ok, why = available(torch.bfloat16 if precision == "bf16" else torch.float32)
+    return ok, "" if ok else f"not used ({why})"
+
+
 @functools.cache
 def available(dtype: torch.dtype) -> tuple[bool, str]:
     """Whether this torch and CPU run the packed kernels in ``dtype``, checked once by running a small
