@@ -220,6 +220,25 @@ def test_released_weight_pages_leave_resident_memory_and_read_back_the_same(tmp_
     assert not packed.release_file_pages(want) and torch.equal(want, weight)  # anonymous memory: untouched
 
 
+def test_pages_written_in_a_private_file_mapping_are_never_released(tmp_path):
+    """Issue 18, finding 14: in a private writable mapping a written page is a copy-on-write copy;
+    MADV_DONTNEED would revert it to the file's bytes. Such a range is kept; an untouched one is released."""
+    import mmap
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(torch.ones(64 * 1024, dtype=torch.float32).numpy().tobytes())  # 256 KB
+    with open(path, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, writable
+    weight = torch.frombuffer(mapping, dtype=torch.float32)
+    weight.sum()  # resident, still file pages
+    assert packed.release_file_pages(weight) and torch.equal(weight, torch.ones_like(weight))
+    weight[40000] = 7.0  # one page copied on write: now anonymous memory
+    assert not packed.release_file_pages(weight)
+    assert weight[40000].item() == 7.0 and path.read_bytes()[160000:160004] == torch.ones(1).numpy().tobytes()
+    del weight
+    mapping.close()
+
+
 def test_ipex_auto_gives_way_to_packed_weights_in_bf16_without_importing_it(monkeypatch):
     from xeontune import hardware
 

@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import struct
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -185,15 +186,38 @@ def _libc() -> ctypes.CDLL:
 
 
 def _in_file_mapping(first: int, last: int) -> bool:
-    """Whether [first, last) lies inside one mapping of a regular file (per /proc/self/maps)."""
+    """Whether [first, last) lies inside one mapping of a regular file (per /proc/self/maps) and holds
+    no anonymous page: in a private writable mapping a page that was written to is a copy-on-write
+    copy, which MADV_DONTNEED would silently revert to the file's contents."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
             low, high = (int(a, 16) for a in fields[0].split("-"))
             if low <= first < high:
                 path = fields[5].strip() if len(fields) > 5 else ""
-                return last <= high and fields[4] != "0" and path.startswith("/") and not path.endswith("(deleted)")
+                if not (last <= high and fields[4] != "0" and path.startswith("/") and not path.endswith("(deleted)")):
+                    return False
+                perms = fields[1]
+                return not (perms[1] == "w" and perms[3] == "p") or not _has_anonymous_pages(first, last)
     return False
+
+
+_PAGEMAP_PRESENT, _PAGEMAP_SWAPPED, _PAGEMAP_FILE = 1 << 63, 1 << 62, 1 << 61
+
+
+def _has_anonymous_pages(first: int, last: int) -> bool:
+    """Whether any page of [first, last) is resident or swapped but not a file page (/proc/self/pagemap:
+    8 bytes a page, whose flags a process may read for itself). Unreadable counts as yes."""
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first // _PAGE * 8)
+            entries = pagemap.read((last - first) // _PAGE * 8)
+    except OSError:
+        return True
+    for (entry,) in struct.iter_unpack("<Q", entries):
+        if entry & (_PAGEMAP_PRESENT | _PAGEMAP_SWAPPED) and not entry & _PAGEMAP_FILE:
+            return True
+    return len(entries) != (last - first) // _PAGE * 8
 
 
 def _reorder_conv(weight: torch.Tensor, padding: tuple[int, ...], input_shape: torch.Size) -> torch.Tensor:
