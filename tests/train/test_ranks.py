@@ -274,3 +274,26 @@ def test_an_unwritable_cache_only_costs_speed(tiny_model, tmp_path, monkeypatch,
     unet = components.load(str(tiny_model), unet_dtype=torch.bfloat16).unet
     assert next(unet.parameters()).dtype == torch.bfloat16
     assert "could not write the bf16 UNet copy" in caplog.text
+
+
+def test_a_full_disk_while_writing_a_bf16_copy_warns_and_leaves_no_partial_folder(tiny_model, tmp_path):
+    """Issue 18, finding 13: safetensors reports a failed write as SafetensorError, not OSError. The
+    disk 'fills' at 4 KB per file here (RLIMIT_FSIZE: writes past it fail with EFBIG, as ENOSPC would)."""
+    from xeontune.train import components
+
+    cache = tmp_path / "cache"
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+        "from xeontune.train import components\n"
+        "components.ensure_bf16_copies(sys.argv[1])\n"
+    )
+    env = {**os.environ, components.BF16_CACHE_ENV: str(cache)}
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_model)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "could not write the bf16 UNet copy" in done.stderr
+    assert "could not write the bf16 text encoder's Linear layers copy" in done.stderr
+    assert not [p for p in cache.rglob("*") if p.name.startswith(".")]  # no partial folder left
+    assert not [p for p in cache.rglob("*") if p.is_file()]  # nor a copy that looks whole

@@ -189,18 +189,27 @@ def ensure_bf16_copies(model: str, revision: str = "", variant: str = "") -> Non
 
 def _write_copy(save: Any, target: Path, what: str) -> None:
     """Write whole or not at all: ``save(folder)`` into a temporary folder beside the target, then
-    one rename. Ranks that race here each write their own; the first rename wins, the others discard."""
+    one rename. Ranks that race here each write their own; the first rename wins, the others discard.
+    A full or read-only disk costs only speed and memory: say so, leave no partial folder, go on."""
+    from safetensors import SafetensorError  # safetensors' own I/O failures (ENOSPC...) are not OSError
+
+    tmp: Path | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         save(tmp)
         try:
             os.rename(tmp, target)
+            tmp = None
             log.info("wrote a bf16 copy of the %s to %s (later runs map it instead of converting)", what, target)
-        except OSError:  # another rank or run got there first
+        except OSError:  # another rank or run got there first (a rename onto a full folder fails)
+            pass
+    except (OSError, SafetensorError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log.warning("could not write the bf16 %s copy to %s (%s); loading converts it each time", what, target, reason)
+    finally:
+        if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as exc:  # a full or read-only disk costs only speed and memory: say so and go on
-        log.warning("could not write the bf16 %s copy to %s (%s); loading converts it each time", what, target, exc)
 
 
 def cast_text_encoder_linears(components: Components, dtype: Any, model: str = "", revision: str | None = None,
