@@ -43,10 +43,9 @@ class PackingInfo:
 
 def packing_info(precision: str) -> PackingInfo:
     """What `--pack-weights auto` does here: pack the frozen UNet's weights for oneDNN (xeontune/train/packed.py)."""
-    from xeontune.hardware import has_avx512
     from xeontune.train import packed
 
-    used, why = packed.auto_choice(precision, has_avx512())
+    used, why = packed.auto_choice(precision)
     if not used:
         return PackingInfo(False, why)
     return PackingInfo(True, f"yes, in {precision}: the frozen UNet's weights are reordered for oneDNN once "
@@ -196,7 +195,7 @@ def checks(r: HardwareReport) -> list[Check]:
             "uninstall it or use `make test-ipex`'s venv (torch 2.8 + IPEX 2.8); stock torch is used meanwhile",
         ),
         Check(
-            "packed weights (--pack-weights auto)", r.packing.reason, r.packing.used or "AVX-512" in r.packing.reason,
+            "packed weights (--pack-weights auto)", r.packing.reason, r.packing.used,
             "stock torch reorders every weight at every call: a torch build with oneDNN packs them once",
         ),
         Check(

@@ -124,9 +124,7 @@ def resolve_ppn(record: ClusterRecord, spec: str, train_args: list[str]) -> int:
         # a node's hyperthreads are vCPUs: the provider records physical cores, and RAM where the API says
         cores, memory = record.cores_per_node or 1, record.memory_per_node or 0
         precision = "bf16" if requested == "bf16" else "fp32"  # sized for the larger when the node decides
-    # a cloud node's CPU flags are not recorded: count packed weights wherever auto could pack (the larger)
-    packed = packs(str(given.get("pack_weights", defaults.pack_weights)), precision,
-                   avx512=None if not provider.remote else True)
+    packed = packs(str(given.get("pack_weights", defaults.pack_weights)))
     per_rank = placement.rank_memory_bytes(frozen_weight_bytes(model, precision, packed), resolution, batch)
     unknown = 2**62  # no memory recorded (localhost, or a record from before it was): cores decide
     return placement.auto_ranks(cores, 1, memory or unknown, per_rank).ranks

@@ -98,7 +98,7 @@ def _auto_packing(precision: str, compile: bool) -> tuple[bool, str]:
     is left to inductor."""
     if compile:
         return False, ""
-    return packed.auto_choice(precision, hardware.has_avx512())
+    return packed.auto_choice(precision)
 
 
 def _apply_packing(unet: nn.Module, pack: str, auto_pack: tuple[bool, str]) -> list[str]:

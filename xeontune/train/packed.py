@@ -34,21 +34,12 @@ from torch import nn
 PACK_CHOICES = ("auto", "on", "off")
 
 
-def auto_packs(precision: str, avx512: bool) -> tuple[bool, str]:
-    """What `--pack-weights auto` decides, and why when it does not pack. bf16: always (the step
-    1.6x faster on an AMX Xeon). fp32: with AVX-512 (1.18x on the same Xeon); not on AVX2-only
-    CPUs, where it was not measured and IPEX's blocked fp32 convolutions were 12x slower."""
-    if precision == "bf16" or avx512:
-        return True, ""
-    return False, "not used in fp32 without AVX-512 (not measured there; --pack-weights on forces it)"
-
-
-def auto_choice(precision: str, avx512: bool) -> tuple[bool, str]:
-    """Whether `--pack-weights auto` packs on this CPU: the rule above, then whether the kernels run in
-    the precision's dtype; when it does not, the reason (one phrase, for notes and `doctor`)."""
-    wanted, why = auto_packs(precision, avx512)
-    if not wanted:
-        return False, why
+def auto_choice(precision: str) -> tuple[bool, str]:
+    """Whether `--pack-weights auto` packs on this CPU, and why not when it does not (one phrase, for
+    notes and `doctor`). The rule: pack in both precisions wherever oneDNN runs the packed kernels in
+    the precision's dtype, since it won wherever it was measured (docs/performance.md, "Packed
+    weights"): bf16 1.6x on an AMX Xeon, fp32 1.18x on the same Xeon and 1.21x on an AVX2-only EPYC.
+    Its price is memory: each rank holds the reordered copies (``frozen_weight_bytes`` counts them)."""
     ok, why = available(torch.bfloat16 if precision == "bf16" else torch.float32)
     return ok, "" if ok else f"not used ({why})"
 

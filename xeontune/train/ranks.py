@@ -58,15 +58,10 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False) -> int
     return int(unet * (2 if packed else 1) + rest)
 
 
-def packs(pack_weights: str, precision: str, avx512: bool | None = None) -> bool:
-    """Whether the ranks will hold packed weights (counted in their memory). ``avx512``: the nodes'
-    CPU; None for this machine's."""
-    if pack_weights != "auto":
-        return pack_weights == "on"
-    from xeontune import hardware
-    from xeontune.train.packed import auto_packs
-
-    return auto_packs(precision, hardware.has_avx512() if avx512 is None else avx512)[0]
+def packs(pack_weights: str) -> bool:
+    """Whether the ranks may hold packed weights, to count them in their memory: `auto` packs in both
+    precisions wherever oneDNN runs the kernels (packed.auto_choice), so it counts them too."""
+    return pack_weights != "off"
 
 
 def _text_encoder_bytes(stored: float, precision: str) -> float:
@@ -80,7 +75,7 @@ def plan_ranks(opts: TrainOptions, precision: str) -> placement.RankPlan:
     numa_nodes = len({c.numa_node for c in cores})
     if opts.nproc_per_node == "auto":
         per_rank = placement.rank_memory_bytes(
-            frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision)), opts.resolution, opts.train_batch_size)
+            frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights)), opts.resolution, opts.train_batch_size)
         return placement.auto_ranks(len(cores), numa_nodes, placement.available_memory_bytes(), per_rank)
     ranks = int(opts.nproc_per_node)
     if ranks > len(cores):
