@@ -22,7 +22,8 @@ def _configure_logging() -> None:
 
 def _stop_like_ctrl_c() -> None:
     """SIGTERM and SIGHUP stop a rank the way Ctrl-C does (KeyboardInterrupt), so that its files are
-    closed and it says so; mpirun passes SIGINT/SIGTERM on to every rank (xeontune/jobs.py)."""
+    closed and it says so; mpirun passes SIGINT/SIGTERM on to every rank (xeontune/jobs.py), and
+    scancel sends SIGTERM to every srun task."""
     def stop(sig: int, _frame: object) -> None:
         raise KeyboardInterrupt(signal.Signals(sig).name)
 
@@ -46,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
+    try:  # under srun: Slurm's rank variables as the standard names, before anything reads them
+        from xeontune.train.world import adopt_slurm
+
+        adopt_slurm()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     _configure_logging()
     _stop_like_ctrl_c()
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,0 +1,143 @@
+"""A real Slurm on this machine for the tests: one slurmctld and three slurmd (Debian's slurm-wlm,
+installed as root by scripts/install-test-deps.sh), no munge (auth/none, cred/none), each daemon with
+its own port, spool and pid file under a temporary folder; every node at 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+DAEMONS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
+
+
+def slurm_missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (slurmd runs jobs as their user)"
+    missing = [name for name in DAEMONS if not shutil.which(name)]
+    return f"needs slurm-wlm ({', '.join(missing)} missing; scripts/install-test-deps.sh)" if missing else None
+
+
+def require_slurm() -> None:
+    """Skip only for a developer without root; as root or in CI a missing Slurm is a failed install."""
+    why = slurm_missing()
+    if why and (os.geteuid() == 0 or os.environ.get("CI")):
+        pytest.fail(f"root (or CI) runs the Slurm tests after scripts/install-test-deps.sh, yet Slurm {why}")
+    if why:
+        pytest.skip(why)
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` consecutive free TCP ports on 127.0.0.1 (slurm.conf takes a node range's ports as a range)."""
+    for start in range(17000, 30000, 7):
+        sockets = []
+        try:
+            for port in range(start, start + count):
+                s = socket.socket()
+                s.bind(("127.0.0.1", port))
+                sockets.append(s)
+            return list(range(start, start + count))
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no free ports for Slurm")
+
+
+@dataclass
+class Slurm:
+    root: Path
+    nodes: int
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.root / "slurm.conf")}
+
+    def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=self.env)
+
+    def jobs(self) -> list[str]:
+        """Job ids still known to the controller as pending or running."""
+        out = self.run("squeue", "-h", "-o", "%i %T").stdout
+        return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+    def log(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((self.root / "log").glob("*.log")))
+
+
+def start(root: Path, nodes: int = 3, cpus_per_node: int = 1) -> Slurm:
+    """A controller and ``nodes`` slurmd, answering `sinfo` when this returns."""
+    for sub in ("state", "log", *(f"spool/n{i}" for i in range(1, nodes + 1))):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    ports = _free_ports(2 + nodes)
+    conf = f"""ClusterName=xttest
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ports[0]}
+SlurmdPort={ports[1]}
+AuthType=auth/none
+CredType=cred/none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+SlurmdParameters=config_overrides
+ReturnToService=2
+MpiDefault=none
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+KillWait=5
+NodeName=n[1-{nodes}] NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={cpus_per_node} RealMemory=4000 Port={ports[2]}-{ports[-1]}
+PartitionName=debug Nodes=n[1-{nodes}] Default=YES MaxTime=INFINITE State=UP
+"""
+    (root / "slurm.conf").write_text(conf)
+    slurm = Slurm(root, nodes)
+    conf_path = str(root / "slurm.conf")
+    subprocess.run(["slurmctld", "-f", conf_path], check=True, env=slurm.env, timeout=60)
+    for i in range(1, nodes + 1):
+        subprocess.run(["slurmd", "-f", conf_path, "-N", f"n{i}"], check=True, env=slurm.env, timeout=60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = slurm.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.split()
+        if states.count("idle") == nodes:
+            return slurm
+        time.sleep(0.5)
+    stop(slurm)
+    raise RuntimeError(f"Slurm did not come up: {slurm.log()}")
+
+
+def stop(slurm: Slurm) -> None:
+    """Cancel every job, then stop the daemons (their pid files say which)."""
+    jobs = slurm.jobs()
+    if jobs:
+        slurm.run("scancel", "--full", "--quiet", *jobs)
+    for pid_file in slurm.root.glob("*.pid"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(p) for p in slurm.root.glob("*.pid")):
+        time.sleep(0.2)
+
+
+def _alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text().split()[0]), 0)
+        return True
+    except (OSError, ValueError, IndexError):
+        return False

@@ -1,0 +1,81 @@
+"""Rank, world size and rendezvous from the scheduler that started this process.
+
+Under mpirun the ranks read Hydra's PMI_RANK / PMI_SIZE (accelerate knows those names); under
+torch's elastic launcher, RANK / WORLD_SIZE. Under Slurm's ``srun`` a rank has only Slurm's names,
+so ``adopt_slurm`` gives it the standard ones (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT) before anything reads them: ``srun xeontune train ...`` in a user's own
+batch script then needs no launcher at all. Names already set win (an mpirun inside a Slurm job, or
+a user's MASTER_ADDR).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import MutableMapping
+
+from xeontune.errors import UserError
+
+# A port every task of one job step derives alike (from the job and step ids), outside Linux's
+# ephemeral range (32768-60999).
+_PORT_BASE, _PORT_SPAN = 12000, 20000
+
+
+def in_srun_step(env: MutableMapping[str, str]) -> bool:
+    """True in a task that ``srun`` started (the batch script itself has no step's task count)."""
+    return "SLURM_PROCID" in env and env.get("SLURM_STEP_NUM_TASKS", "").isdigit()
+
+
+def tasks_per_node(spec: str) -> list[int]:
+    """Slurm's compressed task counts, ``2(x3),1`` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise ValueError(f"not a Slurm tasks-per-node list: {spec!r}")
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts
+
+
+def first_node_address(nodelist: str) -> str:
+    """The address of the first node of a Slurm node list, as Slurm itself reaches it (NodeAddr,
+    which is the node's name unless the cluster's slurm.conf says otherwise)."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        raise UserError("running under srun, but scontrol is not on PATH to find the first node's address; "
+                        "set MASTER_ADDR in the batch script")
+    names = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
+                           timeout=60, check=False)
+    first = names.stdout.split()[0] if names.returncode == 0 and names.stdout.split() else ""
+    if not first:
+        raise UserError(f"scontrol show hostnames {nodelist} failed: {names.stderr.strip() or 'no hosts'}; "
+                        "set MASTER_ADDR in the batch script")
+    node = subprocess.run([scontrol, "show", "node", "-o", first], capture_output=True, text=True,
+                          timeout=60, check=False)
+    found = re.search(r"\bNodeAddr=(\S+)", node.stdout) if node.returncode == 0 else None
+    return found[1] if found else first
+
+
+def adopt_slurm(env: MutableMapping[str, str] | None = None) -> bool:
+    """In an srun task of more than one task, set the standard rank variables from Slurm's (module
+    docstring). True if it did."""
+    env = os.environ if env is None else env
+    if not in_srun_step(env) or any(name in env for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")):
+        return False
+    world = int(env["SLURM_STEP_NUM_TASKS"])
+    if world <= 1:
+        return False
+    node_index = int(env.get("SLURM_NODEID", "0"))
+    per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world))
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = str(world)
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["LOCAL_WORLD_SIZE"] = str(per_node[node_index] if node_index < len(per_node) else 1)
+    if "MASTER_ADDR" not in env:
+        env["MASTER_ADDR"] = first_node_address(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+    if "MASTER_PORT" not in env:
+        job, step = int(env.get("SLURM_JOB_ID", "0")), int(env.get("SLURM_STEP_ID", "0") or 0)
+        env["MASTER_PORT"] = str(_PORT_BASE + (job * 16 + step) % _PORT_SPAN)
+    return True
