@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from xeontune import __version__
-from xeontune.errors import UserError
+from xeontune.errors import exit_status
 from xeontune.quiet import quiet_libraries
 
 DESCRIPTION = """\
@@ -80,25 +80,25 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from xeontune import launch
+    from xeontune.job import start
 
-    return launch.main(args)
+    return start.launch_command(args)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from xeontune import run
+    from xeontune.job import run
 
     return run.main(args)
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
-    from xeontune import fetch
+    from xeontune.job import fetch
 
     return fetch.fetch_command(args.name, args.output_dir, args.overwrite)
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
-    from xeontune import fetch
+    from xeontune.job import fetch
 
     return fetch.logs_command(args.name, args.follow)
 
@@ -283,14 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   train_args=argv[1:], bench_args=argv[1:])
     else:
         args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return exit_status(lambda: args.func(args))
 
 
 if __name__ == "__main__":

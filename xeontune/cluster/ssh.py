@@ -268,7 +268,7 @@ def put_tree(record: ClusterRecord, node: Node, local_dir: str | os.PathLike[str
     try:
         sftp = client.open_sftp()
         try:
-            _sftp_makedirs(sftp, remote_dir)
+            sftp_makedirs(sftp, remote_dir)
             for root, dirs, files in os.walk(src):  # followlinks=False: links to dirs come in `dirs`
                 rel = Path(root).relative_to(src)
                 remote_root = remote_dir if rel == Path(".") else f"{remote_dir.rstrip('/')}/{rel.as_posix()}"
@@ -278,7 +278,7 @@ def put_tree(record: ClusterRecord, node: Node, local_dir: str | os.PathLike[str
                     if local.is_symlink():
                         _put_link(sftp, local, top, remote)
                     elif name in dirs:
-                        _sftp_makedirs(sftp, remote)
+                        sftp_makedirs(sftp, remote)
                     else:
                         sftp.put(os.fspath(local), remote)
                         sftp.chmod(remote, stat.S_IMODE(local.stat().st_mode))
@@ -308,7 +308,7 @@ def put_file(record: ClusterRecord, node: Node, local_path: str | os.PathLike[st
     try:
         sftp = client.open_sftp()
         try:
-            _sftp_makedirs(sftp, remote_path.rsplit("/", 1)[0] or "/")
+            sftp_makedirs(sftp, remote_path.rsplit("/", 1)[0] or "/")
             sftp.put(os.fspath(local_path), remote_path)
             sftp.chmod(remote_path, stat.S_IMODE(Path(local_path).stat().st_mode))
         finally:
@@ -317,7 +317,7 @@ def put_file(record: ClusterRecord, node: Node, local_path: str | os.PathLike[st
         close(client)
 
 
-def _sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
+def sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
     parts = [p for p in path.split("/") if p]
     current = "/" if path.startswith("/") else ""
     for part in parts:

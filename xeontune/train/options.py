@@ -236,8 +236,8 @@ def launch_defaults() -> dict[str, Any]:
             if os.environ.get(var)}
 
 
-def parse_args(argv: list[str] | None) -> TrainOptions:
-    parser = build_parser()
+def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = None) -> TrainOptions:
+    parser = parser or build_parser()
     ns = vars(parser.parse_args(argv))
     ignored = [k.removeprefix("ignored") for k in ns if k.startswith("ignored")]
     if ignored:
@@ -250,6 +250,25 @@ def parse_args(argv: list[str] | None) -> TrainOptions:
     options = TrainOptions(**values)
     options.config = config
     return validate(options)
+
+
+def given_names(argv: list[str]) -> set[str]:
+    """The options the command line or its --config file sets (the rest are defaults)."""
+    ns = vars(build_parser().parse_known_args(argv)[0])
+    names = {k for k in ns if not k.startswith("ignored") and k != "config"}
+    return names | set(load_config_file(ns["config"])) if ns.get("config") else names
+
+
+def read_options(argv: list[str]) -> TrainOptions:
+    """The options exactly as a rank reads them (command line, then --config, then defaults), for a
+    caller that is not the rank (the launcher): argparse's errors become one-line UserErrors."""
+    parser = build_parser()
+
+    def error(message: str) -> None:
+        raise UserError(f"training options after --: {message}")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parse_args(argv, parser)
 
 
 def validate(o: TrainOptions) -> TrainOptions:

@@ -1,7 +1,8 @@
-"""`xeontune launch`: one Hydra `mpirun` over SSH that starts `python -m xeontune.train` on every rank.
+"""Starting a job: one Hydra `mpirun` over SSH that starts `python -m xeontune.train` on every rank.
 
-``build_plan`` is the one place that builds the command; ``--dry-run`` prints exactly what
-``run_plan`` executes. Where mpirun runs is the provider's to say (``Provider.wrap_launch`` and
+``start`` is what `xeontune launch`, `launch --detach` and `run` call, with a ``LaunchSpec``
+(job/spec.py). ``build_plan`` is the one place that builds the command; ``--dry-run`` prints
+exactly what ``run_plan`` executes. Where mpirun runs is the provider's to say (``Provider.wrap_launch`` and
 ``launcher_args``): on a remote cluster, on the head through ``ssh -F <cluster ssh_config> -tt
 node0 ...``; on the local namespace hosts, inside the head's namespace; on localhost, right here
 with Hydra's fork launcher.
@@ -24,9 +25,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import posixpath
 import shlex
 import signal
 import sys
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +40,18 @@ from xeontune.cluster import files, providers, state
 from xeontune.cluster.providers import Provider
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
+from xeontune.job import process
+from xeontune.job import record as job_record
+from xeontune.job.record import JobInfo
+from xeontune.job.spec import (
+    JobRequest,
+    LaunchSpec,
+    choose_backend,
+    head_output_dir,
+    launch_spec,
+    read_request,
+    strip_dashes,
+)
 from xeontune.train import forecast
 from xeontune.train.options import LAUNCH_DEFAULTS_ENV
 
@@ -44,6 +60,8 @@ PASSTHROUGH_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLIN
 # ... and paths on this machine, only to ranks that run on it (never to a remote node).
 LOCAL_PATH_ENV = ("HF_HOME", "HF_HUB_CACHE", "LD_PRELOAD")
 DEFAULT_DIST_TIMEOUT_S = 30
+# Exports the --env file's variables, deletes the file, then runs the rest (``$0``: the file).
+SOURCE_AND_EXEC = 'set -a && . "$0" && set +a && rm -f "$0" && exec "$@"'
 SSH_CHECK_TIMEOUT_S = 15.0
 STOP_GRACE_S = 20.0
 
@@ -74,16 +92,6 @@ def python_path(record: ClusterRecord, provider: Provider) -> str:
     return f"{record.venv or sys.prefix}/bin/python" if provider.remote else sys.executable
 
 
-def choose_backend(requested: str) -> str:
-    """auto -> ccl when oneCCL's torch bindings import here and match torch, else gloo."""
-    if requested == "gloo":
-        return "gloo"
-    ok, why = hardware.ccl_available()
-    if requested == "ccl" and not ok:
-        raise UserError(f"--dist-backend ccl needs oneccl_bindings_for_pytorch: {why}; use --dist-backend gloo")
-    return "ccl" if ok else "gloo"
-
-
 def threads_per_rank(record: ClusterRecord, provider: Provider, world_size: int, ppn: int) -> int | None:
     """Cores a rank may use. Ranks of a provider that is not remote all share this machine's cores;
     on a remote node it is the node's cores (``record.cores_per_node``, set by the provider) over
@@ -96,56 +104,6 @@ def threads_per_rank(record: ClusterRecord, provider: Provider, world_size: int,
     return max(1, cores // ppn) if cores else None
 
 
-def resolve_ppn(record: ClusterRecord, spec: str, train_args: list[str]) -> int:
-    """--ppn as a number: given, or `auto` by the rule `xeontune train --nproc-per-node auto` uses
-    (placement.auto_ranks) applied to one node: its physical cores, and its memory where known."""
-    if spec != "auto":
-        if not spec.isdigit() or int(spec) < 1:
-            raise UserError(f"--ppn must be a positive number or auto, got {spec!r}")
-        return int(spec)
-    from xeontune import placement
-    from xeontune.train.options import TrainOptions, build_parser
-    from xeontune.train.ranks import frozen_weight_bytes, packs
-
-    # what sizes a rank, read leniently: the ranks themselves validate the whole command line
-    given = vars(build_parser().parse_known_args(_strip_dashes(train_args))[0])
-    defaults = TrainOptions()
-    model = str(given.get("model") or "")
-    resolution = int(given.get("resolution", defaults.resolution))
-    batch = int(given.get("train_batch_size", defaults.train_batch_size))
-    requested = given.get("mixed_precision", defaults.mixed_precision)
-    provider = providers.get(record.provider)
-    if not provider.remote:
-        cores = len(placement.physical_cores())
-        hosts = len(record.nodes) if provider.hosts_share_cores else 1  # namespaces share this machine
-        precision = hardware.choose_precision(requested)[0]
-        cores, memory = max(cores // hosts, 1), placement.available_memory_bytes() // hosts
-    else:
-        # a node's hyperthreads are vCPUs: the provider records physical cores, and RAM where the API says
-        cores, memory = record.cores_per_node or 1, record.memory_per_node or 0
-        precision = "bf16" if requested == "bf16" else "fp32"  # sized for the larger when the node decides
-    # a cloud node's CPU flags are not recorded: count packed weights wherever auto could pack (the larger)
-    packed = packs(str(given.get("pack_weights", defaults.pack_weights)), precision,
-                   avx512=None if not provider.remote else True)
-    per_rank = placement.rank_memory_bytes(frozen_weight_bytes(model, precision, packed), resolution, batch)
-    unknown = 2**62  # no memory recorded (localhost, or a record from before it was): cores decide
-    return placement.auto_ranks(cores, 1, memory or unknown, per_rank).ranks
-
-
-def _strip_dashes(train_args: list[str]) -> list[str]:
-    return train_args[1:] if train_args and train_args[0] == "--" else list(train_args)
-
-
-def parse_env(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UserError(f"--env takes KEY=VALUE, got {pair!r}")
-        env[key] = value
-    return env
-
-
 def _rank_pythonpath() -> str | None:
     """The source tree, when xeontune runs from a checkout rather than an installed package."""
     pkg_parent = Path(__file__).resolve().parent.parent
@@ -156,16 +114,21 @@ def _rank_pythonpath() -> str | None:
 
 def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str, train_args: list[str],
                extra_env: dict[str, str] | None = None, workdir: str | None = None,
-               module: str = "xeontune.train") -> LaunchPlan:
+               module: str = "xeontune.train", secret_env_file: str | None = None) -> LaunchPlan:
     """The whole command and environment; no side effects. ``module`` is what each rank runs
-    with ``python -m`` (tests launch small probes through the same path)."""
+    with ``python -m`` (tests launch small probes through the same path).
+
+    With ``secret_env_file`` (what `launch` and `run` use), ``extra_env`` (the user's --env) never
+    appears in a command line: the values wait in that 0600 file on the head (``write_secret_env``),
+    a shell there exports them into mpirun's environment and deletes the file, and Hydra passes
+    those names on (``-genvlist`` instead of ``-genvnone``) through its own connections."""
     if num_processes < 1 or ppn < 1:
         raise UserError("-n and --ppn must be at least 1")
     provider = providers.get(record.provider)
     if num_processes > provider.slots(record, ppn):
         raise UserError(f"-n {num_processes} is more ranks than cluster {record.name!r} holds "
                         f"({provider.slots_text(record, ppn)})")
-    train_args = _strip_dashes(train_args)
+    train_args = strip_dashes(train_args)
     chosen = choose_backend(backend)
     remote = provider.remote
     iface = provider.iface(record)
@@ -215,20 +178,26 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
     cost = provider.cost_per_hour(record)
     if cost is not None:  # rank 0's forecast turns the time left into money (train/forecast.py)
         env[forecast.COST_ENV] = f"{cost:.4f}"
-    env.update(extra_env or {})
+    secret = dict(extra_env or {}) if secret_env_file else {}
+    env.update({} if secret_env_file else (extra_env or {}))
+    for key in secret:
+        env.pop(key, None)  # --env overrides launch's own value
 
     mpirun = mpirun_path(record, provider)
     wdir = workdir or (record.work_dir if remote else os.getcwd())
     argv = [mpirun, "-n", str(num_processes), *provider.launcher_args(record, ppn)]
-    argv += ["-iface", iface, "-wdir", wdir, "-prepend-rank", "-genvnone"]
+    argv += ["-iface", iface, "-wdir", wdir, "-prepend-rank"]
+    argv += ["-genvlist", ",".join(secret)] if secret else ["-genvnone"]
     for key, value in env.items():
         argv += ["-genv", key, value]
     argv += [python_path(record, provider), "-m", module, *train_args]
 
+    # -genvnone governs only ranks reached over SSH; the head's rank is forked by mpirun and
+    # would inherit this shell's whole environment. `env -i` gives it the same clean slate.
+    base = [f"{k}={os.environ[k]}" for k in ("PATH", "HOME", "USER", "LOGNAME", "LANG") if k in os.environ]
+    if secret:  # inside `env -i`, which would clear what the shell exports
+        argv = ["sh", "-c", SOURCE_AND_EXEC, str(secret_env_file), *argv]
     if not remote:
-        # -genvnone governs only ranks reached over SSH; the head's rank is forked by mpirun and
-        # would inherit this shell's whole environment. `env -i` gives it the same clean slate.
-        base = [f"{k}={os.environ[k]}" for k in ("PATH", "HOME", "USER", "LOGNAME", "LANG") if k in os.environ]
         argv = ["env", "-i", *base, *argv]
     return LaunchPlan(argv=provider.wrap_launch(record, argv), mpirun=mpirun, world_size=num_processes, backend=chosen,
                       env=env, inner=argv, wdir=wdir)
@@ -250,7 +219,7 @@ def preflight(record: ClusterRecord, plan: LaunchPlan) -> None:
         for fut in futures:
             fut.result()  # re-raises the UserError that names the node
     if provider.remote:
-        rc, _, _ = ssh.run(record, record.head, ["test", "-x", plan.mpirun])
+        rc, _, _ = ssh.run(record, record.head, ["test", "-x", plan.mpirun], timeout_s=4 * SSH_CHECK_TIMEOUT_S)
         if rc != 0:
             raise UserError(f"no mpirun on the head node {record.head.name} (looked for {plan.mpirun})")
 
@@ -260,34 +229,144 @@ def run_plan(plan: LaunchPlan) -> int:
 
     Hydra stops every rank when one dies and exits non-zero. SIGINT (Ctrl-C), SIGTERM and SIGHUP
     to this process are passed on so that every rank stops through its own KeyboardInterrupt
-    (``jobs.run_attached``: how, and why not simply to the process group); after a grace period,
+    (``process.run_attached``: how, and why not simply to the process group); after a grace period,
     or at a second signal, the job is stopped hard.
     """
-    from xeontune import jobs
-
-    rc, sig = jobs.run_attached(plan.argv, grace_s=STOP_GRACE_S)
+    rc, sig = process.run_attached(plan.argv, grace_s=STOP_GRACE_S)
     if sig is not None:
         print(f"interrupted ({signal.Signals(sig).name}): the job was stopped on every rank", file=sys.stderr)
         return 128 + int(sig)  # like a shell's status for a job stopped by that signal
     return rc
 
 
-def main(args: argparse.Namespace) -> int:
-    record = state.load(state.validate_name(args.name))
-    ppn = resolve_ppn(record, str(args.ppn), list(args.train_args))
-    num_processes = (providers.get(record.provider).slots(record, ppn) if args.num_processes is None
-                     else args.num_processes)
-    plan = build_plan(record, num_processes, ppn, args.dist_backend, list(args.train_args),
-                      parse_env(list(getattr(args, "env", None) or [])))
-    if args.dry_run:
-        print(shlex.join(plan.argv))
-        return 0
-    preflight(record, plan)
-    from xeontune import jobs
 
-    job = jobs.begin(record, plan, list(args.train_args), detached=bool(getattr(args, "detach", False)))
-    if job.detached:
-        return jobs.launch_detached(record, plan, job)
-    print(f"launching {plan.world_size} rank(s) on cluster {record.name!r} ({record.provider}, "
-          f"backend {plan.backend}, OMP_NUM_THREADS={plan.env.get('OMP_NUM_THREADS', 'node default')})", file=sys.stderr, flush=True)
-    return run_plan(plan)
+
+# --- one start for `launch`, `launch --detach` and `run` ---------------------------------------
+
+
+def plan_for(record: ClusterRecord, spec: LaunchSpec, job_dir: str | None = None) -> LaunchPlan:
+    """The command for ``spec``; --env values wait in ``<job_dir>/env`` (``write_secret_env``)."""
+    env_file = posixpath.join(job_dir or posixpath.join(record.work_dir, "jobs", "<job id>"), "env")
+    return build_plan(record, spec.ranks, spec.ppn, spec.backend, spec.rank_args, spec.env,
+                      secret_env_file=env_file if spec.env else None)
+
+
+def write_secret_env(record: ClusterRecord, job_dir: str, env: dict[str, str]) -> None:
+    """The --env values, in a 0600 file in a 0700 job dir on the head (never in a command line)."""
+    text = "".join(f"{key}={shlex.quote(value)}\n" for key, value in env.items())
+    path = posixpath.join(job_dir, "env")
+    if not providers.get(record.provider).remote:  # the head's disk is this one
+        os.makedirs(job_dir, mode=0o700, exist_ok=True)
+        os.chmod(job_dir, 0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return
+    from xeontune.cluster import ssh
+
+    client = ssh.connect(record, record.head)
+    try:
+        sftp = client.open_sftp()
+        try:
+            ssh.sftp_makedirs(sftp, job_dir)
+            sftp.chmod(job_dir, 0o700)
+            with sftp.open(path, "w") as f:
+                f.chmod(0o600)  # before the first byte
+                f.write(text)
+        finally:
+            sftp.close()
+    finally:
+        ssh.close(client)
+
+
+def start(record: ClusterRecord, spec: LaunchSpec, detached: bool, local_output_dir: Path | None = None,
+          say: Callable[[str], None] = print) -> tuple[JobInfo, int]:
+    """Check, record and start the job. Attached: returns when it ends, with its exit code;
+    detached: once it runs on the head (exit code 0). The record is written before it starts,
+    so `fetch` and `logs` find the job whatever happens to this process."""
+    job_id = job_record.new_job_id()
+    job_dir = posixpath.join(record.work_dir, "jobs", job_id)
+    plan = plan_for(record, spec, job_dir)
+    preflight(record, plan)
+    check_no_other_job(record)
+    job = JobInfo(id=job_id, cluster=record.name, output_dir=head_output_dir(spec, plan.wdir),
+                  local_output_dir=str(local_output_dir or spec.request.local_output_dir), job_dir=job_dir,
+                  detached=detached, started=time.time(), world_size=plan.world_size,
+                  overwrite=spec.request.options.overwrite)
+    job_record.save_job(job)
+    if spec.env:
+        write_secret_env(record, job_dir, spec.env)
+    if detached:
+        start_detached(record, plan, job)
+        job_record.save_job(job)
+        return job, 0
+    say(f"launching {plan.world_size} rank(s) on cluster {record.name!r} ({record.provider}, backend {plan.backend}, "
+        f"OMP_NUM_THREADS={plan.env.get('OMP_NUM_THREADS', 'node default')})")
+    return job, run_plan(plan)
+
+
+def check_no_other_job(record: ClusterRecord) -> None:
+    """Refuse a second job while one trains on the cluster: both would use MASTER_PORT, and a
+    `run`'s sync and teardown would pull the data and nodes from under the first."""
+    provider = providers.get(record.provider)
+    if not provider.uses_ssh:
+        return
+    from xeontune.cluster import ssh
+
+    probe = [python_path(record, provider), "-c",
+             "from xeontune.cluster.autostop_watch import training_processes as t; print('; '.join(t()))"]
+    pythonpath = None if provider.remote else _rank_pythonpath()
+    if pythonpath:
+        probe = ["env", f"PYTHONPATH={pythonpath}", *probe]
+    rc, out, err = ssh.run(record, record.head, probe, timeout_s=60)
+    if rc != 0:
+        raise UserError(f"could not check {record.head.name} of cluster {record.name!r} for a running job: "
+                        f"{(err or out).strip().splitlines()[-1:] or ['no output']}")
+    if out.strip():
+        raise UserError(f"cluster {record.name!r} is running a job already ({out.strip()[:200]}); wait for it "
+                        f"(`xeontune logs --name {record.name} -f`) or use another cluster")
+
+
+def start_detached(record: ClusterRecord, plan: LaunchPlan, job: JobInfo) -> None:
+    """Start the job on the head, detached (``process``: its own session, log and exit status)."""
+    from xeontune.cluster import ssh
+
+    provider = providers.get(record.provider)
+    if provider.uses_ssh:
+        # the runner runs on the head, in its login: it starts the unwrapped mpirun command there
+        runner = process.detach_argv(python_path(record, provider), job.job_dir, plan.inner)
+        pythonpath = None if provider.remote else _rank_pythonpath()
+        if pythonpath:
+            runner = ["env", f"PYTHONPATH={pythonpath}", *runner]
+        rc, out, err = ssh.run(record, record.head, runner, timeout_s=60)
+    else:
+        import subprocess
+
+        proc = subprocess.run(process.detach_argv(sys.executable, job.job_dir, plan.argv), capture_output=True,
+                              text=True, timeout=60, cwd=plan.wdir or None)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    pid = out.strip().splitlines()[-1] if out.strip() else ""
+    if rc != 0 or not pid.isdigit() or pid == "0":
+        last = (err.strip() or out.strip() or "no output").splitlines()[-1]
+        raise UserError(f"could not start the detached job on {record.head.name}: {last[:300]}")
+    job.pid = int(pid)
+
+
+def launch_command(args: argparse.Namespace) -> int:
+    """`xeontune launch`: the spec, then one start (attached, or --detach)."""
+    record = state.load(state.validate_name(args.name))
+    provider = providers.get(record.provider)
+    request: JobRequest = read_request(list(args.train_args), str(args.ppn), args.dist_backend,
+                                       list(getattr(args, "env", None) or []), remote=provider.remote)
+    spec = launch_spec(record, request, args.num_processes)
+    if args.dry_run:
+        print(shlex.join(plan_for(record, spec).argv))
+        return 0
+    detached = bool(getattr(args, "detach", False))
+    job, rc = start(record, spec, detached, say=lambda text: print(text, file=sys.stderr, flush=True))
+    if detached:
+        name = record.name
+        print(f"started job {job.id} ({job.world_size} rank(s)) on cluster {name!r}, detached (pid {job.pid} on "
+              f"{record.head.name}); log: {job.log_path}")
+        print(f"follow it: xeontune logs --name {name} -f    outputs: xeontune fetch --name {name}")
+    return rc

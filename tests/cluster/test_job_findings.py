@@ -1,0 +1,364 @@
+"""Issue 18's findings on the job wing, without root: `run` through a provider registered from the
+tests (tests/cluster/fake_provider.py: nothing it creates exists, every call is logged), `fetch`
+and `logs` against a head that is a folder here (or a fake SFTP), the launch spec read once.
+Each test's docstring names the finding it covers; each failed on the code before issue 18."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import fake_provider
+from xeontune.cli import main
+from xeontune.cluster import manage, providers, state
+from xeontune.errors import UserError
+from xeontune.job import fetch, record, spec, start
+from xeontune.job.record import JobInfo
+
+REQUIRED = ["--model", "org/model", "--placeholder-token", "<t>", "--initializer-token", "toy"]
+
+
+@pytest.fixture
+def fake(xeontune_home) -> Iterator[list]:
+    providers.register("fake", fake_provider.__name__)
+    fake_provider.CALLS.clear()
+    yield fake_provider.CALLS
+    providers.unregister("fake")
+
+
+def ups(calls: list) -> int:
+    return sum(1 for what, _ in calls if what == "up")
+
+
+def terminations(calls: list) -> int:
+    return sum(1 for what, _ in calls if what == "terminate")
+
+
+class FolderHead(fetch.LocalFiles):
+    """A head whose files are a folder on this disk (its listing can be doctored)."""
+
+    def __init__(self, extra: dict[str, list[tuple[str, bool]]] | None = None) -> None:
+        self.extra = extra or {}
+
+    def listdir(self, path: str) -> list[tuple[str, bool]] | None:
+        return (super().listdir(path) or []) + self.extra.get(path, []) if Path(path).is_dir() else None
+
+
+def use_head(monkeypatch, head: fetch.HeadFiles) -> None:
+    @contextlib.contextmanager
+    def head_files(_record) -> Iterator[fetch.HeadFiles]:
+        yield head
+
+    monkeypatch.setattr(fetch, "head_files", head_files)
+
+
+def write_outputs(where: Path, tag: bytes = b"vectors", pipeline: bool = False) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "learned_embeds.safetensors").write_bytes(tag)
+    (where / "metrics.jsonl").write_text('{"step": 1}\n')
+    (where / "validation").mkdir(exist_ok=True)
+    (where / "validation" / "step-000001-0.png").write_bytes(b"png")
+    if pipeline:
+        (where / "pipeline" / "unet").mkdir(parents=True, exist_ok=True)
+        (where / "pipeline" / "model_index.json").write_text("{}")
+        (where / "pipeline" / "unet" / "w.bin").write_bytes(b"w")
+
+
+def fake_start(monkeypatch, head_dir: Path, before_end=None, rc: int = 0) -> None:
+    """`start.start` that "trains" by writing outputs into ``head_dir`` (the head's output dir)."""
+
+    def started(rec, launch_spec, detached, local_output_dir=None, say=print):
+        job = JobInfo(id="job1", cluster=rec.name, output_dir=str(head_dir), local_output_dir=str(local_output_dir),
+                      job_dir="/srv/fake/work/jobs/job1")
+        record.save_job(job)
+        write_outputs(head_dir)
+        if before_end:
+            before_end()
+        return job, rc
+
+    monkeypatch.setattr(start, "start", started)
+
+
+def run_cli(*argv: str) -> int:
+    return main(["run", "--provider", "fake", "-n", "2", *argv])
+
+
+# --- 1: a failed final fetch never tears the cluster down ---------------------------------------
+
+
+def test_a_refused_destination_sends_the_outputs_to_a_fresh_folder_beside_it(fake, monkeypatch, tmp_path, capsys):
+    """Finding 1: a mid-run `xeontune fetch` of another job filled the destination; the final fetch
+    refused it and the cluster (embedding included) was deleted. Now the outputs go beside it."""
+    dest = tmp_path / "out"
+    use_head(monkeypatch, FolderHead())
+
+    def someone_fills_dest() -> None:
+        write_outputs(dest, b"another run")
+
+    fake_start(monkeypatch, tmp_path / "head", someone_fills_dest)
+    assert run_cli("--name", "c1", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(dest)) == 0
+    out = capsys.readouterr().out
+    beside = tmp_path / "out-job1"
+    assert (beside / "learned_embeds.safetensors").read_bytes() == b"vectors"
+    assert (dest / "learned_embeds.safetensors").read_bytes() == b"another run"  # left alone
+    assert f"refused the outputs; they went to {beside}" in out
+    assert terminations(fake) == 1 and out.strip().splitlines()[-1].startswith("deleted cluster 'c1'")
+
+
+@pytest.mark.parametrize("failure", [fetch.HeadError("lost the connection to node0"), KeyboardInterrupt(),
+                                     OSError(28, "No space left on device")])
+def test_a_failed_final_fetch_keeps_the_cluster_and_says_how_to_fetch(fake, monkeypatch, tmp_path, capsys, failure):
+    """Finding 1: an SFTP error, ENOSPC here or Ctrl-C during the final fetch deleted the cluster
+    with the only copy of the embedding. Now it stays and the last line says how to fetch and delete."""
+    fake_start(monkeypatch, tmp_path / "head")
+
+    def failing_fetch(*_args, **_kwargs):
+        raise failure
+
+    monkeypatch.setattr(fetch, "fetch", failing_fetch)
+    rc = run_cli("--name", "c2", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(tmp_path / "out"))
+    assert rc != 0
+    assert terminations(fake) == 0 and state.exists("c2")
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "xeontune fetch --name c2" in last and "xeontune teardown --name c2" in last, last
+
+
+# --- 2: `created` only once `up` returned -------------------------------------------------------
+
+
+def test_a_run_whose_up_fails_never_deletes_a_cluster_it_did_not_make(fake, monkeypatch, tmp_path, capsys):
+    """Finding 2: `created = True` came before `up`; a second `run --name X` racing the first got
+    "already exists" from `up`, then tore down the first one's cluster."""
+    def racing_up(cluster_spec, provider_name, keep_on_failure=False):
+        providers.get("fake").up(cluster_spec)  # the other run's cluster, made meanwhile
+        raise UserError(f"cluster {cluster_spec.name!r} already exists")
+
+    monkeypatch.setattr(manage, "up", racing_up)
+    assert run_cli("--name", "race", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(tmp_path / "o")) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert terminations(fake) == 0 and state.exists("race")
+
+
+# --- 5: mistakes found before anything bills ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("run_flags", "train_flags", "message"), [
+    (["--ppn", "two"], [], "--ppn must be a positive number or auto"),
+    (["--dist-backend", "ccl"], [], "--dist-backend ccl needs oneccl_bindings_for_pytorch"),
+    ([], ["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
+    ([], ["--model", "./no-such-model"], "--model ./no-such-model is a path"),
+    ([], ["--resume-from-checkpoint", "latest"], "a new cluster holds no checkpoint"),
+    ([], ["--resolution", "33"], "--resolution must be a positive multiple of 8"),
+    ([], ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--env", "HF_TOKEN"], [], "--env takes KEY=VALUE"),
+])
+def test_mistakes_are_refused_before_a_cluster_is_created(fake, monkeypatch, tmp_path, capsys, run_flags,
+                                                          train_flags, message):
+    """Finding 5: --ppn, an unavailable ccl, --config, a local --model path and
+    --resume-from-checkpoint were found only once the cluster was billing."""
+    from xeontune import hardware
+
+    monkeypatch.setattr(hardware, "ccl_available", lambda: (False, "it does not import"))
+    assert run_cli("--name", "c5", *run_flags, "--", *REQUIRED, "--data-dir", "/data",
+                   "--output-dir", str(tmp_path / "o"), *train_flags) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert ups(fake) == 0 and not state.exists("c5")
+
+
+def test_a_config_file_is_read_once_as_the_ranks_read_it(fake, tmp_path, fake_cpu):
+    """The design: `run -- --config c.yaml` with data_dir and model in the file synced nothing and
+    sized --ppn auto on 0 bytes of weights; the ranks now get the merged options as flags (no
+    --config path that a node would not have), and `--mixed-precision no` is fp32 everywhere."""
+    data = tmp_path / "data"
+    data.mkdir()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data_dir: {data}\nmodel: org/model\nmixed_precision: 'no'\nplaceholder_token: <t>\n"
+                   "initializer_token: toy\nlearning_rate: 0.001\n")
+    request = spec.read_request(["--", "--config", str(cfg), "--max-train-steps", "5"])
+    assert request.options.data_dir == str(data) and request.options.mixed_precision == "fp32"
+    assert spec.ranks_precision(request.options, remote=False) == "fp32"  # not bf16 on an AMX Xeon
+    assert spec.ranks_precision(request.options, remote=True) == "fp32"
+    args = spec.rank_args(request.options, request.given)
+    assert "--config" not in args and args[args.index("--data-dir") + 1] == str(data)
+    assert args[args.index("--learning-rate") + 1] == "0.001" and args[args.index("--max-train-steps") + 1] == "5"
+    from xeontune.train.options import parse_args
+
+    assert dataclasses.replace(parse_args(args), config=request.options.config) == request.options  # what a rank reads from these flags is what was read here
+
+
+# --- 7, 8: fetch writes only where it should ----------------------------------------------------
+
+
+def job_at(head_dir: Path, cluster: str = "c") -> JobInfo:
+    return JobInfo(id="j", cluster=cluster, output_dir=str(head_dir), local_output_dir="", job_dir="/nowhere")
+
+
+def fake_record(fake) -> object:
+    rec, _ = manage.up(providers.ClusterSpec(name="c", num_nodes=1), "fake")
+    return rec
+
+
+@pytest.mark.parametrize("evil", ["../../escaped", "/tmp/xeontune-escaped-abs", ".."])
+def test_fetch_refuses_names_that_leave_the_destination(fake, monkeypatch, tmp_path, evil):
+    """Finding 7: `fetch` joined the head's file names unchecked: `../` and absolute names wrote
+    outside the destination."""
+    head_dir = tmp_path / "head"
+    write_outputs(head_dir, pipeline=True)
+    use_head(monkeypatch, FolderHead({str(head_dir / "pipeline" / "unet"): [(evil, False)]}))
+    monkeypatch.setattr(fetch.LocalFiles, "get", lambda self, path, local: Path(local).write_bytes(b"x"))
+    dest = tmp_path / "a" / "b" / "dest"
+    with pytest.raises(fetch.HeadError, match="unsafe file name"):
+        fetch.fetch(fake_record(fake), job_at(head_dir), dest)
+    assert not (tmp_path / "a" / "escaped").exists() and not Path("/tmp/xeontune-escaped-abs").exists()
+    assert not (dest / "pipeline").exists()
+
+
+def test_fetch_leaves_an_unrelated_pipeline_alone_and_overwrite_leaves_nothing_stale(fake, monkeypatch, tmp_path):
+    """Finding 8: `fetch` replaced an unrelated DEST/pipeline/ without --overwrite, and --overwrite
+    left the older run's validation images and pipeline behind."""
+    rec = fake_record(fake)
+    use_head(monkeypatch, FolderHead())
+    head_dir = tmp_path / "head"
+    write_outputs(head_dir)  # this run saved no pipeline
+    dest = tmp_path / "dest"
+    (dest / "pipeline").mkdir(parents=True)
+    (dest / "pipeline" / "mine.txt").write_text("keep me")
+    with pytest.raises(fetch.DestinationError, match="holds a run already.*pipeline/"):
+        fetch.fetch(rec, job_at(head_dir), dest)
+    assert (dest / "pipeline" / "mine.txt").read_text() == "keep me"
+
+    (dest / "validation").mkdir()
+    (dest / "validation" / "step-000900-0.png").write_bytes(b"old")
+    (dest / "learned_embeds-steps-900.safetensors").write_bytes(b"old")
+    report = fetch.fetch(rec, job_at(head_dir), dest, overwrite=True)
+    assert "learned_embeds.safetensors" in report.files
+    assert sorted(p.name for p in (dest / "validation").iterdir()) == ["step-000001-0.png"]
+    assert not (dest / "pipeline").exists() and not (dest / "learned_embeds-steps-900.safetensors").exists()
+    # the same job fetched again (a peek, then the final fetch) needs no --overwrite
+    assert fetch.fetch(rec, job_at(head_dir), dest).files == report.files
+
+
+# --- 11: one-line errors -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content", ["{not json", '["a list"]', '{"id": "x", "cluster": "c"}', "\xff\xfe"])
+def test_a_corrupt_or_old_job_record_is_one_line(fake, capsys, content):
+    """Finding 11: a corrupt or old job.json gave a traceback in `fetch` and `logs`."""
+    fake_record(fake)
+    record.record_path("c").write_text(content, encoding="latin-1")
+    for command in (["fetch", "--name", "c"], ["logs", "--name", "c"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "job record" in err and "cannot be read" in err, err
+
+
+class RefusingSftp:
+    """paramiko's SFTPClient as a head that refuses (or loses the connection) on reads."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def listdir_attr(self, path):
+        raise self.error
+
+    def open(self, path, mode="rb"):
+        raise self.error
+
+    def stat(self, path):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"), FileNotFoundError(2, "No such file"),
+                                   EOFError(), OSError("Socket is closed")])
+def test_sftp_errors_are_one_line(fake, tmp_path, error):
+    """Finding 11: SFTP permission and not-found errors (and a dropped connection) were tracebacks."""
+    head = fetch.SftpFiles(RefusingSftp(error), "node0")  # type: ignore[arg-type]
+    with pytest.raises(fetch.HeadError, match="node0"):
+        head.get("/srv/out/learned_embeds.safetensors", tmp_path / "x")
+    if not isinstance(error, FileNotFoundError):  # a missing file is "not there yet" for these
+        with pytest.raises(fetch.HeadError, match="node0"):
+            head.listdir("/srv/out")
+
+
+def test_an_unwritable_destination_is_one_line(fake, monkeypatch, tmp_path, capsys):
+    """Finding 11: a destination that cannot be written (here: under a file; EACCES and ENOSPC
+    take the same path) was a traceback."""
+    rec = fake_record(fake)
+    use_head(monkeypatch, FolderHead())
+    write_outputs(tmp_path / "head")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    record.save_job(JobInfo(id="j", cluster="c", output_dir=str(tmp_path / "head"),
+                            local_output_dir=str(blocker / "dest"), job_dir="/nowhere"))
+    assert main(["fetch", "--name", rec.name]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{blocker / 'dest'}" in err and "Traceback" not in err, err
+
+
+def test_a_connection_dropped_during_logs_follow_is_one_line(fake, monkeypatch, capsys):
+    """Finding 11: a connection dropped during `logs -f` was a traceback; now one line that says
+    the job goes on and how to follow it again."""
+    fake_record(fake)
+    record.save_job(JobInfo(id="j", cluster="c", output_dir="/o", local_output_dir="/o", job_dir="/srv/jobs/j",
+                            detached=True))
+
+    class Dropping(fetch.LocalFiles):
+        reads = 0
+
+        def read(self, path: str, offset: int = 0) -> bytes | None:
+            Dropping.reads += 1
+            if Dropping.reads > 2:
+                raise fetch.HeadError("lost the connection to node0 while trying to read /srv/jobs/j/log")
+            return b"step 1\n" if path.endswith("log") else None
+
+        def exists(self, path: str) -> bool:
+            return True
+
+    use_head(monkeypatch, Dropping())
+    monkeypatch.setattr(fetch, "FOLLOW_INTERVAL_S", 0.0)
+    assert main(["logs", "--name", "c", "-f"]) == 2
+    captured = capsys.readouterr()
+    assert "step 1" in captured.out
+    assert captured.err.count("\n") == 1 and "xeontune logs --name c -f" in captured.err, captured.err
+
+
+def test_job_record_round_trips(fake):
+    fake_record(fake)
+    job = JobInfo(id="j", cluster="c", output_dir="/o", local_output_dir="/l", job_dir="/d", world_size=3)
+    record.save_job(job)
+    assert record.load_job("c") == job
+    assert json.loads(record.record_path("c").read_text())["version"] == record.RECORD_VERSION
+
+
+def test_run_resumes_on_a_reused_cluster_in_its_last_jobs_output_dir(fake, monkeypatch, tmp_path, capsys):
+    """Finding 5: `run` could not resume at all on SSH providers (each run wrote a new runs/<id>,
+    where `--resume-from-checkpoint latest` found nothing)."""
+    from xeontune.job import run
+
+    fake_record(fake)
+    record.save_job(JobInfo(id="old", cluster="c", output_dir="/srv/fake/work/runs/old", local_output_dir="/l",
+                            job_dir="/srv/fake/work/jobs/old"))
+    monkeypatch.setattr(run, "sync_data", lambda rec, data_dir: "/srv/fake/work/data/d")
+    seen = []
+
+    def started(rec, launch_spec, detached, local_output_dir=None, say=print):
+        seen.append(launch_spec)
+        return JobInfo(id="new", cluster="c", output_dir=launch_spec.output_dir, local_output_dir="",
+                       job_dir="/j"), 1
+
+    monkeypatch.setattr(start, "start", started)
+    assert run_cli("--name", "c", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(tmp_path / "o"),
+                   "--resume-from-checkpoint", "latest") == 1
+    spec_seen = seen[0]
+    assert spec_seen.output_dir == "/srv/fake/work/runs/old"
+    args = spec_seen.rank_args
+    assert args[args.index("--resume-from-checkpoint") + 1] == "latest"
+    assert args[args.index("--output-dir") + 1] == "/srv/fake/work/runs/old"
+    assert args[args.index("--data-dir") + 1] == "/srv/fake/work/data/d"
+    assert terminations(fake) == 0  # a reused cluster is kept
