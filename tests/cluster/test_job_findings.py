@@ -70,7 +70,9 @@ def write_outputs(where: Path, tag: bytes = b"vectors", pipeline: bool = False) 
 
 
 def fake_start(monkeypatch, head_dir: Path, before_end=None, rc: int = 0) -> None:
-    """`start.start` that "trains" by writing outputs into ``head_dir`` (the head's output dir)."""
+    """`start.start` that "trains" by writing outputs into ``head_dir`` (the head's output dir), and
+    a job that ends with ``rc`` as `run` follows it."""
+    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: rc)
 
     def started(rec, launch_spec, detached, local_output_dir=None, say=print):
         job = JobInfo(id="job1", cluster=rec.name, output_dir=str(head_dir), local_output_dir=str(local_output_dir),
@@ -353,6 +355,7 @@ def test_run_resumes_on_a_reused_cluster_in_its_last_jobs_output_dir(fake, monke
                        job_dir="/j"), 1
 
     monkeypatch.setattr(start, "start", started)
+    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: 1)
     assert run_cli("--name", "c", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(tmp_path / "o"),
                    "--resume-from-checkpoint", "latest") == 1
     spec_seen = seen[0]
@@ -362,3 +365,73 @@ def test_run_resumes_on_a_reused_cluster_in_its_last_jobs_output_dir(fake, monke
     assert args[args.index("--output-dir") + 1] == "/srv/fake/work/runs/old"
     assert args[args.index("--data-dir") + 1] == "/srv/fake/work/data/d"
     assert terminations(fake) == 0  # a reused cluster is kept
+
+
+# --- the behaviour to reach: the job runs detached, `run` re-attaches -------------------------------
+
+
+def test_following_the_job_survives_a_dropped_connection(fake, monkeypatch, tmp_path, capsys):
+    """Issue 18's behaviour to reach: a lost connection loses nothing; `run` reconnects and the log
+    goes on where it stopped (each line once), then the job's status comes back."""
+    rec = fake_record(fake)
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    (jobs / "log").write_text("step 1\n")
+    job = JobInfo(id="j", cluster="c", output_dir="/o", local_output_dir="/o", job_dir=str(jobs), detached=True)
+
+    class Flaky(fetch.LocalFiles):
+        drops = 2
+
+        def read(self, path: str, offset: int = 0) -> bytes | None:
+            if path.endswith("rc") and (jobs / "log").read_text().count("\n") == 1 and offset == 0:
+                (jobs / "log").write_text("step 1\nstep 2\n")  # the job went on meanwhile
+                if Flaky.drops:
+                    Flaky.drops -= 1
+                    raise fetch.HeadError("lost the connection to node0")
+            if path.endswith("log") and (jobs / "log").read_text().count("\n") == 2:
+                (jobs / "rc").write_text("0\n")
+            return super().read(path, offset)
+
+        def exists(self, path: str) -> bool:
+            return True
+
+    use_head(monkeypatch, Flaky())
+    monkeypatch.setattr(fetch, "RECONNECT_INTERVAL_S", 0.0)
+    monkeypatch.setattr(fetch, "FOLLOW_INTERVAL_S", 0.0)
+    said: list[str] = []
+    assert fetch.follow_job(rec, job, 60, said.append) == 0
+    assert capsys.readouterr().out == "step 1\nstep 2\n"
+    assert said[0].startswith("lost the connection to node0; trying again") and "reconnected" in said[1]
+
+
+def test_a_connection_that_does_not_come_back_keeps_the_cluster(fake, monkeypatch, tmp_path, capsys):
+    """Issue 18 finding 1 (the lost SSH connection): ssh exited 255 after ~45 s of silence and that
+    ended the job and the cluster. Now the job goes on on the head and the cluster stays."""
+    fake_start(monkeypatch, tmp_path / "head")
+    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: None)
+    assert run_cli("--name", "gone", "--", *REQUIRED, "--data-dir", "/data",
+                   "--output-dir", str(tmp_path / "o")) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "did not come back" in last and "xeontune fetch --name gone" in last and "teardown --name gone" in last
+    assert terminations(fake) == 0 and state.exists("gone")
+
+
+def test_ctrl_c_while_following_stops_the_job_on_the_head_then_tears_down(fake, monkeypatch, tmp_path, capsys):
+    """Ctrl-C during a detached run's job reaches the ranks (SIGINT to the runner on the head), the
+    log is followed to the job's end, then the cluster this run made is deleted; exit 130."""
+    fake_start(monkeypatch, tmp_path / "head")
+    calls: list[str] = []
+
+    def follow(rec, job, reconnect_s, say):
+        calls.append("follow")
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return 130
+
+    monkeypatch.setattr(fetch, "follow_job", follow)
+    monkeypatch.setattr(fetch, "stop_job", lambda rec, job: calls.append("stop"))
+    assert run_cli("--name", "int", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(tmp_path / "o")) == 130
+    assert calls == ["follow", "stop", "follow"]
+    out = capsys.readouterr().out
+    assert "stopping the job on every rank" in out and out.strip().splitlines()[-1].startswith("deleted cluster 'int'")
+    assert terminations(fake) == 1 and not (tmp_path / "o").exists()

@@ -26,10 +26,11 @@ import os
 import posixpath
 import re
 import shutil
+import signal
 import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -50,6 +51,7 @@ FOLLOW_INTERVAL_S = 1.0
 MARKER = ".xeontune-job"  # in a fetch's destination: the id of the job its files came from
 KEEPALIVE_S = 15  # SSH keepalive while fetching or following: a dead link is noticed, not waited on
 SFTP_TIMEOUT_S = 60.0  # one SFTP request that gets no answer this long fails the fetch
+RECONNECT_INTERVAL_S = 5.0  # `run` following its job: how often a lost connection is tried again
 
 
 class HeadError(UserError):
@@ -395,21 +397,25 @@ def logs_command(name: str, follow: bool) -> int:
         raise HeadError(f"{exc}; the job goes on: follow it again with `xeontune logs --name {name} -f`") from None
 
 
-def _follow(record: ClusterRecord, job: JobInfo, follow: bool) -> int:
+def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | None = None,
+            connected: Callable[[], None] | None = None) -> int:
+    """Print the log from ``pos[0]`` on (kept there across connections); return the job's status."""
     out = sys.stdout.buffer
-    offset = 0
+    pos = pos if pos is not None else [0]
     with head_files(record) as head:
+        if connected:
+            connected()
         while True:
             rc_text = head.read(job.rc_path)  # read before the log: the log is then complete
-            chunk = head.read(job.log_path, offset) or b""
+            chunk = head.read(job.log_path, pos[0]) or b""
             if chunk:
                 out.write(chunk)
                 out.flush()
-                offset += len(chunk)
+                pos[0] += len(chunk)
             if rc_text is not None and rc_text.strip().lstrip(b"-").isdigit():
                 rc = int(rc_text)
                 if follow:
-                    print(f"xeontune: job {job.id} exited with status {rc}", file=sys.stderr)
+                    print(f"xeontune: job {job.id} exited with status {rc}", file=sys.stderr, flush=True)
                 return rc
             if not follow:
                 return 0
@@ -421,3 +427,43 @@ def _follow(record: ClusterRecord, job: JobInfo, follow: bool) -> int:
                     return 1
                 continue
             time.sleep(FOLLOW_INTERVAL_S)
+
+
+def follow_job(record: ClusterRecord, job: JobInfo, reconnect_s: float, say: Callable[[str], None]) -> int | None:
+    """`run`'s view of its detached job: the log until the job ends, then its exit status. A lost
+    connection is tried again (every RECONNECT_INTERVAL_S) for ``reconnect_s`` from when it was
+    lost, and the log goes on where it stopped; None when it did not come back (the job goes on)."""
+    pos = [0]
+    lost_since: list[float] = []
+
+    def connected() -> None:
+        if lost_since:
+            say(f"reconnected to {record.head.name}; the job went on meanwhile")
+            lost_since.clear()
+
+    while True:
+        try:
+            return _follow(record, job, True, pos, connected)
+        except HeadError as exc:
+            now = time.monotonic()
+            if not lost_since:
+                lost_since.append(now)
+                say(f"{exc}; trying again for up to {reconnect_s:.0f} s (the job goes on on the head)")
+            if now - lost_since[0] >= reconnect_s:
+                return None
+            time.sleep(RECONNECT_INTERVAL_S)
+
+
+def stop_job(record: ClusterRecord, job: JobInfo) -> None:
+    """SIGINT to the detached job's runner on the head: it passes it on to every rank (a second one
+    stops the job hard; ``process.run_attached``)."""
+    from xeontune.cluster import providers, ssh
+
+    if not job.pid:
+        raise HeadError(f"job {job.id} has no recorded pid on {record.head.name}")
+    if providers.get(record.provider).uses_ssh:
+        rc, out, err = ssh.run(record, record.head, ["kill", "-INT", str(job.pid)], timeout_s=30)
+        if rc != 0:
+            raise HeadError(f"could not signal job {job.id} on {record.head.name}: {(err or out).strip()[:200]}")
+    else:
+        os.kill(job.pid, signal.SIGINT)

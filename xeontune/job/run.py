@@ -7,16 +7,20 @@
 3. its data: `cluster up` syncs --data-dir to every node of a remote cluster (a reused one gets
    it synced again); the ranks are pointed at that copy;
 4. the job: job/start.py's one ``start`` (the same as `xeontune launch`), with the job's
-   --output-dir on the head under ``<work_dir>/runs/<id>``;
+   --output-dir on the head under ``<work_dir>/runs/<id>``. Where the head is reached by SSH the
+   job runs detached there (``launch --detach``'s runner) and `run` follows its log over SFTP: a
+   lost connection loses nothing, it is tried again for ``$XEONTUNE_RECONNECT_S`` (600 s) and the
+   log goes on where it stopped; on localhost the job is attached;
 5. the outputs: `xeontune fetch` into the local --output-dir; if it refuses (it holds another
    run, it cannot be written), into a fresh folder beside it.
 
 Then a cluster this command created is torn down, unless --keep; a reused one never is. Teardown
-also runs when training fails, and on Ctrl-C, SIGTERM or SIGHUP during the job (they are first
-passed on to the ranks, ``process.run_attached``); a second signal does not interrupt it. The
-cluster is kept, and the last line says how to fetch and tear down, whenever the outputs may
-still be only on the head: the final fetch failed or was interrupted, or the SSH connection to
-the head was lost (ssh exited 255). Otherwise the last line says what was deleted.
+also runs when training fails, and on Ctrl-C, SIGTERM or SIGHUP during the job (the job is first
+stopped on every rank through the runner on the head, or ``process.run_attached`` here; a second
+signal stops it hard); a signal does not interrupt the teardown. The cluster is kept, and the
+last line says how to fetch and tear down, whenever the outputs may still be only on the head:
+the final fetch failed or was interrupted, or the connection to the head did not come back.
+Otherwise the last line says what was deleted.
 
 On the localhost provider nothing is copied: the ranks write straight into --output-dir.
 """
@@ -186,14 +190,20 @@ def run(opts: RunOptions) -> int:
             head_out = resume_in or (posixpath.join(record.work_dir, "runs", run_id) if provider.uses_ssh else None)
             spec = launch_spec(record, request, data_dir=target, output_dir=head_out)
             _say(f"[3/4] training: {spec.ranks} rank(s) on cluster {name!r}")
-            job, rc = start.start(record, spec, detached=False, local_output_dir=dest, say=_say)
-            outcome.rc = rc
-            if rc == 255 and provider.uses_ssh and provider.remote:
-                outcome.keep_because = ("the SSH connection to the head was lost (ssh exited 255); what the job "
-                                        "wrote is still on the head")
-            elif rc != 0:
-                _say(f"training failed (exit {rc})")
+            if provider.uses_ssh:  # detached on the head: a lost connection here loses nothing there
+                job, _ = start.start(record, spec, detached=True, local_output_dir=dest, say=_say)
+                _say(f"the job runs detached on {record.head.name} (job {job.id}); following its log")
+                followed = follow_detached(record, job)
+                if followed is None:
+                    outcome.keep_because = (f"the connection to {record.head.name} was lost and did not come back; "
+                                            f"the job goes on there (follow it: xeontune logs --name {name} -f)")
+                rc = 1 if followed is None else followed
             else:
+                job, rc = start.start(record, spec, detached=False, local_output_dir=dest, say=_say)
+            outcome.rc = rc
+            if outcome.keep_because is None and rc != 0:
+                _say(f"training failed (exit {rc})")
+            elif outcome.keep_because is None:
                 _say(f"[4/4] fetching outputs into {dest}")
                 outcome.keep_because = "the outputs are still only on the head"  # until the fetch succeeds
                 try:
@@ -220,6 +230,36 @@ def run(opts: RunOptions) -> int:
         raise
     with signals_ignored():
         return _finish(outcome)
+
+
+RECONNECT_ENV = "XEONTUNE_RECONNECT_S"  # how long `run` tries to get a lost connection back (default 600)
+
+
+def follow_detached(record: ClusterRecord, job: JobInfo) -> int | None:
+    """Follow the job's log until it ends (``fetch.follow_job``); its exit status, or None when the
+    connection was lost for good. Ctrl-C, SIGTERM or SIGHUP stop the job on every rank first (a
+    second one: hard), then come out as KeyboardInterrupt, which tears the cluster down."""
+    from xeontune.job import fetch
+
+    reconnect_s = float(os.environ.get(RECONNECT_ENV) or 600)
+    first: KeyboardInterrupt | None = None
+    while True:
+        try:
+            rc = fetch.follow_job(record, job, reconnect_s, _say)
+        except KeyboardInterrupt as exc:
+            what = exc.args[0] if exc.args else "SIGINT"
+            _say(f"interrupted ({what}): stopping the job on every rank" if first is None
+                 else f"interrupted again ({what}): stopping the job hard")
+            first = first or exc
+            try:
+                fetch.stop_job(record, job)
+            except UserError as err:
+                _say(f"{err}; the teardown stops it")
+                raise first from None
+            continue
+        if first is not None:
+            raise first
+        return rc
 
 
 def resume_dir(name: str, provider: providers.Provider, resume: str | None) -> str | None:
