@@ -435,3 +435,60 @@ def test_ctrl_c_while_following_stops_the_job_on_the_head_then_tears_down(fake, 
     out = capsys.readouterr().out
     assert "stopping the job on every rank" in out and out.strip().splitlines()[-1].startswith("deleted cluster 'int'")
     assert terminations(fake) == 1 and not (tmp_path / "o").exists()
+
+
+# --- 10: nothing waits for every node, and the teardown can be abandoned ----------------------------
+
+
+def test_a_failure_on_one_node_does_not_wait_for_the_others():
+    """Finding 10: Ctrl-C (or a failure) during the bootstrap, the data sync or the preflight waited
+    for every node's work to end (the thread pool's exit joined them); now it is raised at once."""
+    import threading
+    import time
+
+    from xeontune.cluster import ssh
+    from xeontune.cluster.state import Node
+
+    release = threading.Event()
+
+    def work(node: Node) -> str:
+        if node.name == "node0":
+            raise UserError("node0 refused")
+        release.wait(10)  # a long upload
+        return node.name
+
+    start_at = time.monotonic()
+    with pytest.raises(UserError, match="node0 refused"):
+        ssh.on_every_node([Node("node0", "head", "x"), Node("node1", "worker", "y")], work)
+    assert time.monotonic() - start_at < 3
+    release.set()
+    assert ssh.on_every_node([Node("node1", "worker", "y"), Node("node2", "worker", "z")], work) == ["node1", "node2"]
+
+
+def test_one_signal_does_not_stop_the_teardown_a_second_abandons_it(fake, monkeypatch, capsys):
+    """Finding 10: the teardown could be interrupted only by SIGKILL. A first Ctrl-C still must not
+    leave half a cluster billing; a second one abandons it, and the last line says how to finish."""
+    import os
+    import signal
+    import time
+
+    from xeontune.job import run
+
+    fake_record(fake)
+    progress = []
+
+    def slow_teardown(name, provider=None, region=None):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        progress.append("went on after the first")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        progress.append("not abandoned")
+
+    monkeypatch.setattr(manage, "teardown", slow_teardown)
+    outcome = run.Outcome(name="c", provider="fake", region=None, keep=False, reused=False, created=True, rc=0)
+    assert run.finish(outcome) == 130
+    assert progress == ["went on after the first"]
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "SIGINT again to abandon it" in out[-2] and out[-1].startswith("abandoned the teardown of cluster 'c'")
+    assert "xeontune teardown --name c" in out[-1]

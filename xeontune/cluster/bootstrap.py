@@ -18,7 +18,6 @@ import posixpath
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,9 +101,7 @@ def run(record: ClusterRecord, options: BootstrapOptions) -> None:
         if remote:
             _record_iface(record)
         if options.parallel and len(record.nodes) > 1:
-            with ThreadPoolExecutor(max_workers=min(8, len(record.nodes))) as pool:
-                for future in [pool.submit(one, n) for n in record.nodes]:
-                    future.result()
+            ssh.on_every_node(record.nodes, one)  # a failure or Ctrl-C does not wait for the other nodes
         else:
             for node in record.nodes:
                 one(node)

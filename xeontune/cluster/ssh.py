@@ -31,13 +31,15 @@ import socket
 import stat
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from xeontune.errors import UserError
 from xeontune.io import atomic_write_text
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # paramiko is imported lazily: `xeontune --help` should not pay for it
     import paramiko
@@ -248,6 +250,23 @@ def run(
         return rc, out, err
     finally:
         close(client)
+
+
+def on_every_node(nodes: Sequence[Node], fn: Callable[[Node], T], workers: int = 8) -> list[T]:
+    """``fn(node)`` for every node at once. The first error (or Ctrl-C) is raised at once, without
+    waiting for the other nodes' work (a teardown that follows ends their connections)."""
+    from concurrent.futures import FIRST_EXCEPTION, wait
+
+    pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(nodes))))
+    try:
+        futures = [pool.submit(fn, node) for node in nodes]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+        return [future.result() for future in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def put_tree(record: ClusterRecord, node: Node, local_dir: str | os.PathLike[str], remote_dir: str) -> int:

@@ -100,10 +100,22 @@ def signals_interrupt() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def signals_ignored() -> Iterator[None]:
-    """For the teardown: a second Ctrl-C must not leave half a cluster billing."""
+def teardown_signals(name: str) -> Iterator[None]:
+    """For the teardown: a first Ctrl-C (SIGTERM, SIGHUP) does not leave half a cluster billing, it
+    says how to abandon the teardown; a second one does (KeyboardInterrupt), and the last line
+    then says how to finish it."""
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+    seen: list[int] = []
+
+    def once_more(sig: int, _frame: object) -> None:
+        seen.append(sig)
+        if len(seen) == 1:
+            _say(f"the teardown of cluster {name!r} goes on (half a cluster would bill on); "
+                 f"{signal.Signals(sig).name} again to abandon it")
+            return
+        raise KeyboardInterrupt(signal.Signals(sig).name)
+
+    previous = {sig: signal.signal(sig, once_more) for sig in sigs}
     try:
         yield
     finally:
@@ -121,15 +133,11 @@ def new_cluster_name() -> str:
 
 def sync_data(record: ClusterRecord, data_dir: str) -> str:
     """Copy --data-dir to every node of a reused remote cluster, where `cluster up` puts it, leaving
-    nothing of an older sync (``bootstrap.sync_data``); return that path."""
-    from concurrent.futures import ThreadPoolExecutor
+    nothing of an older sync (``bootstrap.sync_data``); return that path. A failure or Ctrl-C does
+    not wait for the other nodes."""
+    from xeontune.cluster import bootstrap, ssh
 
-    from xeontune.cluster import bootstrap
-
-    with ThreadPoolExecutor(max_workers=min(8, len(record.nodes))) as pool:
-        targets = [f.result() for f in [pool.submit(bootstrap.sync_data, record, node, data_dir)
-                                        for node in record.nodes]]
-    return targets[0]
+    return ssh.on_every_node(record.nodes, lambda node: bootstrap.sync_data(record, node, data_dir))[0]
 
 
 def remote_data_dir(record: ClusterRecord, data_dir: str) -> str:
@@ -225,11 +233,9 @@ def run(opts: RunOptions) -> int:
         outcome.rc = 1
         if outcome.keep_because is None and outcome.created:
             outcome.keep_because = "xeontune failed unexpectedly (the traceback follows)"
-        with signals_ignored():
-            _finish(outcome)
+        finish(outcome)
         raise
-    with signals_ignored():
-        return _finish(outcome)
+    return finish(outcome)
 
 
 RECONNECT_ENV = "XEONTUNE_RECONNECT_S"  # how long `run` tries to get a lost connection back (default 600)
@@ -308,6 +314,17 @@ def _spec_args(opts: RunOptions, name: str, data_dir: str | None) -> argparse.Na
     return argparse.Namespace(name=name, nodes=opts.nodes, region=opts.region, instance_type=opts.instance_type,
                               image=opts.image, spot=opts.spot, ssh_cidr=opts.ssh_cidr, subnet=opts.subnet,
                               skip_bootstrap=False, data_dir=data_dir, autostop=autostop_minutes(opts))
+
+
+def finish(o: Outcome) -> int:
+    """``_finish`` under ``teardown_signals``: only a second signal abandons the teardown."""
+    try:
+        with teardown_signals(o.name):
+            return _finish(o)
+    except KeyboardInterrupt:
+        _say(f"abandoned the teardown of cluster {o.name!r}: what is left may bill; "
+             f"run: xeontune teardown --name {o.name}")
+        return o.rc or 130
 
 
 def _finish(o: Outcome) -> int:

@@ -31,7 +31,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -214,10 +213,8 @@ def preflight(record: ClusterRecord, plan: LaunchPlan) -> None:
         return
     from xeontune.cluster import ssh
 
-    with ThreadPoolExecutor(max_workers=min(16, len(record.nodes))) as pool:
-        futures = [pool.submit(ssh.wait_for_ssh, record, node, SSH_CHECK_TIMEOUT_S, 0.5) for node in record.nodes]
-        for fut in futures:
-            fut.result()  # re-raises the UserError that names the node
+    # re-raises the UserError that names the node, without waiting for the others
+    ssh.on_every_node(record.nodes, lambda node: ssh.wait_for_ssh(record, node, SSH_CHECK_TIMEOUT_S, 0.5), workers=16)
     if provider.remote:
         rc, _, _ = ssh.run(record, record.head, ["test", "-x", plan.mpirun], timeout_s=4 * SSH_CHECK_TIMEOUT_S)
         if rc != 0:
