@@ -40,6 +40,8 @@ from xeontune.errors import UserError
 from xeontune.io import atomic_write_text
 
 T = TypeVar("T")
+KEEPALIVE_S = 15
+SFTP_TIMEOUT_S = 120.0  # one SFTP request (a put of a block) that gets no answer this long fails
 
 if TYPE_CHECKING:  # paramiko is imported lazily: `xeontune --help` should not pay for it
     import paramiko
@@ -170,6 +172,9 @@ def connect(record: ClusterRecord, node: Node, timeout_s: float = 15.0) -> param
         raise
     if jump_client is not None:
         client._xeontune_jump = jump_client  # type: ignore[attr-defined]  # kept alive with the client
+    transport = client.get_transport()
+    if transport is not None:  # a dead link is noticed (its requests fail) rather than waited on forever
+        transport.set_keepalive(KEEPALIVE_S)
     return client
 
 
@@ -286,6 +291,7 @@ def put_tree(record: ClusterRecord, node: Node, local_dir: str | os.PathLike[str
     count = 0
     try:
         sftp = client.open_sftp()
+        sftp.get_channel().settimeout(SFTP_TIMEOUT_S)
         try:
             sftp_makedirs(sftp, remote_dir)
             for root, dirs, files in os.walk(src):  # followlinks=False: links to dirs come in `dirs`
@@ -326,6 +332,7 @@ def put_file(record: ClusterRecord, node: Node, local_path: str | os.PathLike[st
     client = connect(record, node)
     try:
         sftp = client.open_sftp()
+        sftp.get_channel().settimeout(SFTP_TIMEOUT_S)
         try:
             sftp_makedirs(sftp, remote_path.rsplit("/", 1)[0] or "/")
             sftp.put(os.fspath(local_path), remote_path)
