@@ -492,3 +492,54 @@ def test_one_signal_does_not_stop_the_teardown_a_second_abandons_it(fake, monkey
     out = capsys.readouterr().out.strip().splitlines()
     assert "SIGINT again to abandon it" in out[-2] and out[-1].startswith("abandoned the teardown of cluster 'c'")
     assert "xeontune teardown --name c" in out[-1]
+
+
+# --- 3: ranks check they loaded the same images ------------------------------------------------------
+
+
+def _rank_checks(rank: int, port: int, values: list[str], results) -> None:  # noqa: ANN001 (a Queue)
+    import torch.distributed as dist
+
+    from xeontune.train.loop import Sync
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(values))
+    try:
+        Sync.create(len(values), 30).check_same(values[rank], "training images")
+        results.put((rank, "same"))
+    except UserError as exc:
+        results.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("values", [["3 images, aaa", "3 images, aaa"], ["3 images, aaa", "2 images, bbb"]])
+def test_ranks_refuse_to_train_on_different_image_sets(values, tmp_path):
+    """Finding 3: ranks never checked that they all loaded the same image set (a node with a stale
+    copy of --data-dir trained on other images, silently). Two gloo ranks, as the trainer runs them."""
+    import multiprocessing
+    import socket
+
+    from xeontune.train.data import image_set_digest
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_checks, args=(r, port, values, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    got = dict(results.get(timeout=5) for _ in procs)
+    if values[0] == values[1]:
+        assert got == {0: "same", 1: "same"}
+    else:
+        assert all("rank(s) 1 loaded other training images than rank 0 (2 images, bbb vs 3 images, aaa)" in got[r]
+                   for r in (0, 1)), got
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, content in ((a, b"x"), (b, b"y")):
+        folder.mkdir()
+        (folder / "1.png").write_bytes(content)
+    assert image_set_digest([a / "1.png"]) != image_set_digest([b / "1.png"])
+    assert image_set_digest([a / "1.png"]).startswith("1 images, ")
