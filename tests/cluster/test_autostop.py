@@ -60,7 +60,7 @@ def test_an_idle_cluster_removes_itself(own_name, xeontune_home):
     assert record.autostop_minutes == 1
     watchers = [line for line in leftovers(own_name) if "xeontune.cluster.autostop" in line]
     assert len(watchers) == 1
-    pid = int(subprocess.run(["pgrep", "-f", f"autostop --name {own_name} "], capture_output=True, text=True).stdout.split()[0])
+    pid = int(subprocess.run(["pgrep", "-f", f"autostop_watch --name {own_name} "], capture_output=True, text=True).stdout.split()[0])
     assert os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{record.head.resource_id}").st_ino  # on the head
     started = time.monotonic()
     assert wait_until(lambda: not leftovers(own_name) and not state.exists(own_name), IDLE_S + 40), leftovers(own_name)
@@ -191,7 +191,7 @@ def test_a_cloud_head_starts_its_watcher_detached_over_ssh(local_cluster):
         assert autostop.install(cloudy, 60) is True
         assert time.monotonic() - started < 20
         assert state.load(name).autostop_minutes == 60
-        found = subprocess.run(["pgrep", "-f", f"autostop --name {name} --action poweroff"],
+        found = subprocess.run(["pgrep", "-f", f"autostop_watch --name {name} --action poweroff"],
                                capture_output=True, text=True).stdout.split()
         assert len(found) == 1
         pid = int(found[0])
