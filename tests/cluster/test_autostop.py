@@ -208,3 +208,22 @@ def test_a_cloud_head_starts_its_watcher_detached_over_ssh(local_cluster):
         if pid:
             os.kill(pid, 9)
         state.delete(name)
+
+
+def test_status_says_when_the_watcher_is_not_running(own_name, xeontune_home, monkeypatch):
+    """Finding 4: a watcher that failed (a power-off or the head's own shutdown that failed, a crash)
+    went unnoticed while `cluster status` still said autostop was on."""
+    monkeypatch.setenv(autostop.IDLE_S_ENV, "3600")
+    record, _ = manage.up(ClusterSpec(name=own_name, num_nodes=1, autostop_minutes=60), "local")
+    env = {"XEONTUNE_HOME": str(xeontune_home)}
+    shown = cli("cluster", "status", "--name", own_name, env=env)
+    assert shown.returncode == 0 and "autostop: after 60 min idle, watcher running" in shown.stdout, shown.stdout
+    pid = int(subprocess.run(["pgrep", "-f", f"autostop_watch --name {own_name} "], capture_output=True,
+                             text=True).stdout.split()[0])
+    os.kill(pid, 9)
+    assert wait_until(lambda: not process_alive(pid), 10)
+    with open(autostop.log_path(record), "a") as log:
+        log.write("2026-11-23 21:00:00 autostop: FAILED: the head's own shutdown exited 1\n")
+    shown = cli("cluster", "status", "--name", own_name, env=env)
+    assert "its watcher is NOT running; its log ends: 2026-11-23 21:00:00 autostop: FAILED" in shown.stdout, \
+        shown.stdout

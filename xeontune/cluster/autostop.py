@@ -99,6 +99,24 @@ def install(record: ClusterRecord, minutes: int) -> bool:
     return True
 
 
+def watcher_state(record: ClusterRecord) -> str:
+    """What `cluster status` says of the head's watcher: running, or not (with its log's last line,
+    which says why: a failed power-off, a failed shutdown of the head, a crash)."""
+    # [x]: the pattern must not match the shell that carries it
+    pattern = f"[{WATCHER_MODULE[0]}]{WATCHER_MODULE[1:]} --name {record.name} "
+    script = 'pgrep -f -- "$0" >/dev/null && echo running || echo stopped; tail -n 1 "$1" 2>/dev/null || true'
+    try:
+        rc, out, err = ssh.run(record, record.head, ["sh", "-c", script, pattern, log_path(record)], timeout_s=30)
+    except Exception as exc:  # a stopped head, a dropped network: say so, status goes on
+        return f"unknown ({record.head.name} did not answer: {type(exc).__name__})"
+    lines = out.strip().splitlines()
+    if rc != 0 or not lines:
+        return f"unknown ({(err.strip() or f'exit {rc}')[:120]})"
+    if lines[0] == "running":
+        return "watcher running"
+    return "its watcher is NOT running" + (f"; its log ends: {lines[-1].strip()[:200]}" if len(lines) > 1 else "")
+
+
 # What the watcher runs as on every node: root, or a user with passwordless sudo (`sudo -n`).
 CAN_SHUT_DOWN = 'test "$(id -u)" -eq 0 || sudo -n true'
 
