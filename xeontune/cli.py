@@ -201,7 +201,9 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
                    help="start the job on the head in its own session (it survives this terminal and the SSH "
                    "login) with its log in the cluster's work dir, and return at once; follow it with "
                    "`xeontune logs -f`, copy its outputs with `xeontune fetch`")
-    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="extra variable for every rank (repeatable)")
+    p.add_argument("--env", action="append", metavar="KEY[=VALUE]",
+                   help="extra variable for every rank (repeatable); KEY alone takes its value from this environment, "
+                   "so that a secret is on no command line (values travel in a 0600 file, never in arguments)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by `xeontune train` options")
     p.set_defaults(func=_cmd_launch)
 
@@ -248,7 +250,9 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--autostop", type=int, metavar="MINUTES",
                    help="the head stops the cluster by itself after this long idle, even if this machine "
                    "goes away (default on aws: 30; 0 = off; see `cluster up --autostop`)")
-    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="extra variable for every rank (repeatable)")
+    p.add_argument("--env", action="append", metavar="KEY[=VALUE]",
+                   help="extra variable for every rank (repeatable); KEY alone takes its value from this environment, "
+                   "so that a secret is on no command line (values travel in a 0600 file, never in arguments)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by `xeontune train` options")
     p.set_defaults(func=_cmd_run)
 

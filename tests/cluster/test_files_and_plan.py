@@ -198,7 +198,8 @@ def test_cloud_plan_runs_on_the_head_over_ssh(xeontune_home):
     (["launch", "-n", "4", "--name", "demo", "--dry-run", "--", *REQUIRED], "more ranks than cluster 'demo' holds (3 hosts x --ppn 1 = 3)"),
     (["launch", "-n", "1", "--name", "nope", "--dry-run"], "unknown cluster 'nope'"),
     (["cluster", "ssh", "node7", "--name", "demo"], "has no node 'node7'"),
-    (["launch", "-n", "1", "--name", "demo", "--dry-run", "--env", "NOEQUALS"], "--env takes KEY=VALUE"),
+    (["launch", "-n", "1", "--name", "demo", "--dry-run", "--env", "NOEQUALS"], "give KEY=VALUE, or export it"),
+    (["launch", "-n", "1", "--name", "demo", "--dry-run", "--env", "=x"], "--env takes KEY=VALUE or KEY"),
 ])
 def test_user_errors_are_one_line_exit_2(record, capsys, argv, message):
     assert main(argv) == 2

@@ -157,7 +157,7 @@ def test_a_run_whose_up_fails_never_deletes_a_cluster_it_did_not_make(fake, monk
     ([], ["--resume-from-checkpoint", "latest"], "a new cluster holds no checkpoint"),
     ([], ["--resolution", "33"], "--resolution must be a positive multiple of 8"),
     ([], ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    (["--env", "HF_TOKEN"], [], "--env takes KEY=VALUE"),
+    (["--env", "XT_UNSET_FOR_TESTS"], [], "give KEY=VALUE, or export it"),
 ])
 def test_mistakes_are_refused_before_a_cluster_is_created(fake, monkeypatch, tmp_path, capsys, run_flags,
                                                           train_flags, message):
@@ -368,6 +368,16 @@ def test_run_resumes_on_a_reused_cluster_in_its_last_jobs_output_dir(fake, monke
 
 
 # --- the behaviour to reach: the job runs detached, `run` re-attaches -------------------------------
+
+
+def test_env_takes_a_value_from_this_environment_without_a_command_line(monkeypatch, capsys, xeontune_home):
+    """Finding 9: the value of `--env HF_TOKEN=...` was in this machine's process arguments (ps):
+    `--env HF_TOKEN` takes it from this environment, and no output shows it."""
+    monkeypatch.setenv("HF_TOKEN", "hf_from_env")
+    assert spec.parse_env(["HF_TOKEN", "A=1"]) == {"HF_TOKEN": "hf_from_env", "A": "1"}
+    with pytest.raises(UserError) as info:
+        spec.parse_env(["1BAD=hf_secret"])
+    assert "hf_secret" not in str(info.value)
 
 
 def test_following_the_job_survives_a_dropped_connection(fake, monkeypatch, tmp_path, capsys):

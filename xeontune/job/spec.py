@@ -66,11 +66,18 @@ def strip_dashes(train_args: list[str]) -> list[str]:
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
+    """--env KEY=VALUE, or --env KEY: the value KEY has in this environment (so that a secret such as
+    HF_TOKEN need not be on any command line). Errors never show a value."""
     env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key or not key.replace("_", "a").isalnum():
-            raise UserError(f"--env takes KEY=VALUE, got {pair.partition('=')[0]!r}{'=...' if sep else ''}")
+        if not key or not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise UserError(f"--env takes KEY=VALUE or KEY, got {key!r}{'=...' if sep else ''}")
+        if not sep:
+            if key not in os.environ:
+                raise UserError(f"--env {key} takes its value from this environment, where {key} is not set; "
+                                "give KEY=VALUE, or export it")
+            value = os.environ[key]
         env[key] = value
     return env
 
