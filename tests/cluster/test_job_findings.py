@@ -74,7 +74,7 @@ def fake_start(monkeypatch, head_dir: Path, before_end=None, rc: int = 0) -> Non
     a job that ends with ``rc`` as `run` follows it."""
     monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: rc)
 
-    def started(rec, launch_spec, detached, local_output_dir=None, say=print):
+    def started(rec, launch_spec, detached, local_output_dir=None, say=print, hold_for_fetch=False):
         job = JobInfo(id="job1", cluster=rec.name, output_dir=str(head_dir), local_output_dir=str(local_output_dir),
                       job_dir="/srv/fake/work/jobs/job1")
         record.save_job(job)
@@ -349,7 +349,7 @@ def test_run_resumes_on_a_reused_cluster_in_its_last_jobs_output_dir(fake, monke
     monkeypatch.setattr(run, "sync_data", lambda rec, data_dir: "/srv/fake/work/data/d")
     seen = []
 
-    def started(rec, launch_spec, detached, local_output_dir=None, say=print):
+    def started(rec, launch_spec, detached, local_output_dir=None, say=print, hold_for_fetch=False):
         seen.append(launch_spec)
         return JobInfo(id="new", cluster="c", output_dir=launch_spec.output_dir, local_output_dir="",
                        job_dir="/j"), 1
@@ -553,3 +553,35 @@ def test_ranks_refuse_to_train_on_different_image_sets(values, tmp_path):
         (folder / "1.png").write_bytes(content)
     assert image_set_digest([a / "1.png"]) != image_set_digest([b / "1.png"])
     assert image_set_digest([a / "1.png"]).startswith("1 images, ")
+
+
+def test_autostop_waits_for_a_run_whose_outputs_were_not_fetched(fake, monkeypatch, tmp_path):
+    """Issue 18's behaviour to reach: if the connection does not come back, the cluster stays and its
+    autostop waits for a fetch (at most a day). `run` marks the job at its start; the fetch of an
+    ended job clears the mark, a peek at a running one does not."""
+    import os
+    import time
+
+    from xeontune.cluster import autostop_watch
+
+    work = tmp_path / "work"
+    jobs = work / "jobs" / "j"
+    jobs.mkdir(parents=True)
+    head_dir = tmp_path / "head"
+    write_outputs(head_dir)
+    rec = fake_record(fake)
+    local_rec = dataclasses.replace(rec, provider="local")  # whose head's disk is this one
+    job = JobInfo(id="j", cluster="c", output_dir=str(head_dir), local_output_dir="", job_dir=str(jobs))
+    start.put_head_text(local_rec, job.unfetched_path, "x\n")
+    assert autostop_watch.unfetched_jobs(str(work)) == ["job j's outputs not fetched yet"]
+    assert "job j's outputs not fetched yet" in autostop_watch.busy_reasons(str(work))
+    use_head(monkeypatch, FolderHead())
+    fetch.fetch(rec, job, tmp_path / "peek")  # the job runs still: the mark stays
+    assert Path(job.unfetched_path).exists()
+    (jobs / "rc").write_text("0\n")
+    fetch.fetch(rec, job, tmp_path / "final")
+    assert not Path(job.unfetched_path).exists() and autostop_watch.unfetched_jobs(str(work)) == []
+    start.put_head_text(local_rec, job.unfetched_path, "x\n")
+    old = time.time() - autostop_watch.FETCH_WAIT_S - 60
+    os.utime(job.unfetched_path, (old, old))
+    assert autostop_watch.unfetched_jobs(str(work)) == []  # never forever: a day at most

@@ -58,7 +58,7 @@ def log_path(record: ClusterRecord) -> str:
 
 def watcher_argv(record: ClusterRecord, python: str, action: str, idle_s: float) -> list[str]:
     argv = [python, "-m", WATCHER_MODULE, "--name", record.name, "--action", action,
-            "--idle-s", f"{idle_s:g}", "--log", log_path(record)]
+            "--idle-s", f"{idle_s:g}", "--log", log_path(record), "--work-dir", record.work_dir]
     if action == "poweroff":
         argv += ["--ssh-config", files.remote_path(record, "ssh_config.internal"),
                  "--workers", ",".join(n.name for n in record.nodes if n.role != "head")]

@@ -78,12 +78,30 @@ def ssh_connections(port: int = SSH_PORT) -> int:
     return count
 
 
-def busy_reasons() -> list[str]:
+def busy_reasons(work_dir: str | None = None) -> list[str]:
     reasons = training_processes()
     sessions = ssh_connections()
     if sessions:
         reasons.append(f"{sessions} ssh connection(s)")
-    return reasons
+    return reasons + (unfetched_jobs(work_dir) if work_dir else [])
+
+
+FETCH_WAIT_S = 24 * 3600.0  # at most this long does a job whose outputs nobody fetched keep the cluster up
+
+
+def unfetched_jobs(work_dir: str, now: float | None = None, wait_s: float = FETCH_WAIT_S) -> list[str]:
+    """Jobs that `run` started and whose outputs were not fetched yet (``record.UNFETCHED`` in the
+    job's dir, written at start, removed by the fetch once the job ended): a lost laptop's run keeps
+    its results on the head until someone fetches them, for at most ``wait_s``."""
+    from xeontune.job.record import UNFETCHED
+
+    now = time.time() if now is None else now
+    found = []
+    for marker in sorted(Path(work_dir, "jobs").glob(f"*/{UNFETCHED}")):
+        with contextlib.suppress(OSError):
+            if now - marker.stat().st_mtime < wait_s:
+                found.append(f"job {marker.parent.name}'s outputs not fetched yet")
+    return found
 
 
 def watch(idle_s: float, poll_s: float, busy: Callable[[], list[str]] = busy_reasons,
@@ -210,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", help="teardown: the state dir ($XEONTUNE_HOME) that holds the record")
     parser.add_argument("--ssh-config", help="poweroff: the head's ssh config for the workers")
     parser.add_argument("--workers", default="", help="poweroff: comma-separated worker names")
+    parser.add_argument("--work-dir", help="the cluster's work dir on the head: its jobs' unfetched outputs keep it busy")
     parser.add_argument("--detach", action="store_true", help="return at once; the watcher runs on in the background")
     args = parser.parse_args(argv)
     if args.detach:
@@ -223,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             _setns(target.fileno())
     _log(f"watching cluster {args.name!r} (pid {os.getpid()}): {args.action} after {args.idle_s:g}s idle; "
          f"argv {shlex.join(sys.argv[1:])}")
-    watch(args.idle_s, poll_seconds(args.idle_s))
+    watch(args.idle_s, poll_seconds(args.idle_s), busy=lambda: busy_reasons(args.work_dir))
     if args.action == "teardown":
         return teardown_here(args.name, home_netns)
     return poweroff(args.ssh_config, [w for w in args.workers.split(",") if w])

@@ -77,6 +77,7 @@ class HeadFiles(Protocol):
     def get(self, path: str, local: Path) -> None: ...
     def read(self, path: str, offset: int = 0) -> bytes | None: ...  # None if missing
     def exists(self, path: str) -> bool: ...
+    def remove(self, path: str) -> None: ...
 
 
 def _local_open(local: Path):  # noqa: ANN202 (a binary file)
@@ -120,6 +121,14 @@ class LocalFiles:
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
+
+    def remove(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise HeadError(f"cannot remove {path}: {exc.strerror or exc}") from None
 
 
 class SftpFiles:
@@ -184,6 +193,10 @@ class SftpFiles:
                 return True
             except FileNotFoundError:
                 return False
+
+    def remove(self, path: str) -> None:
+        with self._remote("remove", path), contextlib.suppress(FileNotFoundError):
+            self.sftp.remove(path)
 
 
 @contextlib.contextmanager
@@ -327,6 +340,8 @@ def _fetch_into(record: ClusterRecord, job: JobInfo, dest: Path, report: FetchRe
             report.files.append(f"pipeline/ ({count} files)")
         elif (dest / "pipeline").exists():  # an older run's (check_destination let it go: --overwrite)
             shutil.rmtree(dest / "pipeline") if (dest / "pipeline").is_dir() else (dest / "pipeline").unlink()
+        if head.exists(job.rc_path):  # the job has ended and its outputs are here: autostop need not wait
+            head.remove(job.unfetched_path)
     # an older run's files that this run did not write would read as this run's
     for stale in dest.iterdir():
         if stale.is_file() and TOP_FILES.match(stale.name) and stale.name not in names:

@@ -20,6 +20,9 @@ from xeontune.errors import UserError
 from xeontune.io import atomic_write_json
 
 RECORD_VERSION = 2
+# In a job's dir on the head while `run` has not fetched its outputs: the autostop watcher waits
+# for it (cluster/autostop_watch.py), for at most a day.
+UNFETCHED = "unfetched"
 
 
 @dataclass
@@ -49,6 +52,10 @@ class JobInfo:
     @property
     def pid_path(self) -> str:
         return posixpath.join(self.job_dir, "pid")
+
+    @property
+    def unfetched_path(self) -> str:
+        return posixpath.join(self.job_dir, UNFETCHED)
 
 
 def new_job_id() -> str:

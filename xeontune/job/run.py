@@ -199,7 +199,7 @@ def run(opts: RunOptions) -> int:
             spec = launch_spec(record, request, data_dir=target, output_dir=head_out)
             _say(f"[3/4] training: {spec.ranks} rank(s) on cluster {name!r}")
             if provider.uses_ssh:  # detached on the head: a lost connection here loses nothing there
-                job, _ = start.start(record, spec, detached=True, local_output_dir=dest, say=_say)
+                job, _ = start.start(record, spec, detached=True, local_output_dir=dest, say=_say, hold_for_fetch=True)
                 _say(f"the job runs detached on {record.head.name} (job {job.id}); following its log")
                 followed = follow_detached(record, job)
                 if followed is None:

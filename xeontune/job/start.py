@@ -251,7 +251,12 @@ def plan_for(record: ClusterRecord, spec: LaunchSpec, job_dir: str | None = None
 def write_secret_env(record: ClusterRecord, job_dir: str, env: dict[str, str]) -> None:
     """The --env values, in a 0600 file in a 0700 job dir on the head (never in a command line)."""
     text = "".join(f"{key}={shlex.quote(value)}\n" for key, value in env.items())
-    path = posixpath.join(job_dir, "env")
+    put_head_text(record, posixpath.join(job_dir, "env"), text)
+
+
+def put_head_text(record: ClusterRecord, path: str, text: str) -> None:
+    """Write ``text`` into ``path`` on the head: a 0600 file in a 0700 dir, private before its first byte."""
+    job_dir = posixpath.dirname(path)
     if not providers.get(record.provider).remote:  # the head's disk is this one
         os.makedirs(job_dir, mode=0o700, exist_ok=True)
         os.chmod(job_dir, 0o700)
@@ -277,10 +282,11 @@ def write_secret_env(record: ClusterRecord, job_dir: str, env: dict[str, str]) -
 
 
 def start(record: ClusterRecord, spec: LaunchSpec, detached: bool, local_output_dir: Path | None = None,
-          say: Callable[[str], None] = print) -> tuple[JobInfo, int]:
+          say: Callable[[str], None] = print, hold_for_fetch: bool = False) -> tuple[JobInfo, int]:
     """Check, record and start the job. Attached: returns when it ends, with its exit code;
     detached: once it runs on the head (exit code 0). The record is written before it starts,
-    so `fetch` and `logs` find the job whatever happens to this process."""
+    so `fetch` and `logs` find the job whatever happens to this process. ``hold_for_fetch``
+    (`run`): the head's autostop waits until the outputs are fetched (``record.UNFETCHED``)."""
     job_id = job_record.new_job_id()
     job_dir = posixpath.join(record.work_dir, "jobs", job_id)
     plan = plan_for(record, spec, job_dir)
@@ -293,6 +299,8 @@ def start(record: ClusterRecord, spec: LaunchSpec, detached: bool, local_output_
     job_record.save_job(job)
     if spec.env:
         write_secret_env(record, job_dir, spec.env)
+    if hold_for_fetch:
+        put_head_text(record, job.unfetched_path, f"{job.local_output_dir}\n")
     if detached:
         start_detached(record, plan, job)
         job_record.save_job(job)
