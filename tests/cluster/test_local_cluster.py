@@ -169,13 +169,18 @@ def test_cloud_style_launch_runs_mpirun_on_the_head_over_ssh(local_cluster):
     assert len(lines) == 3 and all("ok=True" in line for line in lines)
 
 
+# what every job needs: a hub id (never loaded by these tests) and a folder that exists here
+JOB = ["--model", "org/model", "--data-dir", str(REPO), "--placeholder-token", "<t>", "--initializer-token", "toy"]
+
+
 def test_dry_run_prints_the_command(local_cluster):
-    out = cli("launch", "-n", "3", "--name", local_cluster.name, "--dry-run", "--", "--max-train-steps", "2")
+    out = cli("launch", "-n", "3", "--name", local_cluster.name, "--dry-run", "--", *JOB, "--max-train-steps", "2")
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip()
     assert line.startswith(f"ip netns exec {local_cluster.head.resource_id} ")
     for part in ("-launcher ssh", "-iface eth0", "-ppn 1", f"-genv MASTER_ADDR {local_cluster.head.private_ip}",
-                 "-genv GLOO_SOCKET_IFNAME eth0", "-genv OMP_NUM_THREADS", "-m xeontune.train --max-train-steps 2",
+                 "-genv GLOO_SOCKET_IFNAME eth0", "-genv OMP_NUM_THREADS", "-m xeontune.train --model org/model",
+                 "--max-train-steps 2",
                  "-genv XEONTUNE_LAUNCH_DIST_BACKEND gloo", "-genv XEONTUNE_LAUNCH_DIST_TIMEOUT 30"):
         assert part in line
 
@@ -255,14 +260,14 @@ def test_ctrl_c_stops_every_rank(local_cluster, tmp_path):
 
 
 def test_missing_mpirun_is_a_one_line_error(local_cluster):
-    out = cli("launch", "-n", "3", "--name", local_cluster.name, "--", "--max-train-steps", "1",
+    out = cli("launch", "-n", "3", "--name", local_cluster.name, "--", *JOB, "--max-train-steps", "1",
               env={"XEONTUNE_MPIRUN": "/nonexistent/bin/mpirun"})
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "no mpirun on the head node" in out.stderr
 
 
 def test_too_many_ranks_is_a_one_line_error(local_cluster):
-    out = cli("launch", "-n", "4", "--name", local_cluster.name, "--", "--max-train-steps", "1")
+    out = cli("launch", "-n", "4", "--name", local_cluster.name, "--", *JOB, "--max-train-steps", "1")
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "3 hosts x --ppn 1 = 3" in out.stderr
 
