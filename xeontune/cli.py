@@ -222,11 +222,16 @@ example (the embedding lands in ./out; the cluster is deleted afterwards):
   xeontune run --provider aws -n 3 -- --model stable-diffusion-v1-5/stable-diffusion-v1-5 \\
       --data-dir ./my-concept --placeholder-token '<my-concept>' --initializer-token toy --output-dir ./out
 
---data-dir is copied to every node of a cloud cluster and the ranks read that copy; the job writes
-on the head and its outputs (learned_embeds*.safetensors, metrics.jsonl, validation images, the
-pipeline if saved) are copied into --output-dir, which must not hold another run (train's
---overwrite allows it). The cluster is torn down when training ends, fails, on Ctrl-C, SIGTERM,
-SIGHUP or a lost SSH connection; the last line says what was deleted. Exit code: the job's.
+Everything checkable (the train options, as a rank reads them with --config; --ppn, --env, ccl, a
+local --model, --resume-from-checkpoint, the destination) is checked before anything bills.
+--data-dir is copied to every node of a cloud cluster and the ranks read that copy; the job runs
+detached on the head (a lost connection here loses nothing: run reconnects and follows its log)
+and its outputs (learned_embeds*.safetensors, metrics.jsonl, validation images, the pipeline if
+saved) are copied into --output-dir, which must not hold another run (train's --overwrite allows
+it), or, if it refuses at the end, into a fresh folder beside it. The cluster is torn down when
+training ends and its outputs are here, when it fails, and on Ctrl-C, SIGTERM or SIGHUP; it is
+kept when the outputs may be only on the head (a failed fetch, a connection that did not come
+back), and the last line then says how to fetch and tear down. Exit code: the job's.
 """
 
 
