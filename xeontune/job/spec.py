@@ -21,7 +21,7 @@ from xeontune import hardware, placement
 from xeontune.cluster import providers
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
-from xeontune.train.options import TrainOptions, given_names, read_options
+from xeontune.train.options import TrainOptions, read_options
 
 
 @dataclass
@@ -112,8 +112,7 @@ def read_request(train_args: list[str], ppn: str = "1", backend: str = "auto", e
     env_vars = parse_env(list(env or []))
     ppn = check_ppn(ppn)
     args = strip_dashes(list(train_args))
-    options = read_options(args)
-    given = given_names(args)
+    options, given = read_options(args)
     model = str(options.model)
     if looks_local(model) and not remote and not Path(model).expanduser().is_dir():
         raise UserError(f"--model {model} is not a directory (a local pipeline folder, or a hub id like org/name)")
