@@ -230,8 +230,12 @@ def test_fetch_copies_outputs_and_refuses_to_overwrite(local_cluster, tiny, tmp_
     assert first.returncode == 0, first.stdout + first.stderr
     want = (tmp_path / "job" / "learned_embeds.safetensors").read_bytes()
     assert (dest / "learned_embeds.safetensors").read_bytes() == want
-    assert sorted(p.name for p in dest.iterdir()) == ["learned_embeds.safetensors", "metrics.jsonl",
+    assert sorted(p.name for p in dest.iterdir()) == [".xeontune-job", "learned_embeds.safetensors", "metrics.jsonl",
                                                       "train_config.json"]
+    (dest / "learned_embeds.safetensors").write_bytes(b"old")
+    again = cli("fetch", "--name", name, "--output-dir", str(dest))  # the same job again: refreshed
+    assert again.returncode == 0 and (dest / "learned_embeds.safetensors").read_bytes() == want, again.stderr
+    (dest / ".xeontune-job").unlink()  # now the files of a run from elsewhere
     (dest / "learned_embeds.safetensors").write_bytes(b"mine")
     refused = cli("fetch", "--name", name, "--output-dir", str(dest))
     assert refused.returncode == 2 and "--overwrite" in refused.stderr and "Traceback" not in refused.stderr
