@@ -173,7 +173,7 @@ def test_a_worker_that_does_not_power_off_keeps_the_head_up_and_says_so(local_cl
                                    sleep=slept.append) == 1
     assert slept == [7, 7] and marks.read_text() == ""  # tried three times; the head never ran its shutdown
     out = capsys.readouterr().out
-    assert out.count("could not power off node1") == 3 and "FAILED: could not power off node1" in out
+    assert out.count("could not power off node1 (exit") == 3 and "FAILED: could not power off node1 after 3" in out
     assert autostop_watch.poweroff(str(tmp_path / "no_such_config"), [], ("false",)) == 1
     assert "FAILED: the head's own shutdown exited 1" in capsys.readouterr().out
 

@@ -209,12 +209,17 @@ def test_detach_then_logs_follow_returns_output_and_status(local_cluster, tiny, 
     assert "exited with status 0" in follow.stderr
     assert (tmp_path / "out" / "learned_embeds.safetensors").is_file()  # the head shares this disk
 
-    # a failing job: its status comes back from `logs -f` (and from `logs` once it has ended)
+    # a mistake in the options is refused before anything starts (issue 18, finding 5)
     bad = cli("launch", "--name", name, "--detach", "--",
               *train_args(tiny, tmp_path / "bad", 1, 3, "--resolution", "33"), env=OFFLINE)
+    assert bad.returncode == 2 and "multiple of 8" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+    # a job that fails on the ranks: its status comes back from `logs -f` (and from `logs` once it has ended)
+    (tmp_path / "empty").mkdir()
+    bad = cli("launch", "--name", name, "--detach", "--",
+              *train_args({**tiny, "data": tmp_path / "empty"}, tmp_path / "bad", 1, 3), env=OFFLINE)
     assert bad.returncode == 0, bad.stdout + bad.stderr
     follow = cli("logs", "--name", name, "-f", timeout=300)
-    assert follow.returncode != 0 and "multiple of 8" in follow.stdout, follow.stdout + follow.stderr
+    assert follow.returncode != 0 and "is empty" in follow.stdout, follow.stdout + follow.stderr
     assert cli("logs", "--name", name).returncode == follow.returncode
 
 
