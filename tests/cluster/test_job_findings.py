@@ -522,6 +522,7 @@ def _rank_checks(rank: int, port: int, values: list[str], results) -> None:  # n
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes that import torch: about 10 s each
 @pytest.mark.parametrize("values", [["3 images, aaa", "3 images, aaa"], ["3 images, aaa", "2 images, bbb"]])
 def test_ranks_refuse_to_train_on_different_image_sets(values, tmp_path):
     """Finding 3: ranks never checked that they all loaded the same image set (a node with a stale
