@@ -83,6 +83,12 @@ else
         $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgoogle-perftools4t64 >/dev/null 2>&1 \
             || $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgoogle-perftools4 >/dev/null 2>&1 || true
     fi
+    # A laptop that vanished leaves a half-open SSH connection, which sshd keeps (and autostop counts
+    # as a session) for about 2 h without keepalives: probe every 30 s, drop it after 4 unanswered.
+    if [ -d /etc/ssh/sshd_config.d ] && [ ! -f /etc/ssh/sshd_config.d/60-xeontune.conf ]; then
+        printf 'ClientAliveInterval 30\nClientAliveCountMax 4\n' | $SUDO tee /etc/ssh/sshd_config.d/60-xeontune.conf >/dev/null
+        $SUDO systemctl reload ssh 2>/dev/null || $SUDO systemctl reload sshd 2>/dev/null || true
+    fi
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
     # torch first, from the CPU index: PyPI's default build is the multi-GB CUDA one.

@@ -773,7 +773,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from xeontune.cli import main as cli_main
+if __name__ == "__main__":  # as `xeontune bench`, without importing the CLI (which imports this module)
+    from xeontune.errors import exit_status
 
-    sys.exit(cli_main(["bench", *sys.argv[1:]]))
+    quiet_libraries()
+    sys.exit(exit_status(main))

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from xeontune import __version__
-from xeontune.errors import UserError
+from xeontune.errors import exit_status
 from xeontune.quiet import quiet_libraries
 
 DESCRIPTION = """\
@@ -80,25 +80,25 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from xeontune import launch
+    from xeontune.job import start
 
-    return launch.main(args)
+    return start.launch_command(args)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from xeontune import run
+    from xeontune.job import run
 
     return run.main(args)
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
-    from xeontune import fetch
+    from xeontune.job import fetch
 
     return fetch.fetch_command(args.name, args.output_dir, args.overwrite)
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
-    from xeontune import fetch
+    from xeontune.job import fetch
 
     return fetch.logs_command(args.name, args.follow)
 
@@ -201,7 +201,9 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
                    help="start the job on the head in its own session (it survives this terminal and the SSH "
                    "login) with its log in the cluster's work dir, and return at once; follow it with "
                    "`xeontune logs -f`, copy its outputs with `xeontune fetch`")
-    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="extra variable for every rank (repeatable)")
+    p.add_argument("--env", action="append", metavar="KEY[=VALUE]",
+                   help="extra variable for every rank (repeatable); KEY alone takes its value from this environment, "
+                   "so that a secret is on no command line (values travel in a 0600 file, never in arguments)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by `xeontune train` options")
     p.set_defaults(func=_cmd_launch)
 
@@ -220,11 +222,16 @@ example (the embedding lands in ./out; the cluster is deleted afterwards):
   xeontune run --provider aws -n 3 -- --model stable-diffusion-v1-5/stable-diffusion-v1-5 \\
       --data-dir ./my-concept --placeholder-token '<my-concept>' --initializer-token toy --output-dir ./out
 
---data-dir is copied to every node of a cloud cluster and the ranks read that copy; the job writes
-on the head and its outputs (learned_embeds*.safetensors, metrics.jsonl, validation images, the
-pipeline if saved) are copied into --output-dir, which must not hold another run (train's
---overwrite allows it). The cluster is torn down when training ends, fails, on Ctrl-C, SIGTERM,
-SIGHUP or a lost SSH connection; the last line says what was deleted. Exit code: the job's.
+Everything checkable (the train options, as a rank reads them with --config; --ppn, --env, ccl, a
+local --model, --resume-from-checkpoint, the destination) is checked before anything bills.
+--data-dir is copied to every node of a cloud cluster and the ranks read that copy; the job runs
+detached on the head (a lost connection here loses nothing: run reconnects and follows its log)
+and its outputs (learned_embeds*.safetensors, metrics.jsonl, validation images, the pipeline if
+saved) are copied into --output-dir, which must not hold another run (train's --overwrite allows
+it), or, if it refuses at the end, into a fresh folder beside it. The cluster is torn down when
+training ends and its outputs are here, when it fails, and on Ctrl-C, SIGTERM or SIGHUP; it is
+kept when the outputs may be only on the head (a failed fetch, a connection that did not come
+back), and the last line then says how to fetch and tear down. Exit code: the job's.
 """
 
 
@@ -248,7 +255,9 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--autostop", type=int, metavar="MINUTES",
                    help="the head stops the cluster by itself after this long idle, even if this machine "
                    "goes away (default on aws: 30; 0 = off; see `cluster up --autostop`)")
-    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="extra variable for every rank (repeatable)")
+    p.add_argument("--env", action="append", metavar="KEY[=VALUE]",
+                   help="extra variable for every rank (repeatable); KEY alone takes its value from this environment, "
+                   "so that a secret is on no command line (values travel in a 0600 file, never in arguments)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by `xeontune train` options")
     p.set_defaults(func=_cmd_run)
 
@@ -283,14 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   train_args=argv[1:], bench_args=argv[1:])
     else:
         args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return exit_status(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ class FakeArm:
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_ip: int = 4
     host_keys: dict[str, str] = field(default_factory=dict)  # VM name -> what its sshd would present
+    delete_polls: int = 2  # how many polls a resource group's delete stays in progress
 
     def in_group(self, rg: str) -> list[dict]:
         prefix = f"/resourcegroups/{rg.lower()}/"
@@ -265,7 +266,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     del arm.resources[k]
                 arm.resource_groups.pop(key, None)
 
-            op = self._new_operation(polls=2, on_done=done)
+            op = self._new_operation(polls=arm.delete_polls, on_done=done)
             return self._send(202, None, {"Location": f"{self._base()}/subscriptions/{sub}/operationresults/{op}?api-version=2024-01-01",
                                           "Retry-After": "0"})
         return self._error(405, "MethodNotAllowed", self.command)

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.clusterlib import REPO, cli, leftovers, process_alive, require_local_cluster
-from xeontune import launch
-from xeontune.cluster import autostop, files, manage, ssh, state
+from xeontune.cluster import autostop, autostop_watch, files, manage, ssh, state
 from xeontune.cluster.providers import ClusterSpec
+from xeontune.job import spec as job_spec
+from xeontune.job import start as launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -59,7 +60,7 @@ def test_an_idle_cluster_removes_itself(own_name, xeontune_home):
     assert record.autostop_minutes == 1
     watchers = [line for line in leftovers(own_name) if "xeontune.cluster.autostop" in line]
     assert len(watchers) == 1
-    pid = int(subprocess.run(["pgrep", "-f", f"autostop --name {own_name} "], capture_output=True, text=True).stdout.split()[0])
+    pid = int(subprocess.run(["pgrep", "-f", f"autostop_watch --name {own_name} "], capture_output=True, text=True).stdout.split()[0])
     assert os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{record.head.resource_id}").st_ino  # on the head
     started = time.monotonic()
     assert wait_until(lambda: not leftovers(own_name) and not state.exists(own_name), IDLE_S + 40), leftovers(own_name)
@@ -87,7 +88,7 @@ def test_a_busy_cluster_stays_until_it_is_idle(own_name, xeontune_home, monkeypa
 
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    plan = launch.build_plan(record, 3, 1, "gloo", ["--sleep", str(IDLE_S + 8), "--pid-dir", str(pid_dir)],
+    plan = launcher.build_plan(record, 3, 1, "gloo", ["--sleep", str(IDLE_S + 8), "--pid-dir", str(pid_dir)],
                              module=PROBE)
     job = subprocess.Popen(plan.argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -123,13 +124,13 @@ def shown(stdout: str, var: str) -> dict[str, str]:
 
 
 def test_env_reaches_every_rank_on_every_node(local_cluster):
-    given = launch.parse_env(["XT_MARK=a b;c", "CUDA_VISIBLE_DEVICES=", "PYTHONPATH=" + str(REPO)])
+    given = job_spec.parse_env(["XT_MARK=a b;c", "CUDA_VISIBLE_DEVICES=", "PYTHONPATH=" + str(REPO)])
     namespaces = {os.readlink(f"/proc/{_pid_in(n.resource_id)}/ns/net") for n in local_cluster.nodes}
     show = ["--show", "XT_MARK", "--show", "CUDA_VISIBLE_DEVICES", "--show", "PYTHONPATH"]
-    local = launch.build_plan(local_cluster, 3, 1, "gloo", show, given, module=PROBE)
+    local = launcher.build_plan(local_cluster, 3, 1, "gloo", show, given, module=PROBE)
     # the cloud path too: mpirun started on the head over `ssh -tt`, the command line quoted once more
     cloudy = dataclasses.replace(local_cluster, provider="aws", venv=sys.prefix)
-    remote = launch.build_plan(cloudy, 3, 1, "gloo", show, given, workdir=str(REPO), module=PROBE)
+    remote = launcher.build_plan(cloudy, 3, 1, "gloo", show, given, workdir=str(REPO), module=PROBE)
     for plan in (local, remote):
         proc = subprocess.run(plan.argv, cwd=REPO, capture_output=True, text=True, timeout=120,
                               stdin=subprocess.DEVNULL)
@@ -153,14 +154,28 @@ def test_poweroff_reaches_every_worker_through_the_heads_config(local_cluster, t
     marks.touch(mode=0o666)
     cmd = ("sh", "-c", f"readlink /proc/self/ns/net >> {marks}")
     workers = [n.name for n in local_cluster.nodes if n.role != "head"]
-    assert autostop.poweroff(str(files.files_dir(local_cluster) / "ssh_config.internal"), workers, cmd) == 0
+    assert autostop_watch.poweroff(str(files.files_dir(local_cluster) / "ssh_config.internal"), workers, cmd) == 0
     lines = marks.read_text().split()
     assert len(lines) == 3
     worker_ns = {os.readlink(f"/proc/{_pid_in(n.resource_id)}/ns/net") for n in local_cluster.nodes if n.role != "head"}
     assert set(lines[:2]) == worker_ns and lines[2] == os.readlink("/proc/self/ns/net")  # workers, then the head
-    # a worker that cannot be reached is reported, and the head still powers off
-    assert autostop.poweroff(str(tmp_path / "no_such_config"), ["node1"], cmd) == 1
-    assert len(marks.read_text().split()) == 4
+
+
+
+def test_a_worker_that_does_not_power_off_keeps_the_head_up_and_says_so(local_cluster, tmp_path, capsys):
+    """Finding 4: a worker's failed power-off was ignored and the head powered off anyway (that
+    worker billing on, unseen), and a failed shutdown of the head itself went unnoticed."""
+    marks = tmp_path / "off"
+    marks.touch(mode=0o666)
+    cmd = ("sh", "-c", f"readlink /proc/self/ns/net >> {marks}")
+    slept: list[float] = []
+    assert autostop_watch.poweroff(str(tmp_path / "no_such_config"), ["node1"], cmd, attempts=3, retry_s=7,
+                                   sleep=slept.append) == 1
+    assert slept == [7, 7] and marks.read_text() == ""  # tried three times; the head never ran its shutdown
+    out = capsys.readouterr().out
+    assert out.count("could not power off node1 (exit") == 3 and "FAILED: could not power off node1 after 3" in out
+    assert autostop_watch.poweroff(str(tmp_path / "no_such_config"), [], ("false",)) == 1
+    assert "FAILED: the head's own shutdown exited 1" in capsys.readouterr().out
 
 
 def test_a_cloud_head_starts_its_watcher_detached_over_ssh(local_cluster):
@@ -176,7 +191,7 @@ def test_a_cloud_head_starts_its_watcher_detached_over_ssh(local_cluster):
         assert autostop.install(cloudy, 60) is True
         assert time.monotonic() - started < 20
         assert state.load(name).autostop_minutes == 60
-        found = subprocess.run(["pgrep", "-f", f"autostop --name {name} --action poweroff"],
+        found = subprocess.run(["pgrep", "-f", f"autostop_watch --name {name} --action poweroff"],
                                capture_output=True, text=True).stdout.split()
         assert len(found) == 1
         pid = int(found[0])
@@ -193,3 +208,22 @@ def test_a_cloud_head_starts_its_watcher_detached_over_ssh(local_cluster):
         if pid:
             os.kill(pid, 9)
         state.delete(name)
+
+
+def test_status_says_when_the_watcher_is_not_running(own_name, xeontune_home, monkeypatch):
+    """Finding 4: a watcher that failed (a power-off or the head's own shutdown that failed, a crash)
+    went unnoticed while `cluster status` still said autostop was on."""
+    monkeypatch.setenv(autostop.IDLE_S_ENV, "3600")
+    record, _ = manage.up(ClusterSpec(name=own_name, num_nodes=1, autostop_minutes=60), "local")
+    env = {"XEONTUNE_HOME": str(xeontune_home)}
+    shown = cli("cluster", "status", "--name", own_name, env=env)
+    assert shown.returncode == 0 and "autostop: after 60 min idle, watcher running" in shown.stdout, shown.stdout
+    pid = int(subprocess.run(["pgrep", "-f", f"autostop_watch --name {own_name} "], capture_output=True,
+                             text=True).stdout.split()[0])
+    os.kill(pid, 9)
+    assert wait_until(lambda: not process_alive(pid), 10)
+    with open(autostop.log_path(record), "a") as log:
+        log.write("2026-11-23 21:00:00 autostop: FAILED: the head's own shutdown exited 1\n")
+    shown = cli("cluster", "status", "--name", own_name, env=env)
+    assert "its watcher is NOT running; its log ends: 2026-11-23 21:00:00 autostop: FAILED" in shown.stdout, \
+        shown.stdout

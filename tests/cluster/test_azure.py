@@ -305,3 +305,23 @@ def test_teardown_with_a_record_deletes_only_a_group_that_carries_its_id(arm, ca
     rc, out, err = teardown("shared", capsys)  # no record now: by the name tag, saying so
     assert rc == 0 and "deleted resource group xeontune-shared" in out and "no record of cluster 'shared'" in err
     assert nothing_left(arm)
+
+
+def test_a_delete_that_does_not_finish_is_reported_by_its_deadline(arm, capsys, monkeypatch):
+    """Finding 10: the Azure delete had no deadline; a resource group stuck deleting hung teardown
+    (and `run`'s end) forever. Now it is reported as not deleted at the deadline."""
+    import time
+
+    assert cli.main(up_argv("z9", 1)) == 0
+    arm.arm.delete_polls = 10**9  # ARM keeps answering "in progress"
+    monkeypatch.setattr(azure, "DELETE_DEADLINE_S", 1.0)
+    start = time.monotonic()
+    rc, out, err = teardown("z9", capsys)
+    assert time.monotonic() - start < 30
+    assert rc != 0 and "still being deleted after 1 s" in out + err, out + err
+    assert state.exists("z9")  # kept: a later teardown finds it
+    arm.arm.delete_polls = 0
+    for op in arm.arm.operations.values():  # the first delete's poller, still polling, may finish too
+        op.polls_left = 0
+    rc, out, err = teardown("z9", capsys)
+    assert rc == 0 and not state.exists("z9"), out + err

@@ -33,10 +33,32 @@ def test_bootstrap_installs_the_wheel_and_syncs_data_on_every_node(local_cluster
         assert rc == 0, (node.name, err)
         prefix, module = out.split()
         assert prefix == f"{root}/venv" and module.startswith(f"{root}/venv/lib/"), (node.name, out)
-        rc, out, err = ssh.run(record, node, ["ls", f"{record.work_dir}/data/{sample_images.name}"])
+        rc, out, err = ssh.run(record, node, ["ls", bootstrap.data_target(record, str(sample_images))])
         assert rc == 0 and out.split() == images, (node.name, out, err)
     # Idempotent: a second run over the same nodes succeeds too.
     bootstrap.run(record, bootstrap.BootstrapOptions(root=root, offline=True, parallel=False, timeout_s=300))
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_a_data_sync_leaves_exactly_the_folders_files_keyed_on_its_path(local_cluster, tmp_path):
+    """Finding 3: a reused cluster trained on stale images: the sync never deleted, and its target
+    was keyed on the folder's base name alone (``a/data`` and ``b/data`` shared one copy)."""
+    from xeontune.job import run
+
+    one = dataclasses.replace(local_cluster, nodes=[local_cluster.head])  # the nodes share this disk
+    a, b = tmp_path / "a" / "data", tmp_path / "b" / "data"
+    for folder, names in ((a, ["1.png", "2.png"]), (b, ["3.png"])):
+        folder.mkdir(parents=True)
+        for name in names:
+            (folder / name).write_bytes(name.encode())
+    first, other = run.sync_data(one, str(a)), run.sync_data(one, str(b))
+    assert first != other and os.listdir(other) == ["3.png"]
+    (a / "2.png").unlink()
+    (a / "4.png").write_bytes(b"4")
+    assert run.sync_data(one, str(a)) == first == run.remote_data_dir(one, str(a))
+    assert sorted(os.listdir(first)) == ["1.png", "4.png"]
+    assert not os.path.exists(f"{first}.sync")
 
 
 @pytest.mark.slow

@@ -10,12 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from xeontune import hardware, launch
+from xeontune import hardware
 from xeontune.cli import main
 from xeontune.cluster import files, manage, ssh, state
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
+from xeontune.job import spec as job_spec
+from xeontune.job import start as launcher
 from xeontune.train.ranks import frozen_weight_bytes
+
+# the options every job needs (a hub id for the model, a folder that exists for the data)
+REQUIRED = ["--model", "org/model", "--data-dir", str(Path(__file__).parent), "--placeholder-token", "<t>",
+            "--initializer-token", "toy"]
 
 
 @pytest.fixture
@@ -87,21 +93,49 @@ def test_cloud_ssh_configs_jump_through_the_head(xeontune_home):
 
 def test_dry_run_is_the_command_that_runs(record, capsys, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert main(["launch", "-n", "3", "--name", "demo", "--dry-run", "--env", "FOO=bar", "--",
-                 "--max-train-steps", "2"]) == 0
+    assert main(["launch", "-n", "3", "--name", "demo", "--dry-run", "--", *REQUIRED, "--max-train-steps", "2"]) == 0
     argv = shlex.split(capsys.readouterr().out)
-    plan = launch.build_plan(record, 3, 1, "auto", ["--", "--max-train-steps", "2"], {"FOO": "bar"})
+    spec = job_spec.launch_spec(record, job_spec.read_request(["--", *REQUIRED, "--max-train-steps", "2"]), 3)
+    plan = launcher.plan_for(record, spec)
     assert argv == plan.argv
     assert argv[:6] == ["ip", "netns", "exec", "xeontune-demo-node0", "env", "-i"]
     genv = {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "-genv"}
     assert genv["MASTER_ADDR"] == "10.231.9.11" and genv["MASTER_PORT"] == "29500"
-    assert genv["GLOO_SOCKET_IFNAME"] == "eth0" and genv["FOO"] == "bar"
+    assert genv["GLOO_SOCKET_IFNAME"] == "eth0"
     assert genv["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 3))
     assert "-genvnone" in argv and "-prepend-rank" in argv
     tail = argv[argv.index("-m") - 1:]
-    assert tail == [sys.executable, "-m", "xeontune.train", "--max-train-steps", "2"]
+    # the merged options, as explicit flags, in the options' own order
+    assert tail == [sys.executable, "-m", "xeontune.train", "--model", "org/model", "--data-dir", REQUIRED[3],
+                    "--placeholder-token", "<t>", "--initializer-token", "toy", "--max-train-steps", "2"]
     assert genv["XEONTUNE_LAUNCH_DIST_BACKEND"] == "gloo"
-    assert genv["XEONTUNE_LAUNCH_DIST_TIMEOUT"] == str(launch.DEFAULT_DIST_TIMEOUT_S)
+    assert genv["XEONTUNE_LAUNCH_DIST_TIMEOUT"] == str(launcher.DEFAULT_DIST_TIMEOUT_S)
+
+
+def test_env_values_are_never_in_a_command_line(record, capsys, xeontune_home):
+    """Finding 9: `--env HF_TOKEN=...` travelled in mpirun's (and ssh's) arguments, visible in `ps` on
+    this machine and the head, and `--dry-run` printed it. Now only its name is in the command; the
+    value waits in a 0600 file in a 0700 job dir on the head, which the head's shell exports and
+    deletes before mpirun passes the name on (-genvlist)."""
+    secret = "hf_s3cr3t-value"
+    state.save(cloud_record(xeontune_home))
+    for name in ("demo", "sky"):
+        assert main(["launch", "--name", name, "--dry-run", "--env", f"HF_TOKEN={secret}", "--env", "B=x y", "--",
+                     *REQUIRED]) == 0
+        out = capsys.readouterr().out
+        assert secret not in out and "x y" not in out
+        argv = shlex.split(out) if name == "demo" else shlex.split(shlex.split(out)[-1])
+        assert argv[argv.index("-genvlist") + 1] == "HF_TOKEN,B" and "-genvnone" not in argv
+        assert argv[argv.index("sh") + 1:argv.index("sh") + 3] == ["-c", launcher.SOURCE_AND_EXEC]
+    job_dir = str(xeontune_home / "job")
+    launcher.write_secret_env(record, job_dir, {"HF_TOKEN": secret, "B": "x y'z"})
+    assert stat.S_IMODE(os.stat(job_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(Path(job_dir) / "env").st_mode) == 0o600
+    import subprocess
+
+    shown = subprocess.run(["sh", "-c", launcher.SOURCE_AND_EXEC, str(Path(job_dir) / "env"), "sh", "-c",
+                            'printf "%s|%s" "$HF_TOKEN" "$B"'], capture_output=True, text=True)
+    assert shown.stdout == f"{secret}|x y'z" and not (Path(job_dir) / "env").exists()  # read once, then gone
 
 
 def ranks_options(capsys, monkeypatch, *train_args: str):
@@ -118,7 +152,7 @@ def ranks_options(capsys, monkeypatch, *train_args: str):
 
 @pytest.mark.parametrize("spelling", ["kebab", "snake", "config"])
 def test_the_users_dist_options_win_over_launchs_in_every_spelling(record, capsys, monkeypatch, tmp_path, spelling):
-    required = ["--model", "m", "--data-dir", "d", "--placeholder-token", "<t>", "--initializer-token", "toy"]
+    required = REQUIRED
     if spelling == "config":
         cfg = tmp_path / "run.yaml"
         cfg.write_text("dist_timeout: 300\ndist_backend: ccl\n")
@@ -131,14 +165,13 @@ def test_the_users_dist_options_win_over_launchs_in_every_spelling(record, capsy
 
 
 def test_launchs_dist_defaults_reach_the_ranks(record, capsys, monkeypatch):
-    opts = ranks_options(capsys, monkeypatch, "--model", "m", "--data-dir", "d", "--placeholder-token", "<t>",
-                         "--initializer-token", "toy")
-    assert (opts.dist_timeout, opts.dist_backend) == (launch.DEFAULT_DIST_TIMEOUT_S, "gloo")
+    opts = ranks_options(capsys, monkeypatch, *REQUIRED)
+    assert (opts.dist_timeout, opts.dist_backend) == (launcher.DEFAULT_DIST_TIMEOUT_S, "gloo")
 
 
 def test_ccl_sets_its_variables(record, monkeypatch):
     monkeypatch.setattr(hardware, "ccl_available", lambda: (True, "ok"))
-    plan = launch.build_plan(record, 2, 1, "auto", ["--dist-timeout", "9"])
+    plan = launcher.build_plan(record, 2, 1, "auto", ["--dist-timeout", "9"])
     assert plan.backend == "ccl" and plan.env["CCL_ATL_TRANSPORT"] == "ofi" and plan.env["CCL_WORKER_COUNT"] == "1"
     assert plan.env["XEONTUNE_LAUNCH_DIST_BACKEND"] == "ccl"
     assert plan.argv[-2:] == ["--dist-timeout", "9"]
@@ -147,13 +180,13 @@ def test_ccl_sets_its_variables(record, monkeypatch):
 def test_ccl_without_bindings_is_a_user_error(record, monkeypatch):
     monkeypatch.setattr(hardware, "ccl_available", lambda: (False, "it does not import"))
     with pytest.raises(UserError, match="oneccl_bindings_for_pytorch"):
-        launch.build_plan(record, 2, 1, "ccl", [])
-    assert launch.build_plan(record, 2, 1, "auto", []).backend == "gloo"
+        launcher.build_plan(record, 2, 1, "ccl", [])
+    assert launcher.build_plan(record, 2, 1, "auto", []).backend == "gloo"
 
 
 def test_cloud_plan_runs_on_the_head_over_ssh(xeontune_home):
     rec = cloud_record(xeontune_home)
-    plan = launch.build_plan(rec, 4, 2, "gloo", [])
+    plan = launcher.build_plan(rec, 4, 2, "gloo", [])
     assert plan.argv[:4] == ["ssh", "-F", str(files.files_dir(rec) / "ssh_config"), "-tt"]
     remote = shlex.split(plan.argv[-1])
     assert remote[0] == "/opt/xt/venv/bin/mpirun" and "-f" in remote and remote[remote.index("-f") + 1] == "/opt/xt/work/hosts"
@@ -162,10 +195,11 @@ def test_cloud_plan_runs_on_the_head_over_ssh(xeontune_home):
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["launch", "-n", "4", "--name", "demo", "--dry-run"], "more ranks than cluster 'demo' holds (3 hosts x --ppn 1 = 3)"),
+    (["launch", "-n", "4", "--name", "demo", "--dry-run", "--", *REQUIRED], "more ranks than cluster 'demo' holds (3 hosts x --ppn 1 = 3)"),
     (["launch", "-n", "1", "--name", "nope", "--dry-run"], "unknown cluster 'nope'"),
     (["cluster", "ssh", "node7", "--name", "demo"], "has no node 'node7'"),
-    (["launch", "-n", "1", "--name", "demo", "--dry-run", "--env", "NOEQUALS"], "--env takes KEY=VALUE"),
+    (["launch", "-n", "1", "--name", "demo", "--dry-run", "--env", "NOEQUALS"], "give KEY=VALUE, or export it"),
+    (["launch", "-n", "1", "--name", "demo", "--dry-run", "--env", "=x"], "--env takes KEY=VALUE or KEY"),
 ])
 def test_user_errors_are_one_line_exit_2(record, capsys, argv, message):
     assert main(argv) == 2
@@ -175,9 +209,9 @@ def test_user_errors_are_one_line_exit_2(record, capsys, argv, message):
 
 def test_missing_mpirun_is_a_user_error(record, monkeypatch):
     monkeypatch.setenv("XEONTUNE_MPIRUN", "/nonexistent/mpirun")
-    plan = launch.build_plan(record, 3, 1, "gloo", [])
+    plan = launcher.build_plan(record, 3, 1, "gloo", [])
     with pytest.raises(UserError, match=r"no mpirun on the head node \(looked for /nonexistent/mpirun\)"):
-        launch.preflight(record, plan)
+        launcher.preflight(record, plan)
 
 
 def test_local_provider_says_what_is_missing(xeontune_home, monkeypatch, capsys):
@@ -196,7 +230,7 @@ def test_localhost_cluster_lifecycle(xeontune_home, capsys):
     assert "files in" in capsys.readouterr().out
     rec = state.load("solo")
     assert rec.provider == "localhost" and rec.extra["slots"] == "3"
-    plan = launch.build_plan(rec, 3, 1, "gloo", [])
+    plan = launcher.build_plan(rec, 3, 1, "gloo", [])
     assert "-launcher" in plan.argv and plan.argv[plan.argv.index("-launcher") + 1] == "fork"
     assert plan.env["MASTER_ADDR"] == "127.0.0.1" and plan.env["GLOO_SOCKET_IFNAME"] == "lo"
     assert main(["cluster", "status"]) == 0
@@ -220,29 +254,32 @@ def test_ppn_auto_follows_the_ranks_per_node_rule(xeontune_home, capsys, tiny_mo
 
     rec = cloud_record(xeontune_home)
     state.save(rec)
-    args = ["--model", str(tiny_model), "--resolution", "512"]
-    assert launch.resolve_ppn(rec, "auto", args) == 8  # 16 physical cores: 8 ranks x 2 (docs/performance.md)
+    args = ["--model", str(tiny_model), "--resolution", "512", *REQUIRED[2:]]
+
+    def resolve_ppn(record: ClusterRecord, ppn: str, args: list[str]) -> int:
+        return job_spec.resolve_ppn(record, job_spec.read_request(args, ppn, remote=True))
+    assert resolve_ppn(rec, "auto", args) == 8  # 16 physical cores: 8 ranks x 2 (docs/performance.md)
     rec.cores_per_node = 2
-    assert launch.resolve_ppn(rec, "auto", args) == 2  # 2 cores: 2 x 1
-    assert launch.resolve_ppn(rec, "3", args) == 3
+    assert resolve_ppn(rec, "auto", args) == 2  # 2 cores: 2 x 1
+    assert resolve_ppn(rec, "3", args) == 3
     rec.cores_per_node = 16
     # A node whose RAM holds fewer ranks than its cores would: memory decides.
     per_rank = placement.rank_memory_bytes(frozen_weight_bytes(str(tiny_model), "fp32"), 512, 1)  # auto: sized as fp32
     rec.memory_per_node = int(3.5 * per_rank / (1 - placement.RESERVED_FRACTION))
-    assert launch.resolve_ppn(rec, "auto", args) == 3
+    assert resolve_ppn(rec, "auto", args) == 3
     rec.memory_per_node = 64 * 2**30
-    assert launch.resolve_ppn(rec, "auto", args) == 8
+    assert resolve_ppn(rec, "auto", args) == 8
     state.save(rec)
     assert main(["launch", "--ppn", "auto", "--name", "sky", "--dry-run", "--", *args]) == 0
     remote = shlex.split(shlex.split(capsys.readouterr().out)[-1])
     assert remote[remote.index("-ppn") + 1] == "8" and remote[remote.index("-n") + 1] == "16"  # -n: every slot
-    assert launch.build_plan(rec, 16, 8, "gloo", []).env[placement.PIN_ENV] == "1"
+    assert launcher.build_plan(rec, 16, 8, "gloo", []).env[placement.PIN_ENV] == "1"
 
 
 def test_namespace_hosts_do_not_pin_and_bad_ppn_is_one_line(record, capsys):
     from xeontune import placement
 
-    assert placement.PIN_ENV not in launch.build_plan(record, 3, 1, "gloo", []).env
+    assert placement.PIN_ENV not in launcher.build_plan(record, 3, 1, "gloo", []).env
     assert main(["launch", "--ppn", "two", "--name", "demo", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--ppn must be a positive number or auto" in err
@@ -310,13 +347,13 @@ def test_remote_ranks_get_no_local_paths(record, xeontune_home, capsys, monkeypa
     for key, value in {"HF_HOME": "/home/me/hf", "HF_HUB_CACHE": "/home/me/hf/hub", "HF_HUB_OFFLINE": "1",
                        "LD_PRELOAD": "/home/me/lib/libtcmalloc.so"}.items():
         monkeypatch.setenv(key, value)
-    assert main(["launch", "-n", "2", "--name", "sky", "--dry-run"]) == 0
+    assert main(["launch", "-n", "2", "--name", "sky", "--dry-run", "--", *REQUIRED]) == 0
     line = capsys.readouterr().out
     remote = shlex.split(shlex.split(line)[-1])
     genv = {remote[i + 1]: remote[i + 2] for i, a in enumerate(remote) if a == "-genv"}
     assert genv["HF_HUB_OFFLINE"] == "1" and "/home/me" not in line
     assert not {"HF_HOME", "HF_HUB_CACHE", "LD_PRELOAD"} & set(genv)
-    assert main(["launch", "-n", "3", "--name", "demo", "--dry-run"]) == 0  # the namespace hosts share this machine
+    assert main(["launch", "-n", "3", "--name", "demo", "--dry-run", "--", *REQUIRED]) == 0  # the namespace hosts share this machine
     argv = shlex.split(capsys.readouterr().out)
     genv = {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "-genv"}
     assert genv["HF_HOME"] == "/home/me/hf" and genv["LD_PRELOAD"] == "/home/me/lib/libtcmalloc.so"

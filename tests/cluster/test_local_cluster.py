@@ -20,9 +20,9 @@ import paramiko
 import pytest
 
 from tests.cluster.clusterlib import REPO, cli, leftovers, process_alive
-from xeontune import launch
 from xeontune.cluster import files, manage, ssh, state
 from xeontune.errors import UserError
+from xeontune.job import start as launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -30,7 +30,7 @@ PROBE = "tests.cluster.allreduce_probe"
 
 
 def probe_plan(record, *probe_args: str, n: int = 3):
-    return launch.build_plan(record, n, 1, "gloo", list(probe_args), module=PROBE)
+    return launcher.build_plan(record, n, 1, "gloo", list(probe_args), module=PROBE)
 
 
 def test_up_writes_files_and_pins_host_keys(local_cluster):
@@ -50,6 +50,21 @@ def test_up_writes_files_and_pins_host_keys(local_cluster):
     # each node is its own network namespace
     namespaces = {ssh.run(record, n, ["readlink", "/proc/self/ns/net"])[1] for n in record.nodes}
     assert len(namespaces) == 3
+
+
+def test_sshd_drops_a_vanished_client_within_minutes(local_cluster):
+    """Finding 4: nodes set no ClientAliveInterval, so a half-open connection from a laptop that
+    vanished kept a "30 min" autostop cluster up for about 2 h 11 min. Read back from sshd itself."""
+    from xeontune.cluster.providers import local
+
+    run_dir = state.cluster_dir(local_cluster.name) / "sshd"
+    shown = subprocess.run([local.sshd_path(), "-T", "-f", str(run_dir / "node0.conf")], capture_output=True,
+                           text=True)
+    assert shown.returncode == 0, shown.stderr
+    settings = dict(line.split(" ", 1) for line in shown.stdout.splitlines() if " " in line)
+    assert int(settings["clientaliveinterval"]) * int(settings["clientalivecountmax"]) <= 180
+    script = (REPO / "scripts" / "bootstrap-node.sh").read_text()  # what cloud nodes get
+    assert "ClientAliveInterval 30\\nClientAliveCountMax 4" in script
 
 
 def test_a_changed_host_key_is_refused(local_cluster, tmp_path):
@@ -121,7 +136,7 @@ def test_run_reads_a_large_stderr_and_stdout_together(local_cluster):
 
 def test_gloo_allreduce_one_rank_per_host(local_cluster):
     plan = probe_plan(local_cluster, "--numel", "768", "--print-env")
-    launch.preflight(local_cluster, plan)
+    launcher.preflight(local_cluster, plan)
     start = time.monotonic()
     proc = subprocess.run(plan.argv, cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "XT_CALLER_ONLY": "1"})
@@ -144,23 +159,28 @@ def test_gloo_allreduce_one_rank_per_host(local_cluster):
 def test_cloud_style_launch_runs_mpirun_on_the_head_over_ssh(local_cluster):
     """The path a cloud cluster takes (ssh -tt to the head, mpirun there), on the namespace hosts."""
     remote = dataclasses.replace(local_cluster, provider="aws", venv=sys.prefix)
-    plan = launch.build_plan(remote, 3, 1, "gloo", [], extra_env={"PYTHONPATH": str(REPO)}, workdir=str(REPO),
+    plan = launcher.build_plan(remote, 3, 1, "gloo", [], extra_env={"PYTHONPATH": str(REPO)}, workdir=str(REPO),
                              module=PROBE)
     assert plan.argv[0] == "ssh" and "OMP_NUM_THREADS" not in plan.env  # unknown node cores: torch decides
-    launch.preflight(remote, plan)
+    launcher.preflight(remote, plan)
     proc = subprocess.run(plan.argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "probe rank=" in line]
     assert len(lines) == 3 and all("ok=True" in line for line in lines)
 
 
+# what every job needs: a hub id (never loaded by these tests) and a folder that exists here
+JOB = ["--model", "org/model", "--data-dir", str(REPO), "--placeholder-token", "<t>", "--initializer-token", "toy"]
+
+
 def test_dry_run_prints_the_command(local_cluster):
-    out = cli("launch", "-n", "3", "--name", local_cluster.name, "--dry-run", "--", "--max-train-steps", "2")
+    out = cli("launch", "-n", "3", "--name", local_cluster.name, "--dry-run", "--", *JOB, "--max-train-steps", "2")
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip()
     assert line.startswith(f"ip netns exec {local_cluster.head.resource_id} ")
     for part in ("-launcher ssh", "-iface eth0", "-ppn 1", f"-genv MASTER_ADDR {local_cluster.head.private_ip}",
-                 "-genv GLOO_SOCKET_IFNAME eth0", "-genv OMP_NUM_THREADS", "-m xeontune.train --max-train-steps 2",
+                 "-genv GLOO_SOCKET_IFNAME eth0", "-genv OMP_NUM_THREADS", "-m xeontune.train --model org/model",
+                 "--max-train-steps 2",
                  "-genv XEONTUNE_LAUNCH_DIST_BACKEND gloo", "-genv XEONTUNE_LAUNCH_DIST_TIMEOUT 30"):
         assert part in line
 
@@ -212,11 +232,11 @@ def test_ctrl_c_stops_every_rank(local_cluster, tmp_path):
     pid_dir.mkdir()
     script = (
         "import sys\n"
-        "from xeontune import launch\n"
+        "from xeontune.job import start as launcher\n"
         "from xeontune.cluster import state\n"
         f"r = state.load({local_cluster.name!r})\n"
-        f"p = launch.build_plan(r, 3, 1, 'gloo', ['--sleep', '300', '--pid-dir', {str(pid_dir)!r}], module={PROBE!r})\n"
-        "sys.exit(launch.run_plan(p))\n"
+        f"p = launcher.build_plan(r, 3, 1, 'gloo', ['--sleep', '300', '--pid-dir', {str(pid_dir)!r}], module={PROBE!r})\n"
+        "sys.exit(launcher.run_plan(p))\n"
     )
     # its own session, so the SIGINT below reaches the launcher and mpirun like a terminal's Ctrl-C
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, start_new_session=True,
@@ -240,14 +260,14 @@ def test_ctrl_c_stops_every_rank(local_cluster, tmp_path):
 
 
 def test_missing_mpirun_is_a_one_line_error(local_cluster):
-    out = cli("launch", "-n", "3", "--name", local_cluster.name, "--", "--max-train-steps", "1",
+    out = cli("launch", "-n", "3", "--name", local_cluster.name, "--", *JOB, "--max-train-steps", "1",
               env={"XEONTUNE_MPIRUN": "/nonexistent/bin/mpirun"})
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "no mpirun on the head node" in out.stderr
 
 
 def test_too_many_ranks_is_a_one_line_error(local_cluster):
-    out = cli("launch", "-n", "4", "--name", local_cluster.name, "--", "--max-train-steps", "1")
+    out = cli("launch", "-n", "4", "--name", local_cluster.name, "--", *JOB, "--max-train-steps", "1")
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "3 hosts x --ppn 1 = 3" in out.stderr
 
@@ -255,11 +275,11 @@ def test_too_many_ranks_is_a_one_line_error(local_cluster):
 def test_unreachable_node_is_named(local_cluster, monkeypatch):
     node = local_cluster.nodes[2]
     subprocess.run(["ip", "-n", node.resource_id, "link", "set", "eth0", "down"], check=True)
-    monkeypatch.setattr(launch, "SSH_CHECK_TIMEOUT_S", 4.0)
+    monkeypatch.setattr(launcher, "SSH_CHECK_TIMEOUT_S", 4.0)
     try:
         plan = probe_plan(local_cluster)
         with pytest.raises(UserError, match=rf"node {node.name} \({node.private_ip}\).*did not answer SSH"):
-            launch.preflight(local_cluster, plan)
+            launcher.preflight(local_cluster, plan)
     finally:
         subprocess.run(["ip", "-n", node.resource_id, "link", "set", "eth0", "up"], check=True)
     ssh.wait_for_ssh(local_cluster, node, timeout_s=30)
@@ -294,6 +314,33 @@ def test_teardown_after_a_crashed_up_and_a_lost_state_file(xeontune_home, monkey
         out = cli("teardown", "--name", name, env={"XEONTUNE_HOME": str(xeontune_home)})
     assert out.returncode == 0, out.stderr
     assert "deleted netns" in out.stdout and "deleted bridge" in out.stdout
+    assert leftovers(name) == []
+
+
+def test_a_stale_record_never_tears_down_another_cluster_of_its_name(xeontune_home, tmp_path, monkeypatch):
+    """Finding 12: the local provider tore down by name only. A record of an older cluster of the same
+    name (here: in another state dir, with that cluster's id) deleted the cluster that holds the name
+    now; only what carries the record's cluster id (the aliases of the bridge and of each namespace's
+    lo) is deleted."""
+    from xeontune.cluster import providers
+    from xeontune.cluster.providers import ClusterSpec, local
+
+    name = f"t{os.getpid() % 100000}-id"
+    record, _ = manage.up(ClusterSpec(name=name, num_nodes=2), "local")
+    try:
+        assert record.cluster_id and local.link_alias(local.bridge_name(name)) == local.owner_tag(record.cluster_id)
+        stale = dataclasses.replace(record, cluster_id="0123456789ab")
+        monkeypatch.setenv("XEONTUNE_HOME", str(tmp_path / "other-home"))
+        report = providers.get("local").terminate(name, stale)
+        assert report.deleted == [] and len(report.searched) == 2, report
+        assert sorted(x.split()[0] for x in leftovers(name) if not x.startswith("process")) == \
+            ["link", "link", "link", "netns", "netns"]  # the bridge, two veths and both namespaces stay
+        monkeypatch.setenv("XEONTUNE_HOME", str(xeontune_home))
+        assert ssh.run(record, record.nodes[1], ["true"])[0] == 0  # its sshds too
+    finally:
+        monkeypatch.setenv("XEONTUNE_HOME", str(xeontune_home))
+        down = manage.teardown(name, "local")
+    assert down.ok and any(x.startswith("bridge") for x in down.deleted)
     assert leftovers(name) == []
 
 

@@ -7,8 +7,8 @@ import subprocess
 import pytest
 
 from tests.cluster.clusterlib import REPO
-from xeontune import launch
 from xeontune.cluster import manage, providers
+from xeontune.job import start as launcher
 
 pytestmark = pytest.mark.slow
 
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 def test_three_ranks_all_reduce_on_localhost(xeontune_home):
     record, _ = manage.up(providers.ClusterSpec(name="solo", num_nodes=3), "localhost")
     try:
-        plan = launch.build_plan(record, 3, 1, "gloo", [], module="tests.cluster.allreduce_probe")
-        launch.preflight(record, plan)
+        plan = launcher.build_plan(record, 3, 1, "gloo", [], module="tests.cluster.allreduce_probe")
+        launcher.preflight(record, plan)
         proc = subprocess.run(plan.argv, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         lines = [line for line in proc.stdout.splitlines() if "probe rank=" in line]

@@ -30,7 +30,8 @@ def test_a_registered_provider_runs_the_whole_flow(fake, capsys):
     assert (files.files_dir(record) / "hosts").read_text() == "192.0.2.10\n192.0.2.11\n"
 
     # The defaults of a remote provider: mpirun from the nodes' venv, on the head over SSH.
-    assert main(["launch", "-n", "4", "--ppn", "2", "--name", "seam", "--dry-run", "--", "--max-train-steps", "1"]) == 0
+    job = ["--model", "org/model", "--data-dir", "/srv/data", "--placeholder-token", "<t>", "--initializer-token", "toy"]
+    assert main(["launch", "-n", "4", "--ppn", "2", "--name", "seam", "--dry-run", "--", *job, "--max-train-steps", "1"]) == 0
     argv = shlex.split(capsys.readouterr().out)
     assert argv[:6] == ["ssh", "-F", str(files.files_dir(record) / "ssh_config"), "-tt", "node0", "--"]
     remote = shlex.split(argv[6])
@@ -42,7 +43,7 @@ def test_a_registered_provider_runs_the_whole_flow(fake, capsys):
     assert genv["MASTER_ADDR"] == "192.0.2.10" and "PATH" not in genv  # the node's own PATH
     assert remote[remote.index("-m") - 1] == "/srv/fake/venv/bin/python"
 
-    assert main(["launch", "-n", "5", "--ppn", "2", "--name", "seam", "--dry-run"]) == 2
+    assert main(["launch", "-n", "5", "--ppn", "2", "--name", "seam", "--dry-run", "--", *job]) == 2
     assert "(2 hosts x --ppn 2 = 4)" in capsys.readouterr().err
 
     assert main(["cluster", "status", "--name", "seam"]) == 0

@@ -115,7 +115,7 @@ def test_run_refuses_bad_env_before_creating_anything(root_home, cluster_name, t
 
 
 def test_autostop_is_on_by_default_only_where_a_cloud_head_can_stop_itself():
-    from xeontune.run import DEFAULT_AUTOSTOP_MIN, RunOptions, autostop_minutes
+    from xeontune.job.run import DEFAULT_AUTOSTOP_MIN, RunOptions, autostop_minutes
 
     assert autostop_minutes(RunOptions(provider="aws")) == DEFAULT_AUTOSTOP_MIN
     assert autostop_minutes(RunOptions(provider="aws", autostop=0)) == 0
@@ -209,12 +209,17 @@ def test_detach_then_logs_follow_returns_output_and_status(local_cluster, tiny, 
     assert "exited with status 0" in follow.stderr
     assert (tmp_path / "out" / "learned_embeds.safetensors").is_file()  # the head shares this disk
 
-    # a failing job: its status comes back from `logs -f` (and from `logs` once it has ended)
+    # a mistake in the options is refused before anything starts (issue 18, finding 5)
     bad = cli("launch", "--name", name, "--detach", "--",
               *train_args(tiny, tmp_path / "bad", 1, 3, "--resolution", "33"), env=OFFLINE)
+    assert bad.returncode == 2 and "multiple of 8" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+    # a job that fails on the ranks: its status comes back from `logs -f` (and from `logs` once it has ended)
+    (tmp_path / "empty").mkdir()
+    bad = cli("launch", "--name", name, "--detach", "--",
+              *train_args({**tiny, "data": tmp_path / "empty"}, tmp_path / "bad", 1, 3), env=OFFLINE)
     assert bad.returncode == 0, bad.stdout + bad.stderr
     follow = cli("logs", "--name", name, "-f", timeout=300)
-    assert follow.returncode != 0 and "multiple of 8" in follow.stdout, follow.stdout + follow.stderr
+    assert follow.returncode != 0 and "is empty" in follow.stdout, follow.stdout + follow.stderr
     assert cli("logs", "--name", name).returncode == follow.returncode
 
 
@@ -230,8 +235,12 @@ def test_fetch_copies_outputs_and_refuses_to_overwrite(local_cluster, tiny, tmp_
     assert first.returncode == 0, first.stdout + first.stderr
     want = (tmp_path / "job" / "learned_embeds.safetensors").read_bytes()
     assert (dest / "learned_embeds.safetensors").read_bytes() == want
-    assert sorted(p.name for p in dest.iterdir()) == ["learned_embeds.safetensors", "metrics.jsonl",
+    assert sorted(p.name for p in dest.iterdir()) == [".xeontune-job", "learned_embeds.safetensors", "metrics.jsonl",
                                                       "train_config.json"]
+    (dest / "learned_embeds.safetensors").write_bytes(b"old")
+    again = cli("fetch", "--name", name, "--output-dir", str(dest))  # the same job again: refreshed
+    assert again.returncode == 0 and (dest / "learned_embeds.safetensors").read_bytes() == want, again.stderr
+    (dest / ".xeontune-job").unlink()  # now the files of a run from elsewhere
     (dest / "learned_embeds.safetensors").write_bytes(b"mine")
     refused = cli("fetch", "--name", name, "--output-dir", str(dest))
     assert refused.returncode == 2 and "--overwrite" in refused.stderr and "Traceback" not in refused.stderr
@@ -244,13 +253,14 @@ def test_fetch_copies_outputs_and_refuses_to_overwrite(local_cluster, tiny, tmp_
 def test_ctrl_c_reaches_the_ranks_through_ssh_tt(local_cluster, tiny, tmp_path):
     """The cloud path (mpirun on the head through `ssh -tt`): a signal to this process must stop every
     rank through its own KeyboardInterrupt. Signalling the local ssh instead only hangs up the head's
-    pty, and Hydra and the ranks die there without their grace (measured; see xeontune/jobs.py)."""
-    from xeontune import jobs, launch
+    pty, and Hydra and the ranks die there without their grace (measured; see xeontune/job/process.py)."""
+    from xeontune.job import process
+    from xeontune.job import start as launcher
 
     remote = dataclasses.replace(local_cluster, provider="aws", venv=sys.prefix)
-    plan = launch.build_plan(remote, 3, 1, "gloo", train_args(tiny, tmp_path / "out", 1, 100_000),
-                             extra_env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}, workdir=str(REPO))
-    assert jobs.via_pty(plan.argv)
+    plan = launcher.build_plan(remote, 3, 1, "gloo", train_args(tiny, tmp_path / "out", 1, 100_000),
+                               extra_env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}, workdir=str(REPO))
+    assert process.via_pty(plan.argv)
     metrics = tmp_path / "out" / "metrics.jsonl"
 
     def interrupt_when_training() -> None:
@@ -264,7 +274,7 @@ def test_ctrl_c_reaches_the_ranks_through_ssh_tt(local_cluster, tiny, tmp_path):
     timer.start()
     with log.open("w") as f:
         start = time.monotonic()
-        rc, sig = jobs.run_attached(plan.argv, grace_s=30, stdout=f.fileno(), stderr=subprocess.STDOUT)
+        rc, sig = process.run_attached(plan.argv, grace_s=30, stdout=f.fileno(), stderr=subprocess.STDOUT)
     took = time.monotonic() - start
     text = log.read_text()
     assert sig == signal.SIGTERM and rc != 0, (rc, text[-3000:])
@@ -284,3 +294,38 @@ def test_run_on_localhost_writes_straight_into_the_output_dir(xeontune_home, tin
     assert (out / "learned_embeds.safetensors").is_file() and "nothing to copy" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1].startswith("deleted cluster 'run-")
     assert state.list_names() == []
+
+
+def test_a_second_job_on_a_busy_cluster_is_refused_and_env_values_stay_out_of_ps(local_cluster, tiny, tmp_path):
+    """Finding 6: two jobs on one cluster were not refused (both on MASTER_PORT 29500, a `run`'s sync
+    and teardown under the first). Finding 9, for real: the --env value reaches every rank (over
+    SSH too) but no process's command line, here or on the head."""
+    from xeontune.job import record as job_record
+
+    name = local_cluster.name
+    secret = "hf_secret-7f3a"
+    first = cli("launch", "--name", name, "--detach", "--env", f"XT_SECRET={secret}", "--",
+                *train_args(tiny, tmp_path / "first", 1, 100_000), env=OFFLINE)
+    assert first.returncode == 0, first.stdout + first.stderr
+    job = job_record.load_job(name)
+    metrics = tmp_path / "first" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            time.sleep(0.5)
+        assert metrics.is_file(), cli("logs", "--name", name).stdout[-3000:]
+        ps = subprocess.run(["ps", "-ww", "-eo", "args="], capture_output=True, text=True).stdout
+        assert secret not in ps
+        pids = trainer_pids(local_cluster.nodes[1].resource_id)
+        assert pids and all(f"XT_SECRET={secret}".encode() in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+                            for p in pids)
+        assert not (Path(job.job_dir) / "env").exists()  # read once by the head's shell, then deleted
+        second = cli("launch", "--name", name, "--", *train_args(tiny, tmp_path / "second", 1, 2), env=OFFLINE)
+        assert second.returncode == 2 and "running a job already" in second.stderr, second.stdout + second.stderr
+        assert second.stderr.count("\n") == 1 and not (tmp_path / "second").exists()
+    finally:
+        os.kill(job.pid, signal.SIGTERM)  # the runner passes it on to every rank
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (Path(job.job_dir) / "rc").is_file():
+            time.sleep(0.5)
+    assert (Path(job.job_dir) / "rc").is_file()

@@ -3,7 +3,7 @@
 For every node, in parallel: copy the project's wheel (built here, so every node runs exactly
 this code) and ``scripts/bootstrap-node.sh``, run the script (venv at the same absolute path on
 every node, the wheel installed into it), copy the cluster's files (hosts, ssh config, pinned
-known_hosts) into ``record.work_dir`` and sync the training data to ``<work_dir>/data/<name>``.
+known_hosts) into ``record.work_dir`` and sync the training data (``sync_data``).
 
 Remote clusters (the provider's ``remote``) also get a head -> worker login for Hydra: the head
 generates its own ed25519 key (``record.remote_key_path``) and every node authorizes its public half. The caller's private
@@ -12,11 +12,12 @@ key never leaves this machine and the head's never leaves the head.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import posixpath
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,20 +94,37 @@ def run(record: ClusterRecord, options: BootstrapOptions) -> None:
                 ssh.put_tree(record, node, files.files_dir(record), record.work_dir)
                 ssh.put_file(record, node, record.known_hosts_path, files.remote_known_hosts_path(record))
             if options.data_dir:
-                target = posixpath.join(record.work_dir, "data", Path(options.data_dir).resolve().name)
-                ssh.put_tree(record, node, options.data_dir, target)
+                sync_data(record, node, options.data_dir)
             ssh.run(record, node, ["rm", "-rf", stage], timeout_s=60)
             print(f"  {node.name} ready", flush=True)
 
         if remote:
             _record_iface(record)
         if options.parallel and len(record.nodes) > 1:
-            with ThreadPoolExecutor(max_workers=min(8, len(record.nodes))) as pool:
-                for future in [pool.submit(one, n) for n in record.nodes]:
-                    future.result()
+            ssh.on_every_node(record.nodes, one)  # a failure or Ctrl-C does not wait for the other nodes
         else:
             for node in record.nodes:
                 one(node)
+
+
+def data_target(record: ClusterRecord, data_dir: str) -> str:
+    """Where --data-dir lives on every node: ``<work_dir>/data/<name>-<digest of its path here>``,
+    so two folders of one name (``a/data``, ``b/data``) never share a copy."""
+    path = Path(data_dir).expanduser().resolve()
+    digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:10]
+    return posixpath.join(record.work_dir, "data", f"{path.name}-{digest}")
+
+
+def sync_data(record: ClusterRecord, node: Node, data_dir: str) -> str:
+    """Make the node's copy of ``data_dir`` exactly its files now (nothing left from an older
+    sync: copied into a fresh folder, then swapped in); return its path on the node."""
+    target = data_target(record, data_dir)
+    staging = f"{target}.sync"
+    _check(node, "clearing the data's staging folder", ssh.run(record, node, ["rm", "-rf", staging], timeout_s=300))
+    ssh.put_tree(record, node, data_dir, staging)
+    _check(node, "swapping in the synced data", ssh.run(
+        record, node, ["sh", "-c", 'rm -rf "$1" && mv "$0" "$1"', staging, target], timeout_s=300))
+    return target
 
 
 def _head_key(record: ClusterRecord, head: Node, remote_script: str, root: str) -> str:

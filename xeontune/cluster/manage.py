@@ -163,8 +163,10 @@ def status_command(args: argparse.Namespace) -> int:
         if cost is not None:
             print(f"  estimated cost: ${cost:.2f}/hour")
         if record.autostop_minutes:
-            print(f"  autostop: after {record.autostop_minutes} min idle (log: {record.head.name}:"
-                  f"{_autostop_log(record)})")
+            from xeontune.cluster import autostop
+
+            print(f"  autostop: after {record.autostop_minutes} min idle, {autostop.watcher_state(record)} "
+                  f"(log: {record.head.name}:{_autostop_log(record)})")
     return 0
 
 

@@ -31,13 +31,17 @@ import socket
 import stat
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from xeontune.errors import UserError
 from xeontune.io import atomic_write_text
+
+T = TypeVar("T")
+KEEPALIVE_S = 15
+SFTP_TIMEOUT_S = 120.0  # one SFTP request (a put of a block) that gets no answer this long fails
 
 if TYPE_CHECKING:  # paramiko is imported lazily: `xeontune --help` should not pay for it
     import paramiko
@@ -168,6 +172,9 @@ def connect(record: ClusterRecord, node: Node, timeout_s: float = 15.0) -> param
         raise
     if jump_client is not None:
         client._xeontune_jump = jump_client  # type: ignore[attr-defined]  # kept alive with the client
+    transport = client.get_transport()
+    if transport is not None:  # a dead link is noticed (its requests fail) rather than waited on forever
+        transport.set_keepalive(KEEPALIVE_S)
     return client
 
 
@@ -250,6 +257,23 @@ def run(
         close(client)
 
 
+def on_every_node(nodes: Sequence[Node], fn: Callable[[Node], T], workers: int = 8) -> list[T]:
+    """``fn(node)`` for every node at once. The first error (or Ctrl-C) is raised at once, without
+    waiting for the other nodes' work (a teardown that follows ends their connections)."""
+    from concurrent.futures import FIRST_EXCEPTION, wait
+
+    pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(nodes))))
+    try:
+        futures = [pool.submit(fn, node) for node in nodes]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+        return [future.result() for future in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 def put_tree(record: ClusterRecord, node: Node, local_dir: str | os.PathLike[str], remote_dir: str) -> int:
     """Copy ``local_dir`` recursively to ``remote_dir`` on ``node`` over SFTP; return files copied.
 
@@ -267,8 +291,9 @@ def put_tree(record: ClusterRecord, node: Node, local_dir: str | os.PathLike[str
     count = 0
     try:
         sftp = client.open_sftp()
+        sftp.get_channel().settimeout(SFTP_TIMEOUT_S)
         try:
-            _sftp_makedirs(sftp, remote_dir)
+            sftp_makedirs(sftp, remote_dir)
             for root, dirs, files in os.walk(src):  # followlinks=False: links to dirs come in `dirs`
                 rel = Path(root).relative_to(src)
                 remote_root = remote_dir if rel == Path(".") else f"{remote_dir.rstrip('/')}/{rel.as_posix()}"
@@ -278,7 +303,7 @@ def put_tree(record: ClusterRecord, node: Node, local_dir: str | os.PathLike[str
                     if local.is_symlink():
                         _put_link(sftp, local, top, remote)
                     elif name in dirs:
-                        _sftp_makedirs(sftp, remote)
+                        sftp_makedirs(sftp, remote)
                     else:
                         sftp.put(os.fspath(local), remote)
                         sftp.chmod(remote, stat.S_IMODE(local.stat().st_mode))
@@ -307,8 +332,9 @@ def put_file(record: ClusterRecord, node: Node, local_path: str | os.PathLike[st
     client = connect(record, node)
     try:
         sftp = client.open_sftp()
+        sftp.get_channel().settimeout(SFTP_TIMEOUT_S)
         try:
-            _sftp_makedirs(sftp, remote_path.rsplit("/", 1)[0] or "/")
+            sftp_makedirs(sftp, remote_path.rsplit("/", 1)[0] or "/")
             sftp.put(os.fspath(local_path), remote_path)
             sftp.chmod(remote_path, stat.S_IMODE(Path(local_path).stat().st_mode))
         finally:
@@ -317,7 +343,7 @@ def put_file(record: ClusterRecord, node: Node, local_path: str | os.PathLike[st
         close(client)
 
 
-def _sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
+def sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
     parts = [p for p in path.split("/") if p]
     current = "/" if path.startswith("/") else ""
     for part in parts:

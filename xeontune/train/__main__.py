@@ -22,7 +22,7 @@ def _configure_logging() -> None:
 
 def _stop_like_ctrl_c() -> None:
     """SIGTERM and SIGHUP stop a rank the way Ctrl-C does (KeyboardInterrupt), so that its files are
-    closed and it says so; mpirun passes SIGINT/SIGTERM on to every rank (xeontune/jobs.py), and
+    closed and it says so; mpirun passes SIGINT/SIGTERM on to every rank (xeontune/job/process.py), and
     scancel sends SIGTERM to every srun task."""
     def stop(sig: int, _frame: object) -> None:
         raise KeyboardInterrupt(signal.Signals(sig).name)

@@ -7,6 +7,7 @@ with batch b train on exactly the same samples, and a resumed run needs no RNG s
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,14 @@ def load_images(data_dir: str | Path, resolution: int, center_crop: bool) -> tup
     if not images:
         raise UserError(f"no readable image in {root} (looked for {', '.join(sorted(IMAGE_SUFFIXES))})")
     return torch.stack(images), paths
+
+
+def image_set_digest(paths: list[Path]) -> str:
+    """``N images, <digest>`` of the images' names and bytes: equal on two nodes only for the same set."""
+    digest = hashlib.sha256()
+    for path in sorted(paths, key=lambda p: p.name):
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return f"{len(paths)} images, {digest.hexdigest()[:12]}"
 
 
 def preprocess(img: Image.Image, resolution: int, center_crop: bool) -> torch.Tensor:

@@ -37,7 +37,7 @@ from xeontune.train.components import (
     load_unet,
     unet_dtype,
 )
-from xeontune.train.data import Latents, SamplePlan, load_images, templates_for
+from xeontune.train.data import Latents, SamplePlan, image_set_digest, load_images, templates_for
 from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
 
@@ -91,6 +91,18 @@ class Sync:
     def wait(self) -> None:
         if self.group is not None:
             torch.distributed.barrier(group=self.group)
+
+    def check_same(self, value: str, what: str) -> None:
+        """UserError on every rank unless all ranks hold the same ``value`` (issue 18: a node whose
+        copy of --data-dir differs would train the same vectors on other images, silently)."""
+        if self.group is None:
+            return
+        values: list[Any] = [None] * torch.distributed.get_world_size(self.group)
+        torch.distributed.all_gather_object(values, value, group=self.group)
+        odd = [rank for rank, v in enumerate(values) if v != values[0]]
+        if odd:
+            raise UserError(f"rank(s) {', '.join(map(str, odd))} loaded other {what} than rank 0 ({values[odd[0]]} "
+                            f"vs {values[0]}): every node needs the same --data-dir; sync it again")
 
 
 def pause_for_tests(where: str, rank: int) -> None:
@@ -328,7 +340,8 @@ def setup(
     resume_data: bytes | None = None
     if opts.resume_from_checkpoint and main:
         resume_path, resume_data = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
-    images, _ = load_images(opts.data_dir, opts.resolution, opts.center_crop)
+    images, image_paths = load_images(opts.data_dir, opts.resolution, opts.center_crop)
+    sync.check_same(image_set_digest(image_paths), "training images")
     if opts.report_to == "tensorboard":
         _tensorboard_writer(None)  # fails now, not after the first outputs are written
     precision, reason = choose_precision(opts.mixed_precision)

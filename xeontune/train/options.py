@@ -237,19 +237,39 @@ def launch_defaults() -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> TrainOptions:
-    parser = build_parser()
+    return _parse(argv, build_parser())[0]
+
+
+def _parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> tuple[TrainOptions, set[str]]:
+    """The options, and the names the command line or its --config file set (the rest: defaults)."""
     ns = vars(parser.parse_args(argv))
     ignored = [k.removeprefix("ignored") for k in ns if k.startswith("ignored")]
     if ignored:
         log.warning("ignoring flags with no meaning on a CPU here: %s", ", ".join(ignored))
     values: dict[str, Any] = launch_defaults()
     config = ns.pop("config", None)
+    given = {k for k in ns if not k.startswith("ignored")}
     if config:
-        values.update(load_config_file(config))
+        from_file = load_config_file(config)
+        values.update(from_file)
+        given |= set(from_file)
     values.update({k: v for k, v in ns.items() if not k.startswith("ignored")})
     options = TrainOptions(**values)
     options.config = config
-    return validate(options)
+    return validate(options), given
+
+
+def read_options(argv: list[str]) -> tuple[TrainOptions, set[str]]:
+    """The options exactly as a rank reads them (command line, then --config, then defaults), and
+    the names the user set, for a caller that is not the rank (the launcher, which ships them to
+    the ranks): argparse's errors become one-line UserErrors."""
+    parser = build_parser()
+
+    def error(message: str) -> None:
+        raise UserError(f"training options after --: {message}")
+
+    parser.error = error  # type: ignore[method-assign]
+    return _parse(argv, parser)
 
 
 def validate(o: TrainOptions) -> TrainOptions:

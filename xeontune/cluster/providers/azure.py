@@ -43,6 +43,7 @@ DEFAULT_LOCATION = "eastus"
 DEFAULT_SIZE = "Standard_D16s_v6"
 SSH_USER = "azureuser"
 DISK_GB = 64
+DELETE_DEADLINE_S = 900.0  # a resource group's delete that takes longer is reported, not waited on forever
 ARM_ENDPOINT = "https://management.azure.com"
 VNET_PREFIX = "10.42.0.0/16"
 SUBNET_PREFIX = "10.42.0.0/24"
@@ -377,7 +378,12 @@ class Azure(cloud.CloudProvider):
             raise _user_error(exc, f"looking for cluster {name!r}'s resource group") from None
         for rg in sorted(groups):
             try:
-                c.resource.resource_groups.begin_delete(rg).result()
+                poller = c.resource.resource_groups.begin_delete(rg)
+                poller.result(timeout=DELETE_DEADLINE_S)  # returns at the deadline, done or not
+                if not poller.done():
+                    report.failed.append(f"resource group {rg}: still being deleted after {DELETE_DEADLINE_S:g} s "
+                                         "(Azure goes on; run `xeontune teardown` again to see it gone)")
+                    continue
                 report.deleted.append(f"resource group {rg} (and everything in it)")
             except ResourceNotFoundError:
                 pass  # already gone: nothing to report

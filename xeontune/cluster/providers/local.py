@@ -137,6 +137,10 @@ def _sshd_config(record: ClusterRecord, node: Node, host_key: Path, pid_file: Pa
         "PrintMotd no",
         # Hydra opens one connection per host at once; the default throttles at 10.
         "MaxStartups 100",
+        # A client that vanished (a half-open connection) is dropped after 2 min, not kept ~2 h
+        # (autostop counts every open SSH connection as a session); as on cloud nodes.
+        "ClientAliveInterval 30",
+        "ClientAliveCountMax 4",
         "Subsystem sftp internal-sftp",
         "",
     ])
@@ -183,6 +187,7 @@ def _create(spec: ClusterSpec) -> ClusterRecord:
         known_hosts_path=str(cdir / "known_hosts"),
         work_dir=str(cdir / "work"),
         iface=IFACE,
+        cluster_id=state.new_cluster_id(),
     )
     login = ssh.generate_keypair(record.key_path, comment=f"xeontune-{name}")
     authorized = cdir / "authorized_keys"
@@ -202,6 +207,7 @@ def _create(spec: ClusterSpec) -> ClusterRecord:
         record.add_resource("bridge", br)
         state.save(record)
         _sh(["ip", "link", "add", br, "type", "bridge"])
+        _sh(["ip", "link", "set", br, "alias", owner_tag(record.cluster_id)])
         _sh(["ip", "addr", "add", f"{subnet}.1/24", "dev", br])
     _sh(["ip", "link", "set", br, "up"])
 
@@ -222,6 +228,7 @@ def _create(spec: ClusterSpec) -> ClusterRecord:
         _sh(["ip", "-n", ns, "addr", "add", f"{node.private_ip}/24", "dev", IFACE])
         _sh(["ip", "-n", ns, "link", "set", IFACE, "up"])
         _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        _sh(["ip", "-n", ns, "link", "set", "lo", "alias", owner_tag(record.cluster_id)])
         _sh(["ip", "link", "set", veth, "master", br])
         _sh(["ip", "link", "set", veth, "up"])
 
@@ -237,6 +244,18 @@ def _create(spec: ClusterSpec) -> ClusterRecord:
         _sh(["ip", "netns", "exec", ns, sshd, "-f", str(config), "-E", str(run_dir / f"{node.name}.log")])
     state.save(record)
     return record
+
+
+def owner_tag(cluster_id: str) -> str:
+    """The alias of the bridge and of each namespace's lo: which cluster (id, not name) made them."""
+    return f"xeontune:{cluster_id}"
+
+
+def link_alias(link: str, netns: str | None = None) -> str:
+    """A link's alias ("" when none), in ``netns`` or this namespace."""
+    argv = ["ip", *(["-n", netns] if netns else []), "-o", "link", "show", link]
+    words = _sh(argv, check=False).stdout.split()
+    return words[words.index("alias") + 1] if "alias" in words[:-1] else ""
 
 
 def _pid_alive(pid_file: Path) -> bool:
@@ -333,6 +352,15 @@ class Local(Provider):
         short = _short(name)
         prefix = f"xeontune-{name}-node"
         namespaces = [ns for ns in _netns_list() if ns.startswith(prefix) and ns[len(prefix):].isdigit()]
+        # With a record that has an id, only what carries it is deleted: a stale record (an older
+        # cluster of this name, another state dir's) never takes down the cluster that holds the name
+        # now. Without one (lost, or from before ids), by name.
+        owner = owner_tag(record.cluster_id) if record is not None and record.cluster_id else None
+        foreign = [ns for ns in namespaces if owner and link_alias("lo", ns) != owner]
+        for ns in foreign:
+            report.searched.append(f"netns {ns}: another cluster named {name!r} (not id {record.cluster_id}), left alone")
+        foreign_nodes = {ns[len(prefix):] for ns in foreign}
+        namespaces = [ns for ns in namespaces if ns not in foreign]
         for ns in namespaces:
             killed = _kill_netns_processes(ns)
             proc = _sh(["ip", "netns", "del", ns], check=False)
@@ -343,6 +371,9 @@ class Local(Provider):
         # Deleting a namespace destroys its veth pair; these catch what a crashed `up` left behind.
         for link in sorted(_links()):
             if link.startswith(f"xt{short}v") or link.startswith(f"xt{short}p") or link == bridge_name(name):
+                if owner and (link[len(f"xt{short}v"):] in foreign_nodes
+                              or (link == bridge_name(name) and link_alias(link) != owner)):
+                    continue  # the other cluster's
                 proc = _sh(["ip", "link", "del", link], check=False)
                 kind = "bridge" if link == bridge_name(name) else "veth"
                 if proc.returncode == 0:
@@ -351,7 +382,7 @@ class Local(Provider):
                     report.failed.append(f"{kind} {link}: {proc.stderr.strip()}")
         # An sshd whose namespace is gone already (should not happen, but a pid file says so).
         run_dir = state.cluster_dir(name) / "sshd"
-        for pid_file in sorted(run_dir.glob("*.pid")) if run_dir.is_dir() else []:
+        for pid_file in sorted(run_dir.glob("*.pid")) if run_dir.is_dir() and not foreign else []:
             if _pid_alive(pid_file):
                 pid = int(pid_file.read_text().split()[0])
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")

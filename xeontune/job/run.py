@@ -1,0 +1,380 @@
+"""`xeontune run`: from this machine to a learned embedding in one command.
+
+1. everything checkable is checked before anything bills (job/spec.py: the training options as a
+   rank reads them, --ppn, --dist-backend, --env, --config, a local --model, --data-dir,
+   --resume-from-checkpoint; the destination);
+2. a cluster: created (`cluster up`), or the one named with --name when it exists (reused);
+3. its data: `cluster up` syncs --data-dir to every node of a remote cluster (a reused one gets
+   it synced again); the ranks are pointed at that copy;
+4. the job: job/start.py's one ``start`` (the same as `xeontune launch`), with the job's
+   --output-dir on the head under ``<work_dir>/runs/<id>``. Where the head is reached by SSH the
+   job runs detached there (``launch --detach``'s runner) and `run` follows its log over SFTP: a
+   lost connection loses nothing, it is tried again for ``$XEONTUNE_RECONNECT_S`` (600 s) and the
+   log goes on where it stopped; on localhost the job is attached;
+5. the outputs: `xeontune fetch` into the local --output-dir; if it refuses (it holds another
+   run, it cannot be written), into a fresh folder beside it.
+
+Then a cluster this command created is torn down, unless --keep; a reused one never is. Teardown
+also runs when training fails, and on Ctrl-C, SIGTERM or SIGHUP during the job (the job is first
+stopped on every rank through the runner on the head, or ``process.run_attached`` here; a second
+signal stops it hard); a signal does not interrupt the teardown. The cluster is kept, and the
+last line says how to fetch and tear down, whenever the outputs may still be only on the head:
+the final fetch failed or was interrupted, or the connection to the head did not come back.
+Otherwise the last line says what was deleted.
+
+On the localhost provider nothing is copied: the ranks write straight into --output-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import posixpath
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from xeontune.cluster import providers, state
+from xeontune.cluster.state import ClusterRecord
+from xeontune.errors import UserError
+
+if TYPE_CHECKING:
+    from xeontune.job.fetch import FetchReport
+    from xeontune.job.record import JobInfo
+
+
+@dataclass
+class RunOptions:
+    provider: str
+    nodes: int = 2
+    ppn: str = "1"
+    name: str | None = None  # None: a new cluster with a generated name
+    keep: bool = False
+    dist_backend: str = "auto"
+    region: str | None = None
+    instance_type: str | None = None
+    image: str | None = None
+    spot: bool = False
+    ssh_cidr: str | None = None
+    subnet: str | None = None
+    autostop: int | None = None  # minutes idle; None: DEFAULT_AUTOSTOP_MIN where the provider can stop itself
+    env: list[str] = field(default_factory=list)  # KEY=VALUE for every rank, as `launch --env`
+    train_args: list[str] = field(default_factory=list)
+
+
+# A safety net for a laptop that goes away mid-run: `run` normally tears down itself. The job and
+# `run`'s own SSH sessions keep the head busy, so this only counts once both are gone.
+DEFAULT_AUTOSTOP_MIN = 30
+
+
+def autostop_minutes(opts: RunOptions) -> int:
+    provider = providers.get(opts.provider)
+    if opts.autostop is not None:
+        return opts.autostop
+    return DEFAULT_AUTOSTOP_MIN if provider.remote and provider.autostop_action else 0
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError):  # a hung-up terminal must not stop the teardown
+        print(text, flush=True)
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP act as Ctrl-C (KeyboardInterrupt) outside the job; during the job
+    ``process.run_attached`` has its own handlers, which forward them to the ranks."""
+    def interrupt(sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(sig).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def teardown_signals(name: str) -> Iterator[None]:
+    """For the teardown: a first Ctrl-C (SIGTERM, SIGHUP) does not leave half a cluster billing, it
+    says how to abandon the teardown; a second one does (KeyboardInterrupt), and the last line
+    then says how to finish it."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    seen: list[int] = []
+
+    def once_more(sig: int, _frame: object) -> None:
+        seen.append(sig)
+        if len(seen) == 1:
+            _say(f"the teardown of cluster {name!r} goes on (half a cluster would bill on); "
+                 f"{signal.Signals(sig).name} again to abandon it")
+            return
+        raise KeyboardInterrupt(signal.Signals(sig).name)
+
+    previous = {sig: signal.signal(sig, once_more) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def new_cluster_name() -> str:
+    for _ in range(20):
+        name = f"run-{os.urandom(3).hex()}"
+        if not state.exists(name):
+            return name
+    raise UserError("could not pick a free cluster name; pass --name")
+
+
+def sync_data(record: ClusterRecord, data_dir: str) -> str:
+    """Copy --data-dir to every node of a reused remote cluster, where `cluster up` puts it, leaving
+    nothing of an older sync (``bootstrap.sync_data``); return that path. A failure or Ctrl-C does
+    not wait for the other nodes."""
+    from xeontune.cluster import bootstrap, ssh
+
+    return ssh.on_every_node(record.nodes, lambda node: bootstrap.sync_data(record, node, data_dir))[0]
+
+
+def remote_data_dir(record: ClusterRecord, data_dir: str) -> str:
+    from xeontune.cluster import bootstrap
+
+    return bootstrap.data_target(record, data_dir)  # as `cluster up`'s bootstrap put it
+
+
+def run(opts: RunOptions) -> int:
+    from xeontune.cluster import manage
+    from xeontune.job import fetch, start
+    from xeontune.job.spec import launch_spec, read_request
+
+    provider = providers.get(opts.provider)
+    if opts.nodes < 1:
+        raise UserError("-n must be at least 1")
+    name = state.validate_name(opts.name) if opts.name else new_cluster_name()
+    reused = state.exists(name)
+    if reused:
+        existing = state.load(name)
+        if existing.provider != opts.provider:
+            raise UserError(f"cluster {name!r} exists on provider {existing.provider}, not {opts.provider}; "
+                            "pick another --name")
+    # Everything the user can get wrong is checked before a cluster costs anything.
+    # a new cluster's head holds no checkpoint (on localhost the ranks write --output-dir here, so it may)
+    request = read_request(list(opts.train_args), opts.ppn, opts.dist_backend, opts.env, remote=provider.remote,
+                           fresh_cluster=not reused and provider.uses_ssh)
+    resume_in = resume_dir(name, provider, request.options.resume_from_checkpoint) if reused else None
+    dest = request.local_output_dir
+    fetch.check_destination(dest, request.options.overwrite)
+    data_dir = request.options.data_dir
+
+    outcome = Outcome(name=name, provider=opts.provider, region=opts.region, keep=opts.keep, reused=reused)
+    try:
+        with signals_interrupt():
+            if reused:
+                record = state.load(name)
+                _say(f"[1/4] reusing cluster {name!r} ({record.provider}, {len(record.nodes)} node(s))")
+            else:
+                _say(f"[1/4] creating cluster {name!r} ({opts.provider}, -n {opts.nodes})")
+                spec_args = manage.spec_from_args(_spec_args(opts, name, data_dir))
+                # `up` rolls back what it made when it fails; only a cluster it made is ours to delete
+                # (a `run --name X` racing this one fails here, and must not delete the other's X)
+                record, _ = manage.up(spec_args, opts.provider)
+                outcome.created = True
+            target = None
+            if provider.remote and data_dir:
+                if reused:
+                    _say(f"[2/4] syncing {data_dir} to {len(record.nodes)} node(s)")
+                    target = sync_data(record, data_dir)
+                else:
+                    target = remote_data_dir(record, data_dir)
+                    _say(f"[2/4] data synced to {target} at bootstrap")
+            else:
+                _say("[2/4] the nodes read --data-dir from this disk" if not provider.remote else "[2/4] no --data-dir")
+            run_id = new_run_id()
+            # resuming: in the output dir of the cluster's last job, where its checkpoints are
+            head_out = resume_in or (posixpath.join(record.work_dir, "runs", run_id) if provider.uses_ssh else None)
+            spec = launch_spec(record, request, data_dir=target, output_dir=head_out)
+            _say(f"[3/4] training: {spec.ranks} rank(s) on cluster {name!r}")
+            if provider.uses_ssh:  # detached on the head: a lost connection here loses nothing there
+                job, _ = start.start(record, spec, detached=True, local_output_dir=dest, say=_say, hold_for_fetch=True)
+                _say(f"the job runs detached on {record.head.name} (job {job.id}); following its log")
+                followed = follow_detached(record, job)
+                if followed is None:
+                    outcome.keep_because = (f"the connection to {record.head.name} was lost and did not come back; "
+                                            f"the job goes on there (follow it: xeontune logs --name {name} -f)")
+                rc = 1 if followed is None else followed
+            else:
+                job, rc = start.start(record, spec, detached=False, local_output_dir=dest, say=_say)
+            outcome.rc = rc
+            if outcome.keep_because is None and rc != 0:
+                _say(f"training failed (exit {rc})")
+            elif outcome.keep_because is None:
+                _say(f"[4/4] fetching outputs into {dest}")
+                outcome.keep_because = "the outputs are still only on the head"  # until the fetch succeeds
+                try:
+                    report = fetch_or_beside(record, job, dest, request.options.overwrite)
+                except UserError:
+                    raise
+                except Exception as exc:  # whatever it is, the cluster holds the only copy: say it, keep it
+                    raise UserError(f"the final fetch failed: {type(exc).__name__}: {exc}") from None
+                fetch.print_report(record, report)
+                outcome.keep_because = None
+    except UserError as exc:  # said here, so that the teardown's line stays the last one
+        with contextlib.suppress(OSError):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        outcome.rc = exc.exit_code
+    except KeyboardInterrupt as exc:
+        _say(f"interrupted ({exc.args[0] if exc.args else 'SIGINT'})")
+        outcome.rc = 130 if not exc.args else 128 + int(getattr(signal, str(exc.args[0]), signal.SIGINT))
+    except BaseException:
+        outcome.rc = 1
+        if outcome.keep_because is None and outcome.created:
+            outcome.keep_because = "xeontune failed unexpectedly (the traceback follows)"
+        finish(outcome)
+        raise
+    return finish(outcome)
+
+
+RECONNECT_ENV = "XEONTUNE_RECONNECT_S"  # how long `run` tries to get a lost connection back (default 600)
+
+
+def follow_detached(record: ClusterRecord, job: JobInfo) -> int | None:
+    """Follow the job's log until it ends (``fetch.follow_job``); its exit status, or None when the
+    connection was lost for good. Ctrl-C, SIGTERM or SIGHUP stop the job on every rank first (a
+    second one: hard), then come out as KeyboardInterrupt, which tears the cluster down."""
+    from xeontune.job import fetch
+
+    reconnect_s = float(os.environ.get(RECONNECT_ENV) or 600)
+    first: KeyboardInterrupt | None = None
+    while True:
+        try:
+            rc = fetch.follow_job(record, job, reconnect_s, _say)
+        except KeyboardInterrupt as exc:
+            what = exc.args[0] if exc.args else "SIGINT"
+            _say(f"interrupted ({what}): stopping the job on every rank" if first is None
+                 else f"interrupted again ({what}): stopping the job hard")
+            first = first or exc
+            try:
+                fetch.stop_job(record, job)
+            except UserError as err:
+                _say(f"{err}; the teardown stops it")
+                raise first from None
+            continue
+        if first is not None:
+            raise first
+        return rc
+
+
+def resume_dir(name: str, provider: providers.Provider, resume: str | None) -> str | None:
+    """Where a `run --resume-from-checkpoint` on reused cluster ``name`` trains: its last job's output
+    dir on the head, which holds the checkpoints (None: no resume, or the ranks write here)."""
+    if not resume or not provider.uses_ssh:
+        return None
+    from xeontune.job import record
+
+    return record.load_job(name).output_dir
+
+
+def fetch_or_beside(record: ClusterRecord, job: JobInfo, dest: Path, overwrite: bool) -> FetchReport:
+    """The final fetch: into ``dest``, or, when ``dest`` refuses, into a fresh folder beside it."""
+    from xeontune.job import fetch
+
+    try:
+        return fetch.fetch(record, job, dest, overwrite=overwrite)
+    except fetch.DestinationError as exc:
+        other = fetch.beside(dest, job.id)
+        _say(f"{exc}; fetching into {other} instead")
+        report = fetch.fetch(record, job, other)
+        report.moved_from = dest
+        return report
+
+
+def new_run_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
+
+
+@dataclass
+class Outcome:
+    """What `run` did and must do at the end."""
+
+    name: str
+    provider: str
+    region: str | None
+    keep: bool
+    reused: bool
+    created: bool = False  # only once `up` returned: this run made the cluster
+    rc: int = 1
+    keep_because: str | None = None  # why the cluster must stay although this run made it
+
+
+def _spec_args(opts: RunOptions, name: str, data_dir: str | None) -> argparse.Namespace:
+    return argparse.Namespace(name=name, nodes=opts.nodes, region=opts.region, instance_type=opts.instance_type,
+                              image=opts.image, spot=opts.spot, ssh_cidr=opts.ssh_cidr, subnet=opts.subnet,
+                              skip_bootstrap=False, data_dir=data_dir, autostop=autostop_minutes(opts))
+
+
+def finish(o: Outcome) -> int:
+    """``_finish`` under ``teardown_signals``: only a second signal abandons the teardown."""
+    try:
+        with teardown_signals(o.name):
+            return _finish(o)
+    except KeyboardInterrupt:
+        _say(f"abandoned the teardown of cluster {o.name!r}: what is left may bill; "
+             f"run: xeontune teardown --name {o.name}")
+        return o.rc or 130
+
+
+def _finish(o: Outcome) -> int:
+    """Tear down what this run created (unless --keep, or the outputs may still be only on the
+    head); the last line says what happened, or how to fetch and tear down."""
+    from xeontune.cluster import manage
+
+    name, rc = o.name, o.rc
+    if not o.created:
+        if o.reused:
+            _say(f"cluster {name!r} was there before this run and is kept; delete it with: "
+                 f"xeontune teardown --name {name}")
+        elif state.exists(name) and not o.reused:
+            _say(f"cluster {name!r} was not created by this run and is kept")
+        return rc
+    if not state.exists(name):  # the autostop watcher, or another command, removed it
+        _say(f"nothing of cluster {name!r} is left: nothing to delete")
+        return rc
+    if o.keep_because:
+        _say(f"kept cluster {name!r}: {o.keep_because}. Fetch the outputs with: xeontune fetch --name {name}; "
+             f"then delete it with: xeontune teardown --name {name}")
+        return rc or 1
+    if o.keep:
+        _say(f"kept cluster {name!r} (--keep); delete it with: xeontune teardown --name {name}")
+        return rc
+    _say(f"tearing down cluster {name!r} ...")
+    try:
+        report = manage.teardown(name, o.provider, o.region)
+    except Exception as exc:  # the one thing that must be said, whatever went wrong
+        _say(f"could not tear down cluster {name!r}: {type(exc).__name__}: {exc}; run: xeontune teardown --name {name}")
+        return rc or 1
+    for item in report.failed:
+        _say(f"could not delete {item}")
+    if not report.ok:
+        _say(f"cluster {name!r} is not fully torn down; run: xeontune teardown --name {name}")
+        return rc or 1
+    what = ", ".join(report.deleted) if report.deleted else "nothing outside the state dir"
+    _say(f"deleted cluster {name!r} ({o.provider}): {what}")
+    return rc
+
+
+def main(args: argparse.Namespace) -> int:
+    opts = RunOptions(
+        provider=args.provider, nodes=args.nodes, ppn=str(args.ppn), name=args.name, keep=args.keep,
+        dist_backend=args.dist_backend, region=args.region, instance_type=args.instance_type, image=args.image,
+        spot=args.spot, ssh_cidr=args.ssh_cidr, subnet=args.subnet, autostop=args.autostop,
+        env=list(args.env or []), train_args=list(args.train_args),
+    )
+    return run(opts)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `xeontune run`")
