@@ -273,10 +273,22 @@ def test_sdxl_bf16_trains_with_both_encoders_linears_mapped_from_bf16_copies(xl_
     assert {p.dtype for n, p in encoder_2.items() if "norm" in n} == {torch.float32}
     initial = run.embedding.learned()
     del run
-    result = train(xl_args + ["--mixed-precision", "bf16", "--max-train-steps", "2", "--num-vectors", "2"])
+    result = train(xl_args + ["--mixed-precision", "bf16", "--max-train-steps", "2", "--num-vectors", "2",
+                              "--validation-prompt", "a <toy-bot>", "--num-validation-images", "1",
+                              "--validation-inference-steps", "2", "--save-as-full-pipeline"])
     assert result.final_loss is not None and torch.isfinite(result.vectors).all()
     for moved in split(result.vectors - initial):
         assert moved.abs().max() > 1e-5
+    assert (tmp_path / "out" / "validation" / "step-000002-0.png").is_file()
+    # the saved pipeline holds the model's own second encoder (fp32, not the bf16 copy) plus the new rows
+    from transformers import CLIPTextModelWithProjection
+
+    original = CLIPTextModelWithProjection.from_pretrained(sdxl_model, subfolder="text_encoder_2").state_dict()
+    saved = CLIPTextModelWithProjection.from_pretrained(tmp_path / "out" / "pipeline", subfolder="text_encoder_2")
+    table = next(k for k in original if k.endswith("token_embedding.weight"))
+    state = saved.state_dict()
+    assert all(torch.equal(state[k], original[k]) and state[k].dtype == torch.float32 for k in original if k != table)
+    assert torch.equal(state[table][-2:], split(result.vectors)[1])
 
 
 @pytest.mark.slow
