@@ -42,3 +42,37 @@ def test_sample_data_is_deterministic(tmp_path):
 def test_cli_bad_model_kind_and_count(capsys, tmp_path):
     assert main(["sample-data", str(tmp_path / "x"), "--count", "0"]) == 2
     assert "--count must be at least 1" in capsys.readouterr().err
+
+
+def test_sdxl_arch_has_sdxl_base_dimensions_without_allocating_them():
+    """Sized on the meta device: the real SDXL-base parameter counts, no 14 GB in memory."""
+    import torch
+
+    dims = models.DIMS["sdxl-arch"]
+    with torch.device("meta"):
+        parts = models.build_modules(dims, models.build_tokenizer(dims))
+    count = {name: sum(p.numel() for p in m.parameters()) for name, m in parts.items() if hasattr(m, "parameters")}
+    assert round(count["unet"] / 1e6) == 2567  # SDXL-base's UNet: 2,567,463,684
+    assert round(count["text_encoder_2"] / 1e6) == 695  # OpenCLIP bigG with its projection
+    assert round(count["text_encoder"] / 1e6) == 123  # CLIP ViT-L, as in SD1.5
+    unet = parts["unet"].config
+    assert unet.cross_attention_dim == 768 + 1280 and unet.addition_embed_type == "text_time"
+    assert unet.projection_class_embeddings_input_dim == 6 * 256 + 1280 == 2816
+
+
+def test_sdxl_and_sd2_tiny_build_offline_and_load_in_their_diffusers_pipelines(tmp_path):
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    assert main(["model", "sdxl-tiny", str(tmp_path / "xl")]) == 0
+    assert main(["model", "sd2-tiny", str(tmp_path / "sd2")]) == 0
+    xl = StableDiffusionXLPipeline.from_pretrained(str(tmp_path / "xl"))
+    assert xl.text_encoder_2.__class__.__name__ == "CLIPTextModelWithProjection"
+    assert xl.unet.config.cross_attention_dim == xl.text_encoder.config.hidden_size + xl.text_encoder_2.config.hidden_size
+    assert xl.unet.config.projection_class_embeddings_input_dim == (
+        6 * xl.unet.config.addition_time_embed_dim + xl.text_encoder_2.config.projection_dim)
+    assert len(xl.tokenizer_2.encode("toy", add_special_tokens=False)) == 1
+    image = xl("a photo of a toy", num_inference_steps=1, height=64, width=64).images[0]
+    assert image.size == (64, 64)
+    sd2 = StableDiffusionPipeline.from_pretrained(str(tmp_path / "sd2"), safety_checker=None)
+    assert sd2.scheduler.config.prediction_type == "v_prediction"
+    assert sd2.text_encoder.config.hidden_act == "gelu" and sd2.unet.config.use_linear_projection

@@ -350,8 +350,8 @@ def compute_pass(run, step: int, *, around: Any = None) -> float:
     start = time.perf_counter()
     with around or contextlib.nullcontext():
         with run.autocast():
-            hidden = run.components.text_encoder(batch.input_ids)[0]
-            pred = run.components.unet(noisy, batch.timesteps, hidden).sample
+            hidden, added = run.encode_text(batch)
+            pred = run.components.unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
         F.mse_loss(pred.float(), target).backward()
     elapsed = time.perf_counter() - start
     run.optimizer.zero_grad(set_to_none=True)

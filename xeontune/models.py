@@ -7,6 +7,13 @@ trainer loads both the same way.
 * ``tiny``: a few MB, trains a step in well under a second; for tests and `make single-node-test`.
 * ``sd15-arch``: Stable Diffusion 1.5 dimensions (860M-parameter UNet, 49,408-token CLIP vocab,
   3.9 GB on disk); realistic for benchmarks, useless for images.
+* ``sd2-tiny``: SD2's shape at tiny size: a GELU text encoder (OpenCLIP's activation), linear
+  projections in the UNet's transformers and a v-prediction scheduler.
+* ``sdxl-tiny``: SDXL's shape at tiny size: two text encoders (the second with a projection, whose
+  pooled output the UNet takes as ``text_embeds``), two tokenizers, a UNet conditioned on both
+  encoders' hidden states concatenated plus six size/crop ``time_ids``.
+* ``sdxl-arch``: SDXL-base dimensions (2,567 M-parameter UNet, 695 M-parameter second text encoder,
+  about 14 GB in fp32); for benchmarks only.
 """
 
 from __future__ import annotations
@@ -41,6 +48,19 @@ class PipelineDims:
     vae_layers: int
     vae_groups: int
     sample_size: int  # default image side in pixels
+    family: str = "sd"  # "sd" (StableDiffusionPipeline) or "sdxl" (StableDiffusionXLPipeline)
+    prediction_type: str = "epsilon"  # SD2-768 and later: "v_prediction"
+    linear_projection: bool = False  # SD2 and SDXL: Linear instead of 1x1 conv around attention
+    plain_block: str = "last"  # which UNet down block has no cross-attention: SD1/2 the last, SDXL the first
+    transformer_layers: tuple[int, ...] | None = None  # per down block (SDXL: 1, 2, 10); None: one each
+    head_dims: tuple[int, ...] | None = None  # heads per block (diffusers' attention_head_dim); None: unet_head_dim
+    # SDXL's second text encoder (CLIPTextModelWithProjection) and the UNet's "text_time" embedding
+    text2_hidden: int = 0
+    text2_layers: int = 0
+    text2_heads: int = 0
+    text2_intermediate: int = 0
+    time_embed_dim: int = 0  # addition_time_embed_dim: each of the six time_ids is embedded to this width
+    vae_scaling: float = 0.18215
 
 
 DIMS = {
@@ -53,6 +73,28 @@ DIMS = {
         text_hidden=768, text_layers=12, text_heads=12, text_intermediate=3072, text_act="quick_gelu",
         vocab_size=49408, unet_channels=(320, 640, 1280, 1280), unet_layers=2, unet_head_dim=8,
         vae_channels=(128, 256, 512, 512), vae_layers=2, vae_groups=32, sample_size=512,
+    ),
+    "sd2-tiny": PipelineDims(
+        text_hidden=32, text_layers=2, text_heads=4, text_intermediate=64, text_act="gelu",
+        vocab_size=None, unet_channels=(32, 64), unet_layers=1, unet_head_dim=8,
+        vae_channels=(16, 16, 32, 32), vae_layers=1, vae_groups=8, sample_size=64,
+        prediction_type="v_prediction", linear_projection=True, head_dims=(2, 4),
+    ),
+    "sdxl-tiny": PipelineDims(
+        text_hidden=32, text_layers=2, text_heads=4, text_intermediate=64, text_act="quick_gelu",
+        vocab_size=None, unet_channels=(32, 64), unet_layers=1, unet_head_dim=8,
+        vae_channels=(16, 16, 32, 32), vae_layers=1, vae_groups=8, sample_size=64,
+        family="sdxl", linear_projection=True, plain_block="first", transformer_layers=(1, 2), head_dims=(2, 4),
+        text2_hidden=64, text2_layers=2, text2_heads=4, text2_intermediate=128, time_embed_dim=8,
+        vae_scaling=0.13025,
+    ),
+    "sdxl-arch": PipelineDims(
+        text_hidden=768, text_layers=12, text_heads=12, text_intermediate=3072, text_act="quick_gelu",
+        vocab_size=49408, unet_channels=(320, 640, 1280), unet_layers=2, unet_head_dim=64,
+        vae_channels=(128, 256, 512, 512), vae_layers=2, vae_groups=32, sample_size=1024,
+        family="sdxl", linear_projection=True, plain_block="first", transformer_layers=(1, 2, 10),
+        head_dims=(5, 10, 20), text2_hidden=1280, text2_layers=32, text2_heads=20, text2_intermediate=5120,
+        time_embed_dim=256, vae_scaling=0.13025,
     ),
 }
 
@@ -104,63 +146,94 @@ def _template_words() -> list[str]:
     return words + list(EXTRA_WORDS)
 
 
+def build_tokenizer(dims: PipelineDims, pad_token: str | None = None):
+    """A CLIPTokenizer over the project's own vocab (``pad_token``: SDXL's second tokenizer pads with "!")."""
+    from transformers import CLIPTokenizer
+
+    vocab, merges = tokenizer_files(_template_words(), dims.vocab_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
+        (Path(tmp) / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+        extra = {"pad_token": pad_token} if pad_token else {}
+        return CLIPTokenizer(vocab=str(Path(tmp) / "vocab.json"), merges=str(Path(tmp) / "merges.txt"),
+                             model_max_length=77, **extra)
+
+
+def build_modules(dims: PipelineDims, tokenizer) -> dict:
+    """The pipeline's models with random weights, as keyword arguments of its diffusers class.
+
+    Everything is made under the current default device, so ``with torch.device("meta")`` sizes the
+    real-dimension models without allocating them."""
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    vocab = tokenizer.get_vocab()
+    ids = {"bos_token_id": vocab["<|startoftext|>"], "eos_token_id": vocab["<|endoftext|>"],
+           "pad_token_id": vocab["<|endoftext|>"]}
+
+    def text_config(hidden: int, layers: int, heads: int, intermediate: int, act: str) -> CLIPTextConfig:
+        return CLIPTextConfig(
+            vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+            num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=hidden, **ids)
+
+    modules: dict = {"tokenizer": tokenizer, "text_encoder": CLIPTextModel(text_config(
+        dims.text_hidden, dims.text_layers, dims.text_heads, dims.text_intermediate, dims.text_act))}
+    cross_dim, unet_extra = dims.text_hidden, {}
+    if dims.family == "sdxl":
+        # SDXL's second encoder is OpenCLIP bigG: GELU, and a projection whose output is the pooled text_embeds.
+        modules["text_encoder_2"] = CLIPTextModelWithProjection(text_config(
+            dims.text2_hidden, dims.text2_layers, dims.text2_heads, dims.text2_intermediate, "gelu"))
+        cross_dim = dims.text_hidden + dims.text2_hidden  # both encoders' hidden states, concatenated
+        unet_extra = {
+            "addition_embed_type": "text_time", "addition_time_embed_dim": dims.time_embed_dim,
+            # six time_ids of time_embed_dim each, then the pooled text embedding
+            "projection_class_embeddings_input_dim": 6 * dims.time_embed_dim + dims.text2_hidden,
+        }
+    n_blocks = len(dims.unet_channels)
+    plain = {"first": 0, "last": n_blocks - 1}[dims.plain_block] if n_blocks > 2 or dims.family == "sdxl" else -1
+    down = tuple("DownBlock2D" if i == plain else "CrossAttnDownBlock2D" for i in range(n_blocks))
+    up = tuple("UpBlock2D" if i == plain else "CrossAttnUpBlock2D" for i in reversed(range(n_blocks)))
+    modules["unet"] = UNet2DConditionModel(
+        sample_size=dims.sample_size // 8, in_channels=4, out_channels=4,
+        layers_per_block=dims.unet_layers, block_out_channels=dims.unet_channels,
+        down_block_types=down, up_block_types=up, cross_attention_dim=cross_dim,
+        attention_head_dim=dims.head_dims or dims.unet_head_dim, use_linear_projection=dims.linear_projection,
+        transformer_layers_per_block=dims.transformer_layers or 1, **unet_extra,
+    )
+    modules["vae"] = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * len(dims.vae_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(dims.vae_channels),
+        block_out_channels=dims.vae_channels, layers_per_block=dims.vae_layers,
+        norm_num_groups=dims.vae_groups, sample_size=dims.sample_size, scaling_factor=dims.vae_scaling,
+    )
+    modules["scheduler"] = DDPMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+        clip_sample=False, steps_offset=1, prediction_type=dims.prediction_type,
+    )
+    return modules
+
+
 def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: PipelineDims | None = None) -> Path:
-    """Write a Stable Diffusion pipeline with random weights to ``out_dir`` (atomically).
+    """Write a Stable Diffusion (or SDXL) pipeline with random weights to ``out_dir`` (atomically).
 
     ``dims`` overrides the kind's sizes (tests use a tiny UNet with SD1.5's 768-wide text encoder).
     """
     import torch
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     if kind not in DIMS:
         raise UserError(f"unknown model kind {kind!r} (choose from: {', '.join(DIMS)})")
     dims = dims or DIMS[kind]
     out = Path(out_dir)
     torch.manual_seed(seed)
-
-    vocab, merges = tokenizer_files(_template_words(), dims.vocab_size)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
-        (Path(tmp) / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-        tokenizer = CLIPTokenizer(
-            vocab=str(Path(tmp) / "vocab.json"), merges=str(Path(tmp) / "merges.txt"), model_max_length=77
-        )
-
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(vocab), hidden_size=dims.text_hidden, intermediate_size=dims.text_intermediate,
-            num_hidden_layers=dims.text_layers, num_attention_heads=dims.text_heads,
-            max_position_embeddings=77, hidden_act=dims.text_act, projection_dim=dims.text_hidden,
-            bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
-            pad_token_id=vocab["<|endoftext|>"],
-        )
-    )
-    n_blocks = len(dims.unet_channels)
-    unet = UNet2DConditionModel(
-        sample_size=dims.sample_size // 8, in_channels=4, out_channels=4,
-        layers_per_block=dims.unet_layers, block_out_channels=dims.unet_channels,
-        down_block_types=("CrossAttnDownBlock2D",) * (n_blocks - 1) + ("DownBlock2D",) if n_blocks > 2
-        else ("CrossAttnDownBlock2D",) * n_blocks,
-        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (n_blocks - 1) if n_blocks > 2
-        else ("CrossAttnUpBlock2D",) * n_blocks,
-        cross_attention_dim=dims.text_hidden, attention_head_dim=dims.unet_head_dim,
-    )
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4,
-        down_block_types=("DownEncoderBlock2D",) * len(dims.vae_channels),
-        up_block_types=("UpDecoderBlock2D",) * len(dims.vae_channels),
-        block_out_channels=dims.vae_channels, layers_per_block=dims.vae_layers,
-        norm_num_groups=dims.vae_groups, sample_size=dims.sample_size,
-    )
-    scheduler = DDPMScheduler(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
-        clip_sample=False, steps_offset=1,
-    )
-    pipe = StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    )
+    modules = build_modules(dims, build_tokenizer(dims))
+    if dims.family == "sdxl":
+        modules["tokenizer_2"] = build_tokenizer(dims, pad_token="!")
+        pipe = StableDiffusionXLPipeline(**modules, force_zeros_for_empty_prompt=True, add_watermarker=False)
+    else:
+        pipe = StableDiffusionPipeline(**modules, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
     with atomic_dir(out) as tmp:
         pipe.save_pretrained(tmp)
     return out

@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.cluster.clusterlib import REPO, cli
 
@@ -88,6 +89,32 @@ def test_three_ranks_match_one_process_with_three_times_the_batch(local_cluster,
     tagged = [line for line in dist.stdout.splitlines() if line.strip()]
     assert tagged and all(line.startswith("[") for line in tagged)
     print(f"3-rank launch of {steps} steps: {launch_s:.1f} s; allreduce_bytes per step: {sent}; max diff {diff:.2e}")
+
+
+def test_sdxl_three_ranks_match_one_process_and_load_into_diffusers(local_cluster, sample_images, tmp_path):
+    """`launch -n 3` trains SDXL (both text encoders' rows all-reduced) like one process with 3x the
+    batch, and writes the clip_l / clip_g file that StableDiffusionXLPipeline loads, one call per encoder."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from xeontune import models
+
+    xl = {"model": models.build_pipeline("sdxl-tiny", tmp_path / "sdxl-tiny"), "data": sample_images}
+    launch(local_cluster, xl, tmp_path / "dist", 1, 3, "--scale-lr", "--mixed-precision", "fp32")
+    train_alone(xl, tmp_path / "one", 3, 3, "--scale-lr", "--mixed-precision", "fp32")
+    got, want = load_vectors(tmp_path / "dist"), load_vectors(tmp_path / "one")
+    assert sorted(got) == sorted(want) == ["clip_g", "clip_l"]
+    diff = max(float((got[k] - want[k]).abs().max()) for k in got)
+    assert diff <= 1e-5, f"max abs difference {diff}"
+    sent = [json.loads(line)["allreduce_bytes"] for line in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
+    assert sent == [(32 + 64) * 4 + 4] * 3  # one row per encoder and the loss
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(xl["model"]))
+    pipe.load_textual_inversion(got["clip_l"], token="<cat-toy>", text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer)
+    pipe.load_textual_inversion(got["clip_g"], token="<cat-toy>", text_encoder=pipe.text_encoder_2,
+                                tokenizer=pipe.tokenizer_2)
+    for tokenizer, encoder, key in ((pipe.tokenizer, pipe.text_encoder, "clip_l"),
+                                    (pipe.tokenizer_2, pipe.text_encoder_2, "clip_g")):
+        row = encoder.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("<cat-toy>")]
+        assert torch.equal(row, got[key][0])
 
 
 # bf16 tolerances, measured on an AMX Xeon (3 steps, lr 5e-3, tiny model at 32 px):

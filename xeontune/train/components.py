@@ -17,6 +17,7 @@ from xeontune.errors import UserError
 log = logging.getLogger(__name__)
 
 REQUIRED_PARTS = ("tokenizer", "text_encoder", "vae", "unet", "scheduler")
+SDXL_PARTS = ("tokenizer_2", "text_encoder_2")  # what an SDXL pipeline has besides
 
 
 @dataclass
@@ -29,9 +30,22 @@ class Components:
     unet_for_inference: Any = None  # the plain UNet, for validation and saving
     unet_cast: bool = False  # the UNet was loaded in another dtype than its files hold (see load)
     text_encoder_cast: bool = False  # its Linear layers were cast (see cast_text_encoder_linears)
+    family: str = "sd"  # "sd" (SD1.x/SD2) or "sdxl", from model_index.json
+    tokenizer_2: Any = None  # SDXL: the second tokenizer and text encoder (with projection)
+    text_encoder_2: Any = None
+    text_encoder_2_cast: bool = False
+
+    @property
+    def text_encoders(self) -> list[Any]:
+        return [self.text_encoder] + ([self.text_encoder_2] if self.family == "sdxl" else [])
+
+    @property
+    def tokenizers(self) -> list[Any]:
+        return [self.tokenizer] + ([self.tokenizer_2] if self.family == "sdxl" else [])
 
 
-def _check_local(path: Path) -> None:
+def _check_local(path: Path) -> str:
+    """The pipeline's family ("sd" or "sdxl"), or a one-line error for a folder that is not one."""
     index = path / "model_index.json"
     if not index.is_file():
         raise UserError(f"{path} is not a Stable Diffusion pipeline (no model_index.json)")
@@ -39,9 +53,32 @@ def _check_local(path: Path) -> None:
         parts = json.loads(index.read_text())
     except json.JSONDecodeError:
         raise UserError(f"{index} is not valid JSON") from None
-    missing = [p for p in REQUIRED_PARTS if p not in parts or not (path / p).is_dir()]
+    family = family_of(parts)
+    missing = [p for p in REQUIRED_PARTS + (SDXL_PARTS if family == "sdxl" else ())
+               if p not in parts or not (path / p).is_dir()]
     if missing:
         raise UserError(f"{path} is not a Stable Diffusion pipeline (missing: {', '.join(missing)})")
+    return family
+
+
+def family_of(model_index: dict) -> str:
+    """"sdxl" for an SDXL pipeline (StableDiffusionXLPipeline, or its two text encoders), else "sd"."""
+    name = str(model_index.get("_class_name", ""))
+    return "sdxl" if "XL" in name or "text_encoder_2" in model_index else "sd"
+
+
+def pipeline_family(model: str, revision: str | None = None) -> str:
+    """The family of a local pipeline or a hub id, from its model_index.json (no new flag needed)."""
+    local = Path(model).expanduser()
+    if local.exists():
+        return _check_local(local)
+    from huggingface_hub import hf_hub_download
+
+    try:
+        index = hf_hub_download(model, "model_index.json", revision=revision)
+        return family_of(json.loads(Path(index).read_text()))
+    except Exception:  # unreachable or not found: loading the parts below gives the one-line error
+        return "sd"
 
 
 def load(
@@ -56,7 +93,7 @@ def load(
     import diffusers
     import transformers
     from diffusers import AutoencoderKL, DDPMScheduler
-    from transformers import CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     transformers.utils.logging.disable_progress_bar()
     diffusers.utils.logging.disable_progress_bar()
@@ -67,10 +104,16 @@ def load(
         model = str(local)
     elif model.startswith((".", "/", "~")):
         raise UserError(f"model path {model} does not exist")
+    family = pipeline_family(model, revision)
     common = {"revision": revision}
+    tokenizer_2 = text_encoder_2 = None
     try:
         tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", **common)
         text_encoder = CLIPTextModel.from_pretrained(model, subfolder="text_encoder", variant=variant, **common)
+        if family == "sdxl":
+            tokenizer_2 = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer_2", **common)
+            text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(
+                model, subfolder="text_encoder_2", variant=variant, **common)
         vae = AutoencoderKL.from_pretrained(model, subfolder="vae", variant=variant, **common)
         unet = _load_unet_in(unet_dtype, model, revision, variant)
         noise_scheduler = DDPMScheduler.from_pretrained(model, subfolder="scheduler", **common)
@@ -80,11 +123,13 @@ def load(
             raise UserError(not_found_message(model, gated=missing == "gated")) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise UserError(f"cannot load a Stable Diffusion pipeline from {model!r}: {first}") from None
-    for module in (text_encoder, vae, unet):
-        module.requires_grad_(False)
-        module.eval()
+    for module in (text_encoder, text_encoder_2, vae, unet):
+        if module is not None:
+            module.requires_grad_(False)
+            module.eval()
     return Components(tokenizer, text_encoder, vae, unet, noise_scheduler, unet_for_inference=unet,
-                      unet_cast=unet_dtype is not None)
+                      unet_cast=unet_dtype is not None, family=family, tokenizer_2=tokenizer_2,
+                      text_encoder_2=text_encoder_2)
 
 
 # The hub repository that the guides name was removed in 2024; its maintained mirror:
@@ -124,7 +169,7 @@ BF16_CACHE_ENV = "XEONTUNE_CACHE"
 
 
 # Where each part's weights file is in a pipeline, and what its bf16 copy holds (see below).
-WEIGHT_STEMS = {"unet": "diffusion_pytorch_model", "text_encoder": "model"}
+WEIGHT_STEMS = {"unet": "diffusion_pytorch_model", "text_encoder": "model", "text_encoder_2": "model"}
 TEXT_LINEARS_FILE = "linears.safetensors"
 
 
@@ -172,7 +217,7 @@ def _load_unet_in(dtype: Any, model: str, revision: str | None, variant: str | N
 
 
 def ensure_bf16_copies(model: str, revision: str = "", variant: str = "") -> None:
-    """Write the bf16 copies (UNet, text encoder Linear layers) that are missing. The rank launcher
+    """Write the bf16 copies (UNet, text encoders' Linear layers) that are missing. The rank launcher
     runs this in a child process before starting ranks, so that they all map one file, none converts."""
     import torch
 
@@ -181,10 +226,13 @@ def ensure_bf16_copies(model: str, revision: str = "", variant: str = "") -> Non
     copy = bf16_copy_dir(model, revision_, variant_)
     if copy is None or not (copy / "config.json").is_file():
         _load_unet_in(torch.bfloat16, model, revision_, variant_)
-    copy = bf16_copy_dir(model, revision_, variant_, "text_encoder")
-    if copy is None or not (copy / TEXT_LINEARS_FILE).is_file():
-        loaded = Components(None, load_text_encoder(model, revision_, variant_), None, None, None)
-        cast_text_encoder_linears(loaded, torch.bfloat16, model, revision_, variant_)
+    parts = ("text_encoder", "text_encoder_2") if pipeline_family(model, revision_) == "sdxl" else ("text_encoder",)
+    for part in parts:
+        copy = bf16_copy_dir(model, revision_, variant_, part)
+        if copy is None or not (copy / TEXT_LINEARS_FILE).is_file():
+            loaded = Components(None, None, None, None, None, family="sdxl")
+            setattr(loaded, part, load_text_encoder(model, revision_, variant_, part))
+            cast_text_encoder_linears(loaded, torch.bfloat16, model, revision_, variant_, part)
 
 
 def _write_copy(save: Any, target: Path, what: str) -> None:
@@ -213,7 +261,7 @@ def _write_copy(save: Any, target: Path, what: str) -> None:
 
 
 def cast_text_encoder_linears(components: Components, dtype: Any, model: str = "", revision: str | None = None,
-                              variant: str | None = None) -> None:
+                              variant: str | None = None, part: str = "text_encoder") -> None:
     """bf16 training: the frozen text encoder's Linear layers (85 M of its 123 M parameters) in bf16.
     Autocast casts exactly these weights to bf16 at every step anyway, so the step computes the
     same numbers, bit for bit, without the casts: its forward and backward went from 0.109 to 0.084 s
@@ -223,19 +271,23 @@ def cast_text_encoder_linears(components: Components, dtype: Any, model: str = "
     rank memory-maps: casting in each rank would hold 170 MB of private bf16 weights per rank on
     top of the fp32 pages the cast read. LayerNorms stay fp32 (CPU autocast leaves layer_norm's
     inputs in fp32 and refuses bf16 parameters with them), and so do the embeddings: the token table
-    holds the trained rows."""
+    holds the trained rows.
+
+    ``part``: "text_encoder", or SDXL's "text_encoder_2" (695 M parameters, 631 M of them in Linear
+    layers), whose copy is written and mapped the same way."""
     import torch
 
     if dtype is None:
         return
-    linears = {name: m for name, m in components.text_encoder.named_modules() if isinstance(m, torch.nn.Linear)}
-    copy = bf16_copy_dir(model, revision, variant, "text_encoder") if model and dtype == torch.bfloat16 else None
+    encoder = getattr(components, part)
+    linears = {name: m for name, m in encoder.named_modules() if isinstance(m, torch.nn.Linear)}
+    copy = bf16_copy_dir(model, revision, variant, part) if model and dtype == torch.bfloat16 else None
     if copy is not None and (copy / TEXT_LINEARS_FILE).is_file() and _map_linears(linears, copy / TEXT_LINEARS_FILE):
-        components.text_encoder_cast = True
+        setattr(components, f"{part}_cast", True)
         return
     for module in linears.values():
         module.to(dtype)
-    components.text_encoder_cast = True
+    setattr(components, f"{part}_cast", True)
     if copy is not None:
         from safetensors.torch import save_file
 
@@ -267,13 +319,15 @@ def _map_linears(linears: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def load_text_encoder(model: str, revision: str | None = None, variant: str | None = None) -> Any:
-    """The text encoder as its files hold it (to save a full pipeline without the training dtype's rounding)."""
-    from transformers import CLIPTextModel
+def load_text_encoder(model: str, revision: str | None = None, variant: str | None = None,
+                      part: str = "text_encoder") -> Any:
+    """A text encoder as its files hold it (to save a full pipeline without the training dtype's rounding)."""
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     local = Path(model).expanduser()
-    return CLIPTextModel.from_pretrained(
-        str(local) if local.exists() else model, subfolder="text_encoder", variant=variant, revision=revision)
+    cls = CLIPTextModelWithProjection if part == "text_encoder_2" else CLIPTextModel
+    return cls.from_pretrained(
+        str(local) if local.exists() else model, subfolder=part, variant=variant, revision=revision)
 
 
 def load_unet(model: str, revision: str | None = None, variant: str | None = None) -> Any:

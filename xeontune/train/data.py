@@ -3,6 +3,10 @@
 Every random choice of a sample (which image, flip, template, VAE latent draw, noise, timestep) is
 a function of (seed, global sample position) alone. So one process with batch 3b and three ranks
 with batch b train on exactly the same samples, and a resumed run needs no RNG state to continue.
+
+Each image's crop is taken once, at load (a centered square with --center-crop, else the whole
+image squeezed to a square), and recorded: SDXL's UNet takes the original size and the crop's
+top-left corner among its ``time_ids``, and the latent cache keeps them beside each image's latents.
 """
 
 from __future__ import annotations
@@ -56,13 +60,21 @@ def templates_for(learnable_property: str) -> tuple[str, ...]:
 
 def load_images(data_dir: str | Path, resolution: int, center_crop: bool) -> tuple[torch.Tensor, list[Path]]:
     """Load every readable image as a (N, 3, R, R) tensor in [-1, 1]; skip unreadable files with a warning."""
+    images, paths, _ = load_images_with_crops(data_dir, resolution, center_crop)
+    return images, paths
+
+
+def load_images_with_crops(
+    data_dir: str | Path, resolution: int, center_crop: bool
+) -> tuple[torch.Tensor, list[Path], torch.Tensor]:
+    """``load_images`` plus each image's crop, (N, 5) long: see ``crop_of``."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"data dir {root} does not exist or is not a directory")
     candidates = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
     if not candidates:
         raise UserError(f"data dir {root} is empty")
-    images, paths = [], []
+    images, paths, crops = [], [], []
     for path in candidates:
         if path.suffix.lower() not in IMAGE_SUFFIXES:
             continue
@@ -70,7 +82,9 @@ def load_images(data_dir: str | Path, resolution: int, center_crop: bool) -> tup
             with Image.open(path) as img:
                 img.load()
                 # Phone photos are stored sideways with an EXIF orientation tag: train on what a viewer shows.
-                images.append(preprocess(ImageOps.exif_transpose(img), resolution, center_crop))
+                upright = ImageOps.exif_transpose(img)
+                images.append(preprocess(upright, resolution, center_crop))
+                crops.append(crop_of(upright.width, upright.height, resolution, center_crop))
                 paths.append(path)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             log.warning("skipping %s: not a readable image (%s)", path, exc.__class__.__name__)
@@ -79,7 +93,20 @@ def load_images(data_dir: str | Path, resolution: int, center_crop: bool) -> tup
             log.warning("skipping %s: its declared size is too large to decode safely (DecompressionBombError)", path)
     if not images:
         raise UserError(f"no readable image in {root} (looked for {', '.join(sorted(IMAGE_SUFFIXES))})")
-    return torch.stack(images), paths
+    return torch.stack(images), paths, torch.tensor(crops, dtype=torch.long)
+
+
+def crop_of(width: int, height: int, resolution: int, center_crop: bool) -> tuple[int, int, int, int, int]:
+    """What ``preprocess`` takes from a width x height image, in SDXL's terms: (original height, original
+    width, crop top, crop left, crop left of the mirrored image). SDXL counts the corner in the image
+    resized so that its shorter side is the resolution: preprocess crops first and resizes the square
+    after, which is the same crop, scaled. Without --center-crop the whole image is squeezed: (0, 0)."""
+    if not center_crop:
+        return height, width, 0, 0, 0
+    side = min(width, height)
+    scale = resolution / side
+    top, left = round((height - side) // 2 * scale), round((width - side) // 2 * scale)
+    return height, width, top, left, round(width * scale) - resolution - left
 
 
 def image_set_digest(paths: list[Path]) -> str:
@@ -113,6 +140,7 @@ class Batch:
     image_index: torch.Tensor  # (B,)
     flip: torch.Tensor  # (B,) bool
     input_ids: torch.Tensor  # (B, 77)
+    input_ids_2: torch.Tensor | None  # (B, 77) for SDXL's second tokenizer, else None
     latent_eps: torch.Tensor  # (B, 4, h, w): draw from the VAE latent distribution
     noise: torch.Tensor  # (B, 4, h, w)
     timesteps: torch.Tensor  # (B,)
@@ -128,6 +156,7 @@ class SamplePlan:
         num_images: int,
         repeats: int,
         prompt_ids: torch.Tensor,  # (num_templates, 77): tokenized templates with the placeholder
+        prompt_ids_2: torch.Tensor | None = None,  # the same templates by SDXL's second tokenizer
         latent_shape: tuple[int, int, int],
         num_train_timesteps: int,
         flip_p: float,
@@ -136,6 +165,7 @@ class SamplePlan:
         self.num_images = num_images
         self.epoch_len = num_images * repeats
         self.prompt_ids = prompt_ids
+        self.prompt_ids_2 = prompt_ids_2
         self.latent_shape = latent_shape
         self.num_train_timesteps = num_train_timesteps
         self.flip_p = flip_p
@@ -150,13 +180,14 @@ class SamplePlan:
         return self._perm
 
     def batch(self, positions: list[int]) -> Batch:
-        image_index, flips, ids, eps, noise, timesteps = [], [], [], [], [], []
+        image_index, flips, ids, template, eps, noise, timesteps = [], [], [], [], [], [], []
         for pos in positions:
             epoch, offset = divmod(pos, self.epoch_len)
             image_index.append(int(self._permutation(epoch)[offset]) % self.num_images)
             gen = sample_generator(self.seed, pos)
             flips.append(bool(torch.rand((), generator=gen) < self.flip_p))
-            ids.append(self.prompt_ids[int(torch.randint(len(self.prompt_ids), (), generator=gen))])
+            template.append(int(torch.randint(len(self.prompt_ids), (), generator=gen)))
+            ids.append(self.prompt_ids[template[-1]])
             eps.append(torch.randn(self.latent_shape, generator=gen))
             noise.append(torch.randn(self.latent_shape, generator=gen))
             timesteps.append(int(torch.randint(self.num_train_timesteps, (), generator=gen)))
@@ -165,6 +196,7 @@ class SamplePlan:
             image_index=torch.tensor(image_index),
             flip=torch.tensor(flips),
             input_ids=torch.stack(ids),
+            input_ids_2=None if self.prompt_ids_2 is None else self.prompt_ids_2[template],
             latent_eps=torch.stack(eps),
             noise=torch.stack(noise),
             timesteps=torch.tensor(timesteps, dtype=torch.long),
@@ -177,12 +209,19 @@ class Latents:
     With ``cached=True`` each image's latent distribution (and its mirror image's) is encoded once;
     a step draws ``mean + std * eps`` from it, which is exactly what encoding every step computes.
     With ``cached=False`` the VAE encodes every step (what the common example script does).
+    ``crops`` (from ``load_images_with_crops``) are kept per image and per mirror image, for SDXL's time_ids.
     """
 
-    def __init__(self, vae: torch.nn.Module, images: torch.Tensor, cached: bool, encode_batch: int = 4) -> None:
+    def __init__(self, vae: torch.nn.Module, images: torch.Tensor, cached: bool, encode_batch: int = 4,
+                 crops: torch.Tensor | None = None) -> None:
         self.vae: torch.nn.Module | None = vae  # None once the caller frees it (cached mode)
         self.images = images
         self.cached = cached
+        if crops is None:
+            n, _, h, w = images.shape
+            crops = torch.tensor([[h, w, 0, 0, 0]] * n)
+        # (original h, original w, crop top, crop left) of [originals, mirrored], indexed as the cache
+        self.crops = torch.cat([crops[:, :4], torch.cat([crops[:, :3], crops[:, 4:]], dim=1)])
         self.scaling = float(getattr(vae.config, "scaling_factor", 0.18215))
         self.mean: torch.Tensor | None = None
         self.std: torch.Tensor | None = None
@@ -205,6 +244,12 @@ class Latents:
             return tuple(self.mean.shape[1:])  # type: ignore[return-value]
         mean, _ = self._encode(self.images[:1])
         return tuple(mean.shape[1:])  # type: ignore[return-value]
+
+    def time_ids(self, batch: Batch, resolution: int) -> torch.Tensor:
+        """SDXL's six size conditions per sample: original size, crop top-left, target size (B, 6)."""
+        crops = self.crops[batch.image_index + batch.flip.long() * len(self.images)]
+        target = torch.tensor([resolution, resolution]).expand(len(crops), 2)
+        return torch.cat([crops, target], dim=1).float()
 
     def sample(self, batch: Batch) -> torch.Tensor:
         if self.cached:

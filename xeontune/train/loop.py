@@ -37,7 +37,14 @@ from xeontune.train.components import (
     load_unet,
     unet_dtype,
 )
-from xeontune.train.data import Latents, SamplePlan, image_set_digest, load_images, templates_for
+from xeontune.train.data import (
+    Batch,
+    Latents,
+    SamplePlan,
+    image_set_digest,
+    load_images_with_crops,
+    templates_for,
+)
 from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
 
@@ -148,8 +155,8 @@ class Run:
     accelerator: Any
     components: Components
     placeholder: tokens.Placeholder
-    embedding: torch.nn.Module  # SplicedEmbedding (or the baseline's FullTableEmbedding)
-    ddp_embedding: torch.nn.Module  # the same, wrapped by DDP when there are several ranks
+    embedding: torch.nn.Module  # SplicedEmbedding (or the baseline's FullTableEmbedding); SDXL: an EncoderPair
+    ddp_embeddings: list[torch.nn.Module]  # each encoder's part, wrapped by DDP when there are several ranks
     plan: SamplePlan
     latents: Latents
     optimizer: torch.optim.Optimizer
@@ -162,6 +169,7 @@ class Run:
     counter: AllReduceCounter | None = None
     gradient_checked: bool = False
     backend_notes: list[str] = field(default_factory=list)  # what IPEX / torch.compile did to the UNet
+    placeholder_2: tokens.Placeholder | None = None  # SDXL: the token's ids in the second tokenizer
 
     @property
     def rank(self) -> int:
@@ -182,6 +190,21 @@ class Run:
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def encode_text(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """The UNet's text conditioning: (encoder_hidden_states, added_cond_kwargs).
+
+        SD1.x/SD2: the text encoder's last hidden states (SD2's config already drops its last layer).
+        SDXL: both encoders' penultimate hidden states side by side (768 + 1280), the second's pooled
+        projection as text_embeds, and the six size/crop time_ids of each sample's image."""
+        c = self.components
+        if c.family != "sdxl":
+            return c.text_encoder(batch.input_ids)[0], None
+        first = c.text_encoder(batch.input_ids, output_hidden_states=True).hidden_states[-2]
+        second = c.text_encoder_2(batch.input_ids_2, output_hidden_states=True)
+        hidden = torch.cat([first, second.hidden_states[-2].to(first.dtype)], dim=-1)
+        return hidden, {"text_embeds": second.text_embeds,
+                        "time_ids": self.latents.time_ids(batch, self.opts.resolution)}
+
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         kind = self.components.noise_scheduler.config.prediction_type
         if kind == "v_prediction":
@@ -189,28 +212,28 @@ class Run:
         return noise
 
     def check_gradient_once(self) -> None:
-        """Stop at the first step if no finite, non-zero gradient reached every new vector."""
+        """Stop at the first step if no finite, non-zero gradient reached every new vector (of both
+        text encoders for SDXL)."""
         if self.gradient_checked:
             return
         self.gradient_checked = True
-        param = next(p for p in self.embedding.parameters() if p.requires_grad)
-        grad = param.grad
-        if isinstance(self.embedding, tokens.FullTableEmbedding) and grad is not None:
-            grad = grad[self.placeholder.first_id : self.placeholder.first_id + len(self.placeholder.tokens)]
-        if grad is None or not torch.isfinite(grad).all() or (grad.abs().sum(dim=-1) == 0).any():
-            raise TrainingError(
-                "the placeholder vectors received no usable gradient after the first backward pass "
-                f"({'none' if grad is None else 'non-finite or zero'}); a backend broke the gradient path "
-                "(e.g. IPEX weight prepacking of Linear layers). Try --ipex off."
-            )
+        for index, part in enumerate(tokens.parts(self.embedding)):
+            grad = part.new_rows_grad()
+            if grad is None or not torch.isfinite(grad).all() or (grad.abs().sum(dim=-1) == 0).any():
+                which = f" of text encoder {index + 1}" if len(self.components.text_encoders) > 1 else ""
+                raise TrainingError(
+                    f"the placeholder vectors{which} received no usable gradient after the first backward pass "
+                    f"({'none' if grad is None else 'non-finite or zero'}); a backend broke the gradient path "
+                    "(e.g. IPEX weight prepacking of Linear layers). Try --ipex off."
+                )
 
 
 def train_step(run: Run, step: int) -> torch.Tensor:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the mean loss."""
-    phase, unet, text_encoder = run.phases, run.components.unet, run.components.text_encoder
+    phase, unet = run.phases, run.components.unet
     losses = []
     for micro in range(run.opts.gradient_accumulation_steps):
-        with run.accelerator.accumulate(run.ddp_embedding):
+        with run.accelerator.accumulate(*run.ddp_embeddings):
             with phase("data"):
                 batch = run.plan.batch(run.positions(step, micro))
             with phase("latents"):
@@ -218,9 +241,9 @@ def train_step(run: Run, step: int) -> torch.Tensor:
                 noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
             with run.autocast():
                 with phase("text_encoder_forward"):
-                    hidden = text_encoder(batch.input_ids)[0]
+                    hidden, added = run.encode_text(batch)  # SDXL: both encoders, text_embeds, time_ids
                 with phase("unet_forward"):
-                    pred = unet(noisy, batch.timesteps, hidden).sample
+                    pred = unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
             loss = F.mse_loss(pred.float(), run.target(latents, batch.noise, batch.timesteps).float())
             with phase("backward"):
                 run.accelerator.backward(loss)  # divides by the accumulation steps; DDP all-reduces
@@ -340,7 +363,7 @@ def setup(
     resume_data: bytes | None = None
     if opts.resume_from_checkpoint and main:
         resume_path, resume_data = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
-    images, image_paths = load_images(opts.data_dir, opts.resolution, opts.center_crop)
+    images, image_paths, crops = load_images_with_crops(opts.data_dir, opts.resolution, opts.center_crop)
     sync.check_same(image_set_digest(image_paths), "training images")
     if opts.report_to == "tensorboard":
         _tensorboard_writer(None)  # fails now, not after the first outputs are written
@@ -350,10 +373,11 @@ def setup(
     shared = components is not None
     if components is None:
         components = load(opts.model, opts.revision, opts.variant, unet_dtype=unet_dtype(precision))
-        cast_text_encoder_linears(components, unet_dtype(precision), opts.model, opts.revision, opts.variant)
-    placeholder = tokens.add_placeholder_tokens(
-        components.tokenizer, opts.placeholder_token, opts.num_vectors, opts.initializer_token
-    )
+        for part in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
+            cast_text_encoder_linears(components, unet_dtype(precision), opts.model, opts.revision, opts.variant, part)
+    placeholder, *more = [tokens.add_placeholder_tokens(t, opts.placeholder_token, opts.num_vectors,
+                                                        opts.initializer_token) for t in components.tokenizers]
+    placeholder_2 = more[0] if more else None
     notes: list[str] = []
     if not shared:
         components.unet, components.vae, notes = prepare_frozen_models(
@@ -364,16 +388,18 @@ def setup(
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
 
     embedding = tokens.install(components.text_encoder, placeholder, full_table=opts.train_full_table)
-    latents = Latents(components.vae, images, cached=opts.cache_latents)
+    if placeholder_2 is not None:  # SDXL: the token trains in both encoders
+        embedding = tokens.EncoderPair(embedding, tokens.install(
+            components.text_encoder_2, placeholder_2, full_table=opts.train_full_table))
+    latents = Latents(components.vae, images, cached=opts.cache_latents, crops=crops)
     if opts.cache_latents and not shared:
         release_vae_parts(components, latents, opts)
     prompts = [t.format(placeholder.prompt_text) for t in templates_for(opts.learnable_property)]
-    prompt_ids = components.tokenizer(
-        prompts, padding="max_length", truncation=True, max_length=components.tokenizer.model_max_length,
-        return_tensors="pt",
-    ).input_ids
+    prompt_ids, *more_ids = [t(prompts, padding="max_length", truncation=True, max_length=t.model_max_length,
+                               return_tensors="pt").input_ids for t in components.tokenizers]
     plan = SamplePlan(
         seed=opts.seed, num_images=len(images), repeats=opts.repeats, prompt_ids=prompt_ids,
+        prompt_ids_2=more_ids[0] if more_ids else None,
         latent_shape=latents.latent_shape(),
         num_train_timesteps=components.noise_scheduler.config.num_train_timesteps, flip_p=opts.flip_p,
     )
@@ -392,17 +418,19 @@ def setup(
 
     run = Run(
         opts=opts, accelerator=accelerator, components=components, placeholder=placeholder,
-        embedding=embedding, ddp_embedding=embedding, plan=plan, latents=latents, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, precision=precision, max_steps=max_steps, output_dir=output_dir, sync=sync,
-        backend_notes=notes,
+        embedding=embedding, ddp_embeddings=tokens.parts(embedding), plan=plan, latents=latents,
+        optimizer=optimizer, lr_scheduler=lr_scheduler, precision=precision, max_steps=max_steps,
+        output_dir=output_dir, sync=sync, backend_notes=notes, placeholder_2=placeholder_2,
     )
     sync.wait()  # every rank has its models (each node loads at its own pace) before the first collective
     if world > 1:
-        # Only the embedding module is wrapped: DDP then syncs just the trainable rows.
-        run.ddp_embedding = accelerator.prepare_model(embedding)
+        # Only the embedding modules are wrapped (SDXL: one DDP per encoder, each called once a
+        # forward): DDP then syncs just the trainable rows.
         run.counter = AllReduceCounter(run.phases)
-        run.ddp_embedding.register_comm_hook(None, run.counter.hook)
-        components.text_encoder.set_input_embeddings(run.ddp_embedding)
+        run.ddp_embeddings = [accelerator.prepare_model(part) for part in tokens.parts(embedding)]
+        for encoder, ddp in zip(components.text_encoders, run.ddp_embeddings, strict=True):
+            ddp.register_comm_hook(None, run.counter.hook)
+            encoder.set_input_embeddings(ddp)
 
     state = None
     if opts.resume_from_checkpoint:
@@ -540,12 +568,17 @@ def _between_steps(run: Run, step: int, writer) -> None:
     opts, out = run.opts, run.output_dir
     pause_for_tests("alone", run.rank)
     if opts.save_steps and step % opts.save_steps == 0:
-        tokens.save_learned_embeds(out / f"learned_embeds-steps-{step}.safetensors", run.placeholder,
-                                   run.embedding.learned(), opts.save_format, step)
+        save_embeds(run, out / f"learned_embeds-steps-{step}.safetensors", step)
     if opts.checkpointing_steps and step % opts.checkpointing_steps == 0:
         save_checkpoint(run, step)
     if opts.validation_prompt and step % opts.validation_steps == 0:
         run_validation(run, step, writer)
+
+
+def save_embeds(run: Run, path: Path, step: int) -> Path:
+    """learned_embeds in --save-format; SDXL's in the clip_l / clip_g layout whatever the format."""
+    return tokens.save_learned_embeds(path, run.placeholder, run.embedding.learned(), run.opts.save_format, step,
+                                      split_dim=getattr(run.embedding, "split_dim", None))
 
 
 def save_checkpoint(run: Run, step: int) -> Path:
@@ -560,7 +593,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
 def run_validation(run: Run, step: int, writer) -> list[Path]:
     opts = run.opts
     images = validation.generate(
-        run.components, run.components.text_encoder, run.embedding, opts.validation_prompt,
+        run.components, tokens.parts(run.embedding), opts.validation_prompt,
         num_images=opts.num_validation_images, steps=opts.validation_inference_steps,
         resolution=opts.resolution, seed=opts.seed, autocast=run.autocast,
     )
@@ -577,8 +610,7 @@ def run_validation(run: Run, step: int, writer) -> list[Path]:
 def _finish(run: Run, writer) -> Path:
     opts, out = run.opts, run.output_dir
     pause_for_tests("alone", run.rank)
-    path = tokens.save_learned_embeds(out / "learned_embeds.safetensors", run.placeholder, run.embedding.learned(),
-                                      opts.save_format, run.max_steps)
+    path = save_embeds(run, out / "learned_embeds.safetensors", run.max_steps)
     if opts.checkpointing_steps and run.max_steps % opts.checkpointing_steps == 0:
         save_checkpoint(run, run.max_steps)
     if opts.validation_prompt:
@@ -589,27 +621,35 @@ def _finish(run: Run, writer) -> Path:
 
 
 def save_pipeline(run: Run, target: Path) -> Path:
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
-    components, text_encoder = run.components, run.components.text_encoder
+    components, opts = run.components, run.opts
     unet = components.unet_for_inference
     if components.unet_cast:  # trained on a bf16 copy: save the UNet as the model's files hold it
-        unet = load_unet(run.opts.model, run.opts.revision, run.opts.variant)
-    if components.text_encoder_cast:  # likewise its Linear layers
-        text_encoder = load_text_encoder(run.opts.model, run.opts.revision, run.opts.variant)
-    wrapped = text_encoder.get_input_embeddings()
-    text_encoder.set_input_embeddings(tokens.merged_table(run.embedding, run.placeholder))
-    text_encoder.config.vocab_size = text_encoder.get_input_embeddings().weight.shape[0]
+        unet = load_unet(opts.model, opts.revision, opts.variant)
+    encoders = {}
+    parts = tokens.parts(run.embedding)
+    for name, part, placeholder in zip(("text_encoder", "text_encoder_2")[: len(parts)], parts,
+                                       (run.placeholder, run.placeholder_2)[: len(parts)], strict=True):
+        encoder = getattr(components, name)
+        if getattr(components, f"{name}_cast"):  # likewise its Linear layers
+            encoder = load_text_encoder(opts.model, opts.revision, opts.variant, name)
+        encoders[name] = (encoder, encoder.get_input_embeddings())
+        encoder.set_input_embeddings(tokens.merged_table(part, placeholder))
+        encoder.config.vocab_size = encoder.get_input_embeddings().weight.shape[0]
     try:
-        pipe = StableDiffusionPipeline(
-            vae=components.vae, text_encoder=text_encoder, tokenizer=components.tokenizer,
-            unet=unet, scheduler=components.noise_scheduler,
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-        )
+        common = {"vae": components.vae, "unet": unet, "scheduler": components.noise_scheduler,
+                  "tokenizer": components.tokenizer, **{name: e for name, (e, _) in encoders.items()}}
+        if components.family == "sdxl":
+            pipe = StableDiffusionXLPipeline(**common, tokenizer_2=components.tokenizer_2, add_watermarker=False)
+        else:
+            pipe = StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
+                                           requires_safety_checker=False)
         with atomic_dir(target) as tmp:
             pipe.save_pretrained(tmp)
     finally:
-        text_encoder.set_input_embeddings(wrapped)
+        for encoder, wrapped in encoders.values():
+            encoder.set_input_embeddings(wrapped)
     return target
 
 

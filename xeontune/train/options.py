@@ -33,7 +33,7 @@ def opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tupl
 @dataclass
 class TrainOptions:
     # model and data
-    model: str | None = opt(None, "hub id or local path of a Stable Diffusion 1.x/2.x pipeline (required)",
+    model: str | None = opt(None, "hub id or local path of a Stable Diffusion 1.x/2.x or SDXL pipeline (required)",
                             aliases=("--pretrained_model_name_or_path",), group="model and data")
     revision: str | None = opt(None, "model revision (branch, tag or commit) on the hub", group="model and data")
     variant: str | None = opt(None, "weights variant, e.g. fp16", group="model and data")

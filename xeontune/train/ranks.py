@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # freed once latents are cached).
 SD15_UNET_PARAMS, SD15_TEXT_ENCODER_BYTES, SD15_VAE_BYTES = 860e6, 492e6, 335e6
 TEXT_ENCODER_LINEAR_SHARE = 85 / 123
+TEXT_ENCODER_2_LINEAR_SHARE = 631 / 695  # SDXL's second encoder: its token table (63 M) and norms stay fp32
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
@@ -55,6 +56,8 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False) -> int
         if precision == "bf16":
             unet //= 2  # cast once at load (stored in fp32 in the common pipelines)
         rest = _text_encoder_bytes(_folder_bytes(root / "text_encoder"), precision) + _folder_bytes(root / "vae")
+        # SDXL's second text encoder (695 M parameters): nearly all Linear layers, held like the first's
+        rest += _text_encoder_bytes(_folder_bytes(root / "text_encoder_2"), precision, TEXT_ENCODER_2_LINEAR_SHARE)
     return int(unet * (2 if packed else 1) + rest)
 
 
@@ -64,9 +67,9 @@ def packs(pack_weights: str) -> bool:
     return pack_weights != "off"
 
 
-def _text_encoder_bytes(stored: float, precision: str) -> float:
+def _text_encoder_bytes(stored: float, precision: str, linear_share: float = TEXT_ENCODER_LINEAR_SHARE) -> float:
     """Under bf16 its Linear layers are held in bf16 (components.cast_text_encoder_linears)."""
-    return stored * (1 - TEXT_ENCODER_LINEAR_SHARE / 2) if precision == "bf16" else stored
+    return stored * (1 - linear_share / 2) if precision == "bf16" else stored
 
 
 def plan_ranks(opts: TrainOptions, precision: str) -> placement.RankPlan:

@@ -4,6 +4,10 @@ The text encoder's token table stays frozen. The new tokens' vectors are one sma
 spliced into the embedding output by a gather and a masked select, so the text encoder sees an
 ordinary embedding while the optimizer, the gradient all-reduce and checkpoints touch only
 ``num_vectors x dim`` floats, and frozen rows can never drift.
+
+SDXL has two text encoders, and the token trains in both: one splice per encoder, held together by
+``EncoderPair``, whose vectors read as one ``num_vectors x (768 + 1280)`` tensor (checkpoints,
+results) and are saved as A1111's SDXL layout, ``clip_l`` and ``clip_g``.
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ class SplicedEmbedding(nn.Module):
     def learned(self) -> torch.Tensor:
         return self.vectors.detach().clone()
 
+    def new_rows_grad(self) -> torch.Tensor | None:
+        return self.vectors.grad
+
     def load_learned(self, vectors: torch.Tensor) -> None:
         with torch.no_grad():
             self.vectors.copy_(vectors)
@@ -120,6 +127,10 @@ class FullTableEmbedding(nn.Module):
     def learned(self) -> torch.Tensor:
         return self.weight.detach()[self.first_id : self.first_id + self.n].clone()
 
+    def new_rows_grad(self) -> torch.Tensor | None:
+        grad = self.weight.grad
+        return None if grad is None else grad[self.first_id : self.first_id + self.n]
+
     def load_learned(self, vectors: torch.Tensor) -> None:
         with torch.no_grad():
             self.weight[self.first_id : self.first_id + self.n] = vectors
@@ -127,6 +138,37 @@ class FullTableEmbedding(nn.Module):
     def after_step(self) -> None:
         with torch.no_grad():
             self.weight[self._keep] = self.original[self._keep]
+
+
+class EncoderPair(nn.Module):
+    """SDXL: the trainable rows of both text encoders (each a splice, or the baseline's full table).
+
+    Each half is installed in its own encoder (and, with several ranks, wrapped by its own DDP); this
+    module only gathers them for the optimizer and reads their vectors as one tensor, clip_l | clip_g."""
+
+    def __init__(self, clip_l: nn.Module, clip_g: nn.Module) -> None:
+        super().__init__()
+        self.clip_l, self.clip_g = clip_l, clip_g
+
+    @property
+    def split_dim(self) -> int:
+        return self.clip_l.embedding_dim
+
+    def learned(self) -> torch.Tensor:
+        return torch.cat([self.clip_l.learned(), self.clip_g.learned()], dim=-1)
+
+    def load_learned(self, vectors: torch.Tensor) -> None:
+        self.clip_l.load_learned(vectors[:, : self.split_dim])
+        self.clip_g.load_learned(vectors[:, self.split_dim :])
+
+    def after_step(self) -> None:
+        self.clip_l.after_step()
+        self.clip_g.after_step()
+
+
+def parts(module: nn.Module) -> list[nn.Module]:
+    """The per-encoder embedding modules, in the order of Components.text_encoders."""
+    return [module.clip_l, module.clip_g] if isinstance(module, EncoderPair) else [module]
 
 
 def install(text_encoder: nn.Module, placeholder: Placeholder, full_table: bool = False) -> nn.Module:
@@ -147,13 +189,20 @@ def merged_table(module: nn.Module, placeholder: Placeholder) -> nn.Embedding:
     return nn.Embedding.from_pretrained(weight, freeze=True)
 
 
-def save_learned_embeds(path: Path, placeholder: Placeholder, vectors: torch.Tensor, fmt: str, step: int) -> Path:
-    """Write learned vectors atomically: diffusers ({token: (n, dim)}) or a1111 ({"emb_params": (n, dim)})."""
+def save_learned_embeds(path: Path, placeholder: Placeholder, vectors: torch.Tensor, fmt: str, step: int,
+                        split_dim: int | None = None) -> Path:
+    """Write learned vectors atomically: diffusers ({token: (n, dim)}) or a1111 ({"emb_params": (n, dim)}).
+
+    ``split_dim`` (SDXL: the first encoder's width): the one layout A1111, ComfyUI and kohya read for
+    SDXL, in either format: {"clip_l": (n, 768), "clip_g": (n, 1280)}, the token's name in the metadata."""
     from safetensors.torch import save_file
 
     token = placeholder.tokens[0]
     tensor = vectors.detach().float().contiguous().cpu()
-    if fmt == "a1111":
+    if split_dim is not None:
+        tensors = {"clip_l": tensor[:, :split_dim].contiguous(), "clip_g": tensor[:, split_dim:].contiguous()}
+        metadata = {"name": token, "step": str(step)}
+    elif fmt == "a1111":
         tensors = {"emb_params": tensor}
         metadata = {"name": token, "step": str(step), "sd_checkpoint_name": "xeontune"}
     else:
@@ -165,11 +214,15 @@ def save_learned_embeds(path: Path, placeholder: Placeholder, vectors: torch.Ten
 
 
 def load_learned_embeds(path: str | Path) -> tuple[str | None, torch.Tensor]:
-    """Return (token or None for a1111 files, vectors) from a learned_embeds file."""
+    """Return (token or None for a1111 files, vectors) from a learned_embeds file (an SDXL file's
+    vectors as one tensor, clip_l | clip_g, as EncoderPair reads them)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         keys = list(f.keys())
+        if sorted(keys) == ["clip_g", "clip_l"]:
+            vectors = torch.cat([f.get_tensor("clip_l"), f.get_tensor("clip_g")], dim=-1)
+            return (f.metadata() or {}).get("name"), vectors
         if "emb_params" in keys:
             return (f.metadata() or {}).get("name"), f.get_tensor("emb_params")
         if len(keys) != 1:

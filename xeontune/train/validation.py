@@ -13,21 +13,27 @@ from xeontune.io import atomic_path
 
 @torch.no_grad()
 def generate(
-    components, text_encoder, embedding, prompt: str, *, num_images: int, steps: int, resolution: int,
-    seed: int, autocast
+    components, embeddings: list, prompt: str, *, num_images: int, steps: int, resolution: int, seed: int,
+    autocast
 ) -> list:
-    """Run the pipeline on the frozen models with the learned vectors; return PIL images."""
-    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+    """Run the pipeline (SDXL's for an SDXL model) on the frozen models with the learned vectors;
+    ``embeddings``: each text encoder's embedding module (tokens.parts). Return PIL images."""
+    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 
-    wrapped = text_encoder.get_input_embeddings()
-    text_encoder.set_input_embeddings(embedding)  # the bare module: no DDP hooks on one rank
+    encoders = components.text_encoders
+    wrapped = [e.get_input_embeddings() for e in encoders]
+    for encoder, embedding in zip(encoders, embeddings, strict=True):
+        encoder.set_input_embeddings(embedding)  # the bare module: no DDP hooks on one rank
     try:
-        pipe = StableDiffusionPipeline(
-            vae=components.vae, text_encoder=text_encoder, tokenizer=components.tokenizer,
-            unet=components.unet_for_inference,
-            scheduler=DPMSolverMultistepScheduler.from_config(components.noise_scheduler.config),
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-        )
+        common = {"vae": components.vae, "text_encoder": components.text_encoder, "tokenizer": components.tokenizer,
+                  "unet": components.unet_for_inference,
+                  "scheduler": DPMSolverMultistepScheduler.from_config(components.noise_scheduler.config)}
+        if components.family == "sdxl":
+            pipe = StableDiffusionXLPipeline(**common, text_encoder_2=components.text_encoder_2,
+                                             tokenizer_2=components.tokenizer_2, add_watermarker=False)
+        else:
+            pipe = StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
+                                           requires_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)
         generator = torch.Generator().manual_seed(seed)
         images = []
@@ -38,7 +44,8 @@ def generate(
                 images.append(out.images[0])
         return images
     finally:
-        text_encoder.set_input_embeddings(wrapped)
+        for encoder, module in zip(encoders, wrapped, strict=True):
+            encoder.set_input_embeddings(module)
 
 
 IMAGE_NAME_RE = re.compile(r"^step-\d{6,}-\d+\.png$")  # what save_images names its files
