@@ -15,6 +15,9 @@ def quiet_libraries(*also: str) -> None:
     UserWarnings from torch. Env vars reach transformers and diffusers even before they are imported."""
     for name in (*LIBRARIES, *also):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # paramiko's transport logs a dropped connection ("Socket exception: ...") from its own thread;
+    # xeontune says it once, in its own line, with what it does about it (job/fetch.py's HeadError)
+    logging.getLogger("paramiko").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -130,6 +130,38 @@ def test_a_failed_final_fetch_keeps_the_cluster_and_says_how_to_fetch(fake, monk
     assert "xeontune fetch --name c2" in last and "xeontune teardown --name c2" in last, last
 
 
+def test_a_connection_lost_during_the_final_fetch_is_tried_again(fake, monkeypatch, tmp_path, capsys):
+    """Finding 1, the fetch's half of a short network drop: the final fetch is tried again for the
+    reconnect window, and the cluster goes only once it succeeded; a connection that does not come
+    back in the window keeps the cluster."""
+
+    class FlakyHead(FolderHead):
+        def __init__(self, drops: int) -> None:
+            super().__init__()
+            self.drops = drops
+
+        def listdir(self, path: str) -> list[tuple[str, bool]] | None:
+            if self.drops:
+                self.drops -= 1
+                raise fetch.ConnectionLost("lost the connection to node0 while trying to list x: OSError: closed")
+            return super().listdir(path)
+
+    monkeypatch.setattr(fetch, "RECONNECT_INTERVAL_S", 0.0)
+    fake_start(monkeypatch, tmp_path / "head")
+    head = FlakyHead(drops=2)
+    use_head(monkeypatch, head)
+    out = tmp_path / "out"
+    assert run_cli("--name", "c3", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(out)) == 0
+    assert head.drops == 0 and (out / "learned_embeds.safetensors").read_bytes() == b"vectors"
+    assert capsys.readouterr().out.count("trying again") == 1
+    assert terminations(fake) == 1 and not state.exists("c3")
+    monkeypatch.setenv("XEONTUNE_RECONNECT_S", "0")
+    use_head(monkeypatch, FlakyHead(drops=10**6))
+    assert run_cli("--name", "c4", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(tmp_path / "o4")) != 0
+    assert terminations(fake) == 1 and state.exists("c4")
+    assert "xeontune fetch --name c4" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
 # --- 2: `created` only once `up` returned -------------------------------------------------------
 
 

@@ -58,6 +58,10 @@ class HeadError(UserError):
     """The head refused or lost a request (permission, a missing file, the connection)."""
 
 
+class ConnectionLost(HeadError):
+    """The head could not be reached, or the connection to it broke: worth trying again."""
+
+
 class DestinationError(UserError):
     """This machine cannot write the destination (permission, a full disk, not a directory)."""
 
@@ -142,7 +146,7 @@ class SftpFiles:
     def _error(self, exc: BaseException, what: str, path: str) -> HeadError:
         if isinstance(exc, (PermissionError, FileNotFoundError)):
             return HeadError(f"{self.head} refused to {what} {path}: {exc.strerror or type(exc).__name__}")
-        return HeadError(f"lost the connection to {self.head} while trying to {what} {path}: "
+        return ConnectionLost(f"lost the connection to {self.head} while trying to {what} {path}: "
                          f"{type(exc).__name__}: {exc}")
 
     @contextlib.contextmanager
@@ -211,7 +215,7 @@ def head_files(record: ClusterRecord) -> Iterator[HeadFiles]:
     except UserError:
         raise
     except Exception as exc:  # a stopped node, a refused key: one line that names the head
-        raise HeadError(f"cannot reach the head {record.head.name} of cluster {record.name!r} by SSH: "
+        raise ConnectionLost(f"cannot reach the head {record.head.name} of cluster {record.name!r} by SSH: "
                         f"{type(exc).__name__}: {exc}") from None
     try:
         transport = client.get_transport()
@@ -220,7 +224,7 @@ def head_files(record: ClusterRecord) -> Iterator[HeadFiles]:
         try:
             sftp = client.open_sftp()
         except Exception as exc:
-            raise HeadError(f"cannot open SFTP on {record.head.name}: {type(exc).__name__}: {exc}") from None
+            raise ConnectionLost(f"cannot open SFTP on {record.head.name}: {type(exc).__name__}: {exc}") from None
         channel = sftp.get_channel()
         if channel is not None:
             channel.settimeout(SFTP_TIMEOUT_S)

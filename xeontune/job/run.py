@@ -279,7 +279,27 @@ def resume_dir(name: str, provider: providers.Provider, resume: str | None) -> s
 
 
 def fetch_or_beside(record: ClusterRecord, job: JobInfo, dest: Path, overwrite: bool) -> FetchReport:
-    """The final fetch: into ``dest``, or, when ``dest`` refuses, into a fresh folder beside it."""
+    """The final fetch: into ``dest``, or, when ``dest`` refuses, into a fresh folder beside it. A lost
+    connection is tried again as following the job does (a fetch of the same job again refreshes the
+    files it landed; the head keeps them meanwhile)."""
+    from xeontune.job import fetch
+
+    reconnect_s = float(os.environ.get(RECONNECT_ENV) or 600)
+    lost_since: float | None = None
+    while True:
+        try:
+            return _fetch_or_beside(record, job, dest, overwrite)
+        except fetch.ConnectionLost as exc:
+            now = time.monotonic()
+            if lost_since is None:
+                lost_since = now
+                _say(f"{exc}; trying again for up to {reconnect_s:.0f} s (the outputs stay on the head)")
+            if now - lost_since >= reconnect_s:
+                raise
+            time.sleep(fetch.RECONNECT_INTERVAL_S)
+
+
+def _fetch_or_beside(record: ClusterRecord, job: JobInfo, dest: Path, overwrite: bool) -> FetchReport:
     from xeontune.job import fetch
 
     try:
