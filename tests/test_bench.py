@@ -188,9 +188,10 @@ def test_sdxl_baseline_holds_the_models_as_the_sdxl_example_does(tmp_path):
 
 def test_sdxl_bench_counts_flops_and_takes_sdxl_targets(tmp_path, capsys):
     assert main(["bench", "--model", "sdxl-tiny", "--models-dir", str(tmp_path), *FAST, "--no-rss", "--json",
-                 "--mixed-precision", "fp32"]) == 0
+                 "--mixed-precision", "fp32", "--gradient-checkpointing"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["config"]["family"] == "sdxl"
+    assert result["config"]["family"] == "sdxl" and result["config"]["gradient_checkpointing"]
+    assert any(n.startswith("gradient checkpointing") for n in result["config"]["backend_notes"])
     assert result["config"]["targets"]["speedup_min"] == 2.0 and result["config"]["targets"]["rss_ratio_max"] == 0.9
     assert result["baseline"]["phases"]["latents"] > 0 and result["optimized"]["phases"]["latents"] < \
         result["baseline"]["phases"]["latents"]

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ipex", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--pack-weights", default="auto", choices=("auto", "on", "off"),
                    help="the optimized variant's --pack-weights (the baseline never packs; default auto)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="the optimized variant's --gradient-checkpointing (the UNet recomputes its activations: "
+                   "less memory, more time; the baseline never does)")
     p.add_argument("--compile", action="store_true", help="torch.compile the UNet (first step compiles: minutes)")
     p.add_argument("--allocator", default="auto", choices=("auto", "tcmalloc", "jemalloc", "none"),
                    help="allocator to preload by re-executing the bench (default auto: tcmalloc, else jemalloc)")
@@ -265,6 +268,7 @@ def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace
         output_dir=str(out), mixed_precision=args.mixed_precision, ipex=args.ipex, compile=args.compile,
         pack_weights=args.pack_weights if variant != "baseline" else "off", report_to="none",
         cache_latents=variant != "baseline", train_full_table=variant == "baseline",
+        gradient_checkpointing=getattr(args, "gradient_checkpointing", False) and variant != "baseline",
     ))
 
 
@@ -646,6 +650,7 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "precision": precision,
             "statistic": args.statistic,
             "ipex": args.ipex, "compile": args.compile, "pack_weights": args.pack_weights,
+            "gradient_checkpointing": args.gradient_checkpointing,
             "threads": torch.get_num_threads(),
             "allocator": loaded_allocator(), "torch": torch.__version__, "cpu": _cpu_model(),
             "backend_notes": notes, "family": family, "targets": targets_for(family, precision),
@@ -679,6 +684,7 @@ def rss_in_child(args: argparse.Namespace, variant: str, model: Path) -> dict[st
         "--mixed-precision", args.mixed_precision, "--ipex", args.ipex, "--pack-weights", args.pack_weights,
         "--allocator", "none",
         *(["--compile"] if args.compile else []),
+        *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
     ]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:

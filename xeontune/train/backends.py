@@ -49,7 +49,7 @@ PREPACK_ENV = "XEONTUNE_IPEX_PREPACK"
 
 def prepare_frozen_models(
     unet: nn.Module, vae: nn.Module, *, precision: str, ipex: str = "auto", compile: bool = False,
-    pack: str = "auto",
+    pack: str = "auto", checkpointing: bool = False,
 ) -> tuple[nn.Module, nn.Module, list[str]]:
     """Return (unet, vae, notes): the models to train with and one line per decision taken."""
     if ipex not in IPEX_CHOICES:
@@ -61,6 +61,8 @@ def prepare_frozen_models(
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     notes: list[str] = []
+    if checkpointing:  # first: IPEX's copy, the packed layers and a compiled graph all keep the blocks' flag
+        notes.append(enable_checkpointing(unet))
     # decided once, up front: where auto packs, `--ipex auto` leaves IPEX out (see _auto_packing)
     auto_pack = _auto_packing(precision, compile) if pack == "auto" else (False, "")
     if ipex == "off":
@@ -89,6 +91,17 @@ def prepare_frozen_models(
         unet = torch.compile(unet)
         notes.append("torch.compile: UNet wrapped (inductor CPU); the first step compiles it")
     return unet, vae, notes
+
+
+def enable_checkpointing(unet: nn.Module) -> str:
+    """`--gradient-checkpointing`: diffusers' own, on the frozen UNet. Its blocks recompute under
+    ``torch.is_grad_enabled()`` alone (diffusers 0.42 no longer asks for train mode), and
+    torch.utils.checkpoint's non-reentrant form, which diffusers uses, gives the input gradient that
+    reaches the vectors through the cross-attention though no UNet parameter requires grad; the packed
+    layers' autograd functions save no tensors, so they recompute as they ran. Validation runs under
+    no_grad, where nothing is checkpointed."""
+    unet.enable_gradient_checkpointing()
+    return "gradient checkpointing: the UNet's blocks recompute their activations in the backward pass"
 
 
 def _auto_packing(precision: str, compile: bool) -> tuple[bool, str]:

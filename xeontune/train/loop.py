@@ -382,7 +382,7 @@ def setup(
     if not shared:
         components.unet, components.vae, notes = prepare_frozen_models(
             components.unet, components.vae, precision=precision, ipex=opts.ipex, compile=opts.compile,
-            pack=opts.pack_weights,
+            pack=opts.pack_weights, checkpointing=opts.gradient_checkpointing,
         )
     if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
