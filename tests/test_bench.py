@@ -198,3 +198,15 @@ def test_sdxl_bench_counts_flops_and_takes_sdxl_targets(tmp_path, capsys):
     assert result["model_gflop_per_step"] > 0 and 0 < result["mfu"] < 1
     assert bench.targets_for("sdxl", "bf16")["rss_ratio_max"] == 0.6
     assert bench.targets_for("sd", "bf16") == bench.TARGETS
+
+
+def test_one_at_a_time_steps_the_baseline_after_the_optimized_variant(tiny_model, capsys):
+    """For models whose two copies do not fit together (sdxl-arch in fp32 on 24 GB): the same result keys,
+    the baseline stepped in its own process once the optimized variant is done."""
+    assert main(["bench", "--model", str(tiny_model), *FAST, "--no-rss", "--json", "--mixed-precision", "fp32",
+                 "--one-at-a-time", "--steps", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["one_at_a_time"] and result["speedup"] > 0
+    assert len(result["baseline"]["step_times_s"]) == len(result["optimized"]["step_times_s"]) == 2
+    assert result["baseline"]["phases"]["latents"] > 0
+    assert any("--one-at-a-time" in n for n in result["config"]["backend_notes"])

@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allocator", default="auto", choices=("auto", "tcmalloc", "jemalloc", "none"),
                    help="allocator to preload by re-executing the bench (default auto: tcmalloc, else jemalloc)")
     p.add_argument("--no-baseline", action="store_true", help="time only the optimized step")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="step the baseline after the optimized variant, each process alone, instead of alternating "
+                   "with both loaded: for a model whose two copies do not fit in memory together (sdxl-arch in fp32 "
+                   "on 24 GB); a busy machine then slows one more than the other")
     p.add_argument("--no-rss", action="store_true", help="skip the child runs that measure peak RSS")
     p.add_argument("--statistic", default="best", choices=("best", "median"),
                    help="which step time counts (default best: on a shared machine noise only ever adds time)")
@@ -567,7 +571,7 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         data = Path(tmp) / "data"
         models.write_sample_data(data, count=4, size=args.resolution)
         opts = variant_options(model, data, Path(tmp) / "optimized", args, "optimized")
-        worker = None if args.no_baseline else BaselineWorker(args, model, Path(tmp))
+        worker = None if args.no_baseline or args.one_at_a_time else BaselineWorker(args, model, Path(tmp))
         with worker or contextlib.nullcontext():
             accelerator = loop.make_accelerator(opts)
             run, _ = loop.setup(opts, accelerator)  # the trainer as `xeontune train` runs it
@@ -585,6 +589,20 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             times, warmups, phases = alternate(args, run, worker, precision, log)
             peak = max(peak, *times.pop("peaks"))
         del run
+        if args.one_at_a_time and not args.no_baseline:
+            reset_peak_rss()  # hand the optimized variant's freed memory back before the baseline loads
+            with BaselineWorker(args, model, Path(tmp)) as worker:
+                notes.append(f"baseline: {worker.ready['note']}; stepped after the optimized variant (--one-at-a-time)")
+                times["baseline"], warmups["baseline"], phases["baseline"] = [], [], []
+                for rnd in range(args.warmup + args.steps):
+                    elapsed, step_phases = worker.step(rnd)
+                    if rnd < args.warmup:
+                        warmups["baseline"].append(elapsed)
+                    else:
+                        times["baseline"].append(elapsed)
+                        phases["baseline"].append(step_phases)
+                    log(f"baseline {'warm-up' if rnd < args.warmup else f'step {rnd - args.warmup + 1}'}: "
+                        f"{elapsed:.2f} s")
         sweep = []
         counts = rank_counts(args.ranks_per_node, physical_cores())
         if counts:
@@ -648,7 +666,7 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         config={
             "model": args.model, "model_path": str(model), "resolution": args.resolution,
             "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "precision": precision,
-            "statistic": args.statistic,
+            "statistic": args.statistic, "one_at_a_time": args.one_at_a_time,
             "ipex": args.ipex, "compile": args.compile, "pack_weights": args.pack_weights,
             "gradient_checkpointing": args.gradient_checkpointing,
             "threads": torch.get_num_threads(),
