@@ -84,8 +84,8 @@ class TrainOptions:
     compile: bool = opt(False, "torch.compile the UNet (inductor); measure before relying on it", group="hardware")
     gradient_checkpointing: bool = opt(
         False, "keep only each block's input of the frozen UNet through the forward pass and recompute the rest "
-        "during the backward: trades memory for time (the UNet's forward runs twice a step: it is about 45 %% of "
-        "an SD1.5 step, so expect up to that much more time) and is what fits SDXL in fp32 at 1024 px in 24 GB; the vectors get the same gradients. "
+        "during the backward: trades memory for time (the UNet's forward runs twice a step: 1.22x the s/step "
+        "measured on SD1.5 at 256 px in fp32) and is what fits SDXL in fp32 at 1024 px in 24 GB; the vectors get the same gradients. "
         "(The SDXL example script's --gradient_checkpointing checkpoints its text encoders; this flag, under either "
         "spelling, checkpoints the UNet, where the memory is)", group="hardware")
     nproc_per_node: str = opt("1", "data-parallel ranks on this machine, each pinned to its own physical cores: "
