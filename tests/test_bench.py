@@ -142,3 +142,71 @@ def test_baseline_worker_counts_the_same_model_flops_as_the_trainer(tiny_model, 
     alone = json.loads(capsys.readouterr().out)
     assert with_worker["model_gflop_per_step"] == pytest.approx(alone["model_gflop_per_step"], rel=1e-6)
     assert any(n.startswith("baseline: own process") for n in with_worker["config"]["backend_notes"])
+
+
+def test_sdxl_baseline_holds_the_models_as_the_sdxl_example_does(tmp_path):
+    """diffusers' textual_inversion_sdxl.py: both encoders' whole token tables trainable (the frozen
+    rows copied back after each step), the VAE encoding every step, and with bf16 the UNet, the VAE
+    and the whole second text encoder (its token table too) cast to bf16, the first kept in fp32."""
+    import argparse
+
+    import torch
+
+    from xeontune import models
+    from xeontune.train import loop, tokens
+
+    model = bench.resolve_model("sdxl-tiny", str(tmp_path / "models"))  # a built-in kind, built once
+    assert (tmp_path / "models" / "sdxl-tiny" / "text_encoder_2").is_dir()
+    data = tmp_path / "data"
+    models.write_sample_data(data, count=2, size=64)
+    args = argparse.Namespace(resolution=64, batch_size=1, warmup=0, steps=1, mixed_precision="bf16", ipex="off",
+                              compile=False, pack_weights="off")
+    opts = bench.variant_options(model, data, tmp_path / "out", args, "baseline")
+    assert opts.train_full_table and not opts.cache_latents
+    run, _ = loop.setup(opts, loop.make_accelerator(opts), components=bench.example_components(model, "bf16"))
+    c = run.components
+    first, second = run.embedding.clip_l, run.embedding.clip_g
+    assert isinstance(first, tokens.FullTableEmbedding) and isinstance(second, tokens.FullTableEmbedding)
+    assert first.weight.shape[0] == len(c.tokenizer) and second.weight.shape[0] == len(c.tokenizer_2)
+    assert (first.weight.dtype, second.weight.dtype) == (torch.float32, torch.bfloat16)
+    trained = {id(p) for group in run.optimizer.param_groups for p in group["params"]}
+    assert trained == {id(first.weight), id(second.weight)}
+    assert {p.dtype for p in c.unet.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in c.vae.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in c.text_encoder_2.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in c.text_encoder.parameters()} == {torch.float32}
+    before = (first.weight.detach().clone(), second.weight.detach().clone())
+    loop.train_step(run, 0)
+    assert run.phases.take()["latents"] > 0  # the VAE encoded this step's images
+    for table, old, ids in ((first, before[0], run.placeholder.ids), (second, before[1], run.placeholder_2.ids)):
+        changed = (table.weight.detach() != old).any(dim=-1).nonzero().flatten().tolist()
+        assert changed == ids  # only the new rows moved, in both tables
+
+    fp32 = bench.example_components(model, "fp32")  # the script casts nothing in fp32
+    assert {p.dtype for m in (fp32.unet, fp32.vae, fp32.text_encoder_2) for p in m.parameters()} == {torch.float32}
+
+
+def test_sdxl_bench_counts_flops_and_takes_sdxl_targets(tmp_path, capsys):
+    assert main(["bench", "--model", "sdxl-tiny", "--models-dir", str(tmp_path), *FAST, "--no-rss", "--json",
+                 "--mixed-precision", "fp32", "--gradient-checkpointing"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["family"] == "sdxl" and result["config"]["gradient_checkpointing"]
+    assert any(n.startswith("gradient checkpointing") for n in result["config"]["backend_notes"])
+    assert result["config"]["targets"]["speedup_min"] == 2.0 and result["config"]["targets"]["rss_ratio_max"] == 0.9
+    assert result["baseline"]["phases"]["latents"] > 0 and result["optimized"]["phases"]["latents"] < \
+        result["baseline"]["phases"]["latents"]
+    assert result["model_gflop_per_step"] > 0 and 0 < result["mfu"] < 1
+    assert bench.targets_for("sdxl", "bf16")["rss_ratio_max"] == 0.6
+    assert bench.targets_for("sd", "bf16") == bench.TARGETS
+
+
+def test_one_at_a_time_steps_the_baseline_after_the_optimized_variant(tiny_model, capsys):
+    """For models whose two copies do not fit together (sdxl-arch in fp32 on 24 GB): the same result keys,
+    the baseline stepped in its own process once the optimized variant is done."""
+    assert main(["bench", "--model", str(tiny_model), *FAST, "--no-rss", "--json", "--mixed-precision", "fp32",
+                 "--one-at-a-time", "--steps", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["one_at_a_time"] and result["speedup"] > 0
+    assert len(result["baseline"]["step_times_s"]) == len(result["optimized"]["step_times_s"]) == 2
+    assert result["baseline"]["phases"]["latents"] > 0
+    assert any("--one-at-a-time" in n for n in result["config"]["backend_notes"])

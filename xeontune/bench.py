@@ -5,7 +5,9 @@ Both variants are built by the trainer's own ``setup`` and stepped by its own ``
 * optimized: latents cached once per image, only the new rows trainable (the trainer's default);
 * baseline: VAE encode every step, the whole token table trainable, the original rows copied back
   after every optimizer step, and with bf16 the frozen UNet and VAE cast to bf16 once (what the
-  common example script does with `--mixed_precision bf16`).
+  common example script does with `--mixed_precision bf16`). For SDXL it is what diffusers'
+  `textual_inversion_sdxl.py` does: both encoders' whole tables trainable, and with bf16 the second
+  text encoder cast to bf16 whole as well (its token table included), the first kept in fp32.
 
 The optimized variant is the trainer exactly as `xeontune train` runs it, IPEX or torch.compile
 included. The baseline runs in its own worker process, as the example script does: stock torch,
@@ -42,12 +44,25 @@ from xeontune.errors import UserError
 from xeontune.quiet import quiet_libraries
 
 VARIANTS = ("optimized", "baseline")
-BUILT_IN = ("tiny", "sd15-arch")
+# Built once into --models-dir and reused (models.DIMS): sizes on disk, for the first build's note.
+BUILT_IN = {"tiny": "", "sd15-arch": "3.9 GB", "sd2-tiny": "", "sdxl-tiny": "", "sdxl-arch": "about 13 GB"}
 TOKEN = "<bench-token>"
 
 # Issue 9's targets (2 cores, 256 px, bf16): one process >= 1.6x the example's steps/s, the `auto`
 # ranks per node >= 1.8x its images/s (3.0x at 512 px on a 16-core AMX host), peak RSS <= 0.8x.
 TARGETS = {"speedup_min": 1.6, "auto_ranks_speedup_min": 1.8, "overhead_max": 1.05, "rss_ratio_max": 0.8}
+# Issue 17's for SDXL (2 cores, 512 px, one process): >= 2.0x the SDXL example's steps/s; peak RSS
+# <= 0.6x its own in bf16 and <= 0.9x in fp32 (where the fp32 UNet alone is 10.3 GB).
+SDXL_TARGETS = {"speedup_min": 2.0, "rss_ratio_max": {"bf16": 0.6, "fp32": 0.9}}
+
+
+def targets_for(family: str, precision: str) -> dict[str, float]:
+    """The targets this run is judged against: SD1.x/SD2's, or SDXL's where it has its own."""
+    if family != "sdxl":
+        return dict(TARGETS)
+    rss = SDXL_TARGETS["rss_ratio_max"]
+    assert isinstance(rss, dict)
+    return {**TARGETS, "speedup_min": float(SDXL_TARGETS["speedup_min"]), "rss_ratio_max": rss[precision]}
 
 
 @dataclass
@@ -105,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time this trainer's optimized step against the example script's approach (baseline), "
         "(in its own process) alternating step by step, with per-phase times, FLOPs, MFU and ranks per node.",
     )
-    p.add_argument("--model", default="tiny", help="tiny, sd15-arch (built once and cached), or a pipeline path")
-    p.add_argument("--models-dir", default="models", help="where tiny / sd15-arch are cached (default: models)")
+    p.add_argument("--model", default="tiny", help=f"{', '.join(BUILT_IN)} (built once and cached), "
+                   "or a pipeline path (SD1.x, SD2 or SDXL)")
+    p.add_argument("--models-dir", default="models", help="where the built-in models are cached (default: models)")
     p.add_argument("--resolution", type=int, default=256, help="image side in pixels (default 256)")
     p.add_argument("--batch-size", type=int, default=1, help="images per step (default 1)")
     p.add_argument("--steps", type=int, default=5, help="measured steps per variant (default 5)")
@@ -115,10 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ipex", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--pack-weights", default="auto", choices=("auto", "on", "off"),
                    help="the optimized variant's --pack-weights (the baseline never packs; default auto)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="the optimized variant's --gradient-checkpointing (the UNet recomputes its activations: "
+                   "less memory, more time; the baseline never does)")
     p.add_argument("--compile", action="store_true", help="torch.compile the UNet (first step compiles: minutes)")
     p.add_argument("--allocator", default="auto", choices=("auto", "tcmalloc", "jemalloc", "none"),
                    help="allocator to preload by re-executing the bench (default auto: tcmalloc, else jemalloc)")
     p.add_argument("--no-baseline", action="store_true", help="time only the optimized step")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="step the baseline after the optimized variant, each process alone, instead of alternating "
+                   "with both loaded: for a model whose two copies do not fit in memory together (sdxl-arch in fp32 "
+                   "on 24 GB); a busy machine then slows one more than the other")
     p.add_argument("--no-rss", action="store_true", help="skip the child runs that measure peak RSS")
     p.add_argument("--statistic", default="best", choices=("best", "median"),
                    help="which step time counts (default best: on a shared machine noise only ever adds time)")
@@ -219,17 +242,19 @@ def reset_peak_rss() -> bool:
 
 
 def resolve_model(model: str, models_dir: str) -> Path:
-    """A built-in kind is built into MODELS_DIR/KIND once (sd15-arch: minutes, 3.9 GB) and reused."""
+    """A built-in kind is built into MODELS_DIR/KIND once (sd15-arch: minutes, 3.9 GB; sdxl-arch: about
+    13 GB) and reused."""
     from xeontune import models
 
     if model not in BUILT_IN:
         path = Path(model).expanduser()
         if not (path / "model_index.json").is_file():
-            raise UserError(f"--model {model}: not tiny, sd15-arch, or a pipeline folder with model_index.json")
+            raise UserError(f"--model {model}: not one of {', '.join(BUILT_IN)}, or a pipeline folder with "
+                            "model_index.json")
         return path
     path = Path(models_dir) / model
     if not (path / "model_index.json").is_file():
-        note = " (once: a few minutes and 3.9 GB)" if model == "sd15-arch" else ""
+        note = f" (once: a few minutes and {BUILT_IN[model]})" if BUILT_IN[model] else ""
         print(f"building the {model} pipeline in {path}{note}", file=sys.stderr)
         start = time.perf_counter()
         models.build_pipeline(model, path)
@@ -247,12 +272,15 @@ def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace
         output_dir=str(out), mixed_precision=args.mixed_precision, ipex=args.ipex, compile=args.compile,
         pack_weights=args.pack_weights if variant != "baseline" else "off", report_to="none",
         cache_latents=variant != "baseline", train_full_table=variant == "baseline",
+        gradient_checkpointing=getattr(args, "gradient_checkpointing", False) and variant != "baseline",
     ))
 
 
 def example_components(model: Path, precision: str):
-    """The frozen models as the example script holds them: with bf16, the UNet and the VAE cast to
-    bf16 once (it then encodes every step in bf16); the text encoder, which it trains, in fp32."""
+    """The frozen models as the example scripts hold them: with bf16, the UNet and the VAE cast to
+    bf16 once (they then encode every step in bf16); the text encoder, which they train, in fp32.
+    SDXL's script also casts its second text encoder to bf16 whole, after handing its token table to
+    the optimizer: that table then trains in bf16 (``tokens.install`` copies the table's dtype)."""
     import torch
 
     from xeontune.train.components import load, unet_dtype
@@ -263,6 +291,9 @@ def example_components(model: Path, precision: str):
         components.unet_cast = True
     if precision == "bf16":
         components.vae.to(torch.bfloat16)
+        if components.text_encoder_2 is not None:
+            components.text_encoder_2.to(torch.bfloat16)
+            components.text_encoder_2_cast = True
     return components
 
 
@@ -540,11 +571,11 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         data = Path(tmp) / "data"
         models.write_sample_data(data, count=4, size=args.resolution)
         opts = variant_options(model, data, Path(tmp) / "optimized", args, "optimized")
-        worker = None if args.no_baseline else BaselineWorker(args, model, Path(tmp))
+        worker = None if args.no_baseline or args.one_at_a_time else BaselineWorker(args, model, Path(tmp))
         with worker or contextlib.nullcontext():
             accelerator = loop.make_accelerator(opts)
             run, _ = loop.setup(opts, accelerator)  # the trainer as `xeontune train` runs it
-            precision = run.precision
+            precision, family = run.precision, run.components.family
             notes = list(run.backend_notes)
             if worker:
                 notes.append("baseline: " + worker.ready["note"])
@@ -558,6 +589,20 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             times, warmups, phases = alternate(args, run, worker, precision, log)
             peak = max(peak, *times.pop("peaks"))
         del run
+        if args.one_at_a_time and not args.no_baseline:
+            reset_peak_rss()  # hand the optimized variant's freed memory back before the baseline loads
+            with BaselineWorker(args, model, Path(tmp)) as worker:
+                notes.append(f"baseline: {worker.ready['note']}; stepped after the optimized variant (--one-at-a-time)")
+                times["baseline"], warmups["baseline"], phases["baseline"] = [], [], []
+                for rnd in range(args.warmup + args.steps):
+                    elapsed, step_phases = worker.step(rnd)
+                    if rnd < args.warmup:
+                        warmups["baseline"].append(elapsed)
+                    else:
+                        times["baseline"].append(elapsed)
+                        phases["baseline"].append(step_phases)
+                    log(f"baseline {'warm-up' if rnd < args.warmup else f'step {rnd - args.warmup + 1}'}: "
+                        f"{elapsed:.2f} s")
         sweep = []
         counts = rank_counts(args.ranks_per_node, physical_cores())
         if counts:
@@ -621,11 +666,12 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         config={
             "model": args.model, "model_path": str(model), "resolution": args.resolution,
             "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "precision": precision,
-            "statistic": args.statistic,
+            "statistic": args.statistic, "one_at_a_time": args.one_at_a_time,
             "ipex": args.ipex, "compile": args.compile, "pack_weights": args.pack_weights,
+            "gradient_checkpointing": args.gradient_checkpointing,
             "threads": torch.get_num_threads(),
             "allocator": loaded_allocator(), "torch": torch.__version__, "cpu": _cpu_model(),
-            "backend_notes": notes, "targets": TARGETS,
+            "backend_notes": notes, "family": family, "targets": targets_for(family, precision),
         },
         model_compute_times_s=[round(t, 4) for t in times["compute"]],
         core_peak_gflops=core_peak,
@@ -656,6 +702,7 @@ def rss_in_child(args: argparse.Namespace, variant: str, model: Path) -> dict[st
         "--mixed-precision", args.mixed_precision, "--ipex", args.ipex, "--pack-weights", args.pack_weights,
         "--allocator", "none",
         *(["--compile"] if args.compile else []),
+        *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
     ]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
@@ -702,7 +749,7 @@ def render_table(r: BenchResult) -> str:
     c = r.config
     cols = [("optimized", r.optimized)] + ([("baseline", r.baseline)] if r.baseline else [])
     lines = [
-        f"xeontune bench: {c['model']}, {c['resolution']} px, batch {c['batch_size']}, {c['steps']} steps after "
+        f"xeontune bench: {c['model']} ({c['family']}), {c['resolution']} px, batch {c['batch_size']}, {c['steps']} steps after "
         f"{c['warmup']} warm-up, {c['precision']}, {c['threads']} threads, {c['allocator']}",
         f"{'':<24}" + "".join(f"{name:>12}" for name, _ in cols),
         f"{'s/step (' + c['statistic'] + ')':<24}" + "".join(f"{v.s_per_step:>12.3f}" for _, v in cols),
@@ -716,7 +763,7 @@ def render_table(r: BenchResult) -> str:
     ]
     for phase in r.optimized.phases:
         lines.append(f"{'  ' + phase + ' (s)':<24}" + "".join(f"{v.phases[phase]:>12.3f}" for _, v in cols))
-    t = TARGETS
+    t = c["targets"]
     if r.speedup is not None:
         lines.append(f"speedup: {r.speedup:.2f}x (target >= {t['speedup_min']})")
     lines.append(

@@ -8,6 +8,7 @@ check that nothing of them is left; the detach/fetch tests share the module's cl
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -366,3 +367,37 @@ def test_a_dropped_connection_mid_run_is_reattached_and_loses_nothing(root_home,
     assert load_vectors(out)["<cat-toy>"].abs().sum() > 0
     assert text.strip().splitlines()[-1].startswith(f"deleted cluster {cluster_name!r}")
     assert_nothing_left(cluster_name)
+
+
+def test_run_trains_sdxl_and_the_fetched_file_loads_into_diffusers(root_home, cluster_name, sample_images, tmp_path):
+    """`run --provider local -n 3` on sdxl-tiny (64 px, 2 steps): the fetched learned_embeds has the
+    clip_l / clip_g layout, and StableDiffusionXLPipeline takes it, one load_textual_inversion per encoder."""
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+    from safetensors import safe_open
+
+    from xeontune import models
+
+    xl = {"model": models.build_pipeline("sdxl-tiny", tmp_path / "sdxl-tiny"), "data": sample_images}
+    out = tmp_path / "out"
+    proc = cli("run", "--provider", "local", "-n", "3", "--name", cluster_name, "--",
+               *train_args(xl, out, 1, 2, "--mixed-precision", "fp32", "--resolution", "64"), env=OFFLINE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_nothing_left(cluster_name)
+    got = load_vectors(out)
+    assert {k: tuple(v.shape) for k, v in got.items()} == {"clip_l": (1, 32), "clip_g": (1, 64)}  # sdxl-tiny's widths
+    with safe_open(str(out / "learned_embeds.safetensors"), "pt") as f:
+        assert f.metadata()["name"] == "<cat-toy>"
+    sent = [json.loads(line)["allreduce_bytes"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sent == [(32 + 64) * 4 + 4] * 2  # 3 ranks: one row per encoder and the loss, each step
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(xl["model"]))
+    pairs = ((pipe.tokenizer, pipe.text_encoder, "clip_l"), (pipe.tokenizer_2, pipe.text_encoder_2, "clip_g"))
+    initial = {key: encoder.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("toy")].clone()
+               for tokenizer, encoder, key in pairs}
+    for tokenizer, encoder, key in pairs:
+        pipe.load_textual_inversion(got[key], token="<cat-toy>", text_encoder=encoder, tokenizer=tokenizer)
+    for tokenizer, encoder, key in pairs:
+        row = encoder.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("<cat-toy>")]
+        assert torch.equal(row, got[key][0])
+        assert not torch.equal(row, initial[key])  # trained away from the initializer, in both encoders

@@ -274,3 +274,36 @@ def test_forcing_packing_where_it_cannot_run_is_one_line_and_exit_2(base_args, m
     with pytest.raises(SystemExit) as bad_choice:  # argparse's own one-line usage error
         main(["train", *base_args, "--pack-weights", "sometimes"])
     assert bad_choice.value.code == 2
+
+
+def test_auto_leaves_the_layers_stock_where_the_packed_copy_would_not_fit(monkeypatch):
+    """SDXL in fp32 on 24 GB: the packed UNet (10.3 GB more) and a step's activations do not fit beside
+    the weights. Faked memory: auto packs with room for both, not without; `on` still forces it."""
+    from xeontune import placement
+
+    unet_bytes = sum(p.numel() * p.element_size() for p in _unet_and_vae()[0].parameters())
+    monkeypatch.setattr(placement, "available_memory_bytes", lambda *a: unet_bytes + 1000)
+    unet, vae = _unet_and_vae()
+    backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", step_bytes=1000)
+    assert type(unet[0]) is packed.PackedConv2d  # fits exactly
+    unet, vae = _unet_and_vae()
+    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", step_bytes=1001)
+    assert type(unet[0]) is nn.Conv2d
+    assert notes[-1].startswith("packed weights: not used (the reordered UNet") and "--pack-weights on" in notes[-1]
+    unet, vae = _unet_and_vae()
+    backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="on", step_bytes=1001)
+    assert type(unet[0]) is packed.PackedConv2d
+
+
+def test_the_trainer_asks_for_room_for_its_step(base_args, monkeypatch):
+    """setup passes the step's activation estimate (placement.rank_memory_bytes without weights) to the
+    packing decision: with less memory than that, auto does not pack."""
+    from xeontune import placement
+    from xeontune.train import loop
+    from xeontune.train.options import parse_args
+
+    monkeypatch.setattr(placement, "available_memory_bytes", lambda *a: placement.rank_memory_bytes(0, 64, 1) - 1)
+    opts = parse_args([*base_args, "--mixed-precision", "fp32", "--pack-weights", "auto"])
+    run, _ = loop.setup(opts, loop.make_accelerator(opts))
+    assert not any(type(m) is packed.PackedConv2d for m in run.components.unet.modules())
+    assert any(n.startswith("packed weights: not used (the reordered UNet") for n in run.backend_notes)

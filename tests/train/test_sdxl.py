@@ -121,6 +121,43 @@ def test_rank_memory_counts_the_second_text_encoder(sdxl_model):
                             + stored["vae"])) <= 1
 
 
+def test_ranks_per_node_count_sdxl_activations_and_checkpointing(sdxl_model, tiny_model, xeontune_home):
+    """`launch --ppn auto` (job/spec.resolve_ppn) and `train --nproc-per-node auto` divide a node's memory
+    by ranks.rank_memory: SDXL's weights (second text encoder included) and activations 1.4x SD1.5's at the
+    same size; --gradient-checkpointing keeps 0.3x of them. Faked node: 16 cores, RAM for 2.5 SDXL ranks."""
+    from xeontune import placement
+    from xeontune.cluster.state import ClusterRecord, Node
+    from xeontune.job import spec
+    from xeontune.train import ranks
+
+    GB = 10**9
+    assert placement.rank_memory_bytes(GB, 1024, 1, "sdxl") - GB == pytest.approx(1.4 * 16 * GB)
+    assert placement.rank_memory_bytes(GB, 1024, 1, "sdxl", checkpointing=True) - GB == pytest.approx(0.3 * 1.4 * 16 * GB)
+    assert placement.rank_memory_bytes(GB, 1024, 1) - GB == pytest.approx(16 * GB)
+    # a hub id that is not on this disk: SDXL-base's sizes once the family is known
+    assert ranks.frozen_weight_bytes("org/xl", "fp32", family="sdxl") - ranks.frozen_weight_bytes("org/xl", "fp32") \
+        == pytest.approx((2567e6 - 860e6) * 4 + 2780e6)
+
+    common = ["--data-dir", ".", "--placeholder-token", "<t>", "--initializer-token", "toy", "--resolution", "1024",
+              "--mixed-precision", "fp32", "--pack-weights", "off"]
+    xl = parse_args(["--model", str(sdxl_model), *common])
+    weights = ranks.frozen_weight_bytes(str(sdxl_model), "fp32")
+    assert ranks.rank_memory(xl, "fp32") == placement.rank_memory_bytes(weights, 1024, 1, "sdxl")
+    assert weights > ranks.frozen_weight_bytes(str(sdxl_model), "fp32") - ranks._folder_bytes(sdxl_model / "text_encoder_2")
+
+    record = ClusterRecord(name="sky", provider="aws", key_path="/k/id", known_hosts_path="/k/kh", work_dir="/w",
+                           iface="ens5", venv="/v", cores_per_node=16, nodes=[Node("node0", "head", "10.0.0.1")])
+    record.memory_per_node = int(2.5 * ranks.rank_memory(xl, "fp32") / (1 - placement.RESERVED_FRACTION))
+
+    def ppn(model, *extra) -> int:
+        return spec.resolve_ppn(record, spec.read_request(["--model", str(model), *common, *extra], "auto",
+                                                          remote=True))
+
+    assert ppn(sdxl_model) == 2  # memory decides
+    assert ppn(tiny_model) == 3  # an SD model of the same (tiny) weights at 1024 px: 1.4x less activation memory
+    assert ppn(sdxl_model, "--gradient-checkpointing") == 8  # 0.3x the activations: the 16 cores decide (8 x 2)
+
+
 # --- training ----------------------------------------------------------------------------------
 
 

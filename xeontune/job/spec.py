@@ -155,7 +155,7 @@ def resolve_ppn(record: ClusterRecord, request: JobRequest) -> int:
     (placement.auto_ranks) applied to one node: its physical cores, and its memory where known."""
     if request.ppn != "auto":
         return int(request.ppn)
-    from xeontune.train.ranks import frozen_weight_bytes, packs
+    from xeontune.train.ranks import rank_memory
 
     options = request.options
     provider = providers.get(record.provider)
@@ -167,9 +167,7 @@ def resolve_ppn(record: ClusterRecord, request: JobRequest) -> int:
     else:
         # a node's hyperthreads are vCPUs: the provider records physical cores, and RAM where the API says
         cores, memory = record.cores_per_node or 1, record.memory_per_node or 0
-    packed = packs(options.pack_weights)
-    per_rank = placement.rank_memory_bytes(frozen_weight_bytes(str(options.model), precision, packed),
-                                           options.resolution, options.train_batch_size)
+    per_rank = rank_memory(options, precision)  # SDXL's second text encoder and activations, checkpointing
     unknown = 2**62  # no memory recorded (localhost, or a record from before it was): cores decide
     return placement.auto_ranks(cores, 1, memory or unknown, per_rank).ranks
 

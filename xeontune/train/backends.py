@@ -49,9 +49,12 @@ PREPACK_ENV = "XEONTUNE_IPEX_PREPACK"
 
 def prepare_frozen_models(
     unet: nn.Module, vae: nn.Module, *, precision: str, ipex: str = "auto", compile: bool = False,
-    pack: str = "auto",
+    pack: str = "auto", checkpointing: bool = False, step_bytes: int | None = None,
 ) -> tuple[nn.Module, nn.Module, list[str]]:
-    """Return (unet, vae, notes): the models to train with and one line per decision taken."""
+    """Return (unet, vae, notes): the models to train with and one line per decision taken.
+
+    ``step_bytes``: what a training step will need beside the weights (its activations); given, `--pack-weights
+    auto` packs only where the packed copy and those fit in the memory available now."""
     if ipex not in IPEX_CHOICES:
         raise UserError(f"--ipex must be one of {', '.join(IPEX_CHOICES)}, got {ipex!r}")
     if pack not in PACK_CHOICES:
@@ -61,8 +64,12 @@ def prepare_frozen_models(
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     notes: list[str] = []
+    if checkpointing:  # first: IPEX's copy, the packed layers and a compiled graph all keep the blocks' flag
+        notes.append(enable_checkpointing(unet))
     # decided once, up front: where auto packs, `--ipex auto` leaves IPEX out (see _auto_packing)
     auto_pack = _auto_packing(precision, compile) if pack == "auto" else (False, "")
+    if auto_pack[0] and step_bytes is not None:
+        auto_pack = _packing_fits(unet, step_bytes)
     if ipex == "off":
         notes.append("IPEX: off (--ipex off)")
     elif ipex == "auto" and auto_pack[0]:
@@ -91,6 +98,17 @@ def prepare_frozen_models(
     return unet, vae, notes
 
 
+def enable_checkpointing(unet: nn.Module) -> str:
+    """`--gradient-checkpointing`: diffusers' own, on the frozen UNet. Its blocks recompute under
+    ``torch.is_grad_enabled()`` alone (diffusers 0.42 no longer asks for train mode), and
+    torch.utils.checkpoint's non-reentrant form, which diffusers uses, gives the input gradient that
+    reaches the vectors through the cross-attention though no UNet parameter requires grad; the packed
+    layers' autograd functions save no tensors, so they recompute as they ran. Validation runs under
+    no_grad, where nothing is checkpointed."""
+    unet.enable_gradient_checkpointing()
+    return "gradient checkpointing: the UNet's blocks recompute their activations in the backward pass"
+
+
 def _auto_packing(precision: str, compile: bool) -> tuple[bool, str]:
     """What `--pack-weights auto` does: (packs, why not). Where it packs, `--ipex auto` leaves IPEX out:
     measured side by side in one venv (torch 2.8, 256 px, AMX Xeon), s/step packed / IPEX / stock were
@@ -99,6 +117,22 @@ def _auto_packing(precision: str, compile: bool) -> tuple[bool, str]:
     if compile:
         return False, ""
     return packed.auto_choice(precision)
+
+
+def _packing_fits(unet: nn.Module, step_bytes: int) -> tuple[bool, str]:
+    """Packed layers hold the UNet's weights twice, reordered (forward and input gradient), the plain
+    pages handed back: about one UNet more than stock layers (what ranks.frozen_weight_bytes counts).
+    For SDXL in fp32 that is 10.3 GB more, which with the step's activations does not fit beside the
+    weights on a 24 GB machine: there auto leaves the layers stock rather than run out of memory."""
+    from xeontune import placement
+
+    extra = sum(p.numel() * p.element_size() for p in unet.parameters())
+    available = placement.available_memory_bytes()
+    if extra + step_bytes <= available:
+        return True, ""
+    return False, (f"not used (the reordered UNet, {extra / 1e9:.1f} GB more, and the step's activations, about "
+                   f"{step_bytes / 1e9:.1f} GB, do not fit in the {available / 1e9:.1f} GB available now; "
+                   "--pack-weights on forces it)")
 
 
 def _apply_packing(unet: nn.Module, pack: str, auto_pack: tuple[bool, str]) -> list[str]:

@@ -350,6 +350,7 @@ def setup(
     (`xeontune bench` shares one UNet and VAE between its variants); loaded here when None."""
     from diffusers.optimization import get_scheduler
 
+    from xeontune import placement
     from xeontune.hardware import choose_precision
     from xeontune.train.backends import prepare_frozen_models
 
@@ -382,7 +383,9 @@ def setup(
     if not shared:
         components.unet, components.vae, notes = prepare_frozen_models(
             components.unet, components.vae, precision=precision, ipex=opts.ipex, compile=opts.compile,
-            pack=opts.pack_weights,
+            pack=opts.pack_weights, checkpointing=opts.gradient_checkpointing,
+            step_bytes=placement.rank_memory_bytes(0, opts.resolution, opts.train_batch_size, components.family,
+                                                   opts.gradient_checkpointing),
         )
     if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 # text encoder 123 M (its Linear layers, 85 M, in bf16 under bf16), VAE 84 M (fp32; its encoder is
 # freed once latents are cached).
 SD15_UNET_PARAMS, SD15_TEXT_ENCODER_BYTES, SD15_VAE_BYTES = 860e6, 492e6, 335e6
+# SDXL-base's, for a hub id not on this disk: UNet 2,567 M params, second text encoder 695 M (fp32).
+SDXL_UNET_PARAMS, SDXL_TEXT_ENCODER_2_BYTES = 2567e6, 2780e6
 TEXT_ENCODER_LINEAR_SHARE = 85 / 123
 TEXT_ENCODER_2_LINEAR_SHARE = 631 / 695  # SDXL's second encoder: its token table (63 M) and norms stay fp32
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -40,14 +42,16 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*") if p.name.endswith(WEIGHT_SUFFIXES)) if folder.is_dir() else 0
 
 
-def frozen_weight_bytes(model: str, precision: str, packed: bool = False) -> int:
+def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str = "sd") -> int:
     """Bytes of frozen weights one rank holds: the UNet and the text encoder's Linear layers in the
     training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) the UNet counts twice: its layers are held reordered for the forward and again for the input
     gradient, each rank its own, while the plain weights' pages are handed back once reordered."""
     root = Path(model)
-    if not root.is_dir():
-        unet = SD15_UNET_PARAMS * (2 if precision == "bf16" else 4)
+    if not root.is_dir():  # SD1.5's or SDXL-base's sizes (``family``: where the hub said which)
+        unet = (SDXL_UNET_PARAMS if family == "sdxl" else SD15_UNET_PARAMS) * (2 if precision == "bf16" else 4)
         rest = _text_encoder_bytes(SD15_TEXT_ENCODER_BYTES, precision) + SD15_VAE_BYTES
+        if family == "sdxl":
+            rest += _text_encoder_bytes(SDXL_TEXT_ENCODER_2_BYTES, precision, TEXT_ENCODER_2_LINEAR_SHARE)
     else:
         unet = _folder_bytes(root / "unet")
         # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
@@ -72,13 +76,24 @@ def _text_encoder_bytes(stored: float, precision: str, linear_share: float = TEX
     return stored * (1 - linear_share / 2) if precision == "bf16" else stored
 
 
+def rank_memory(opts: TrainOptions, precision: str) -> int:
+    """What one rank of this run holds (what `--nproc-per-node auto` and `launch --ppn auto` divide
+    memory by): the model's frozen weights as the rank holds them and its activations, both by family
+    (read from model_index.json: a local folder, or the hub's when reachable; else SD1.x is assumed)."""
+    from xeontune.train.components import pipeline_family
+
+    family = pipeline_family(str(opts.model), opts.revision)
+    weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights), family)
+    return placement.rank_memory_bytes(weights, opts.resolution, opts.train_batch_size, family,
+                                       opts.gradient_checkpointing)
+
+
 def plan_ranks(opts: TrainOptions, precision: str) -> placement.RankPlan:
     """How many ranks `--nproc-per-node` asks for on this machine, and how many cores each gets."""
     cores = placement.physical_cores()
     numa_nodes = len({c.numa_node for c in cores})
     if opts.nproc_per_node == "auto":
-        per_rank = placement.rank_memory_bytes(
-            frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights)), opts.resolution, opts.train_batch_size)
+        per_rank = rank_memory(opts, precision)
         return placement.auto_ranks(len(cores), numa_nodes, placement.available_memory_bytes(), per_rank)
     ranks = int(opts.nproc_per_node)
     if ranks > len(cores):
