@@ -3,9 +3,15 @@ the trainer takes its rank, world size and master address from Slurm's environme
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -78,3 +84,146 @@ def test_srun_in_a_hand_written_batch_script_trains_what_one_process_with_three_
     assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
     assert all(float(want[k].abs().max()) > 0 for k in want)
     assert slurm.jobs() == []  # nothing left behind
+
+
+# --- `--provider slurm`: xeontune submits the batch job itself ----------------------------------
+
+def _options(tiny_model, sample_images, out, steps: int = 2) -> list[str]:
+    return ["--", "--model", str(tiny_model), "--data-dir", str(sample_images), "--placeholder-token", "<toy-bot>",
+            "--initializer-token", "toy", "--resolution", "64", "--max-train-steps", str(steps),
+            "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision", "fp32", "--no-random-flip",
+            "--output-dir", str(out)]
+
+
+@pytest.fixture
+def on_slurm(slurm, xeontune_home, monkeypatch, tmp_path):
+    """The CLI in this process, talking to the test's Slurm; tasks share the machine's 2 cores."""
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    return slurm
+
+
+def _error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_run_without_sbatch_on_path_is_one_line(xeontune_home, monkeypatch, tmp_path, capsys):
+    from xeontune.cli import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["run", "--provider", "slurm", "-n", "3", "--", "--model", "org/m", "--placeholder-token", "<t>",
+                 "--initializer-token", "toy", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "no sbatch on PATH" in _error_line(capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_slurm_refusals_are_one_line_errors_before_anything_runs(on_slurm, tiny_model, sample_images, tmp_path,
+                                                                  capsys):
+    from xeontune.cli import main
+
+    opts = _options(tiny_model, sample_images, tmp_path / "out")
+    assert main(["run", "--provider", "slurm", "-n", "3", "--partition", "nope", *opts]) == 2
+    assert "unknown Slurm partition 'nope' (partitions: debug)" in _error_line(capsys)
+    assert main(["run", "--provider", "slurm", "-n", "4", *opts]) == 2  # 3 nodes of 1 CPU
+    assert "-n 4 is more ranks than Slurm partition 'debug' can hold (3 node(s), 3 CPUs" in _error_line(capsys)
+    assert main(["run", "--provider", "slurm", "-n", "2", "--ppn", "2", *opts]) == 2
+    assert "--ppn 2 is more ranks per node than partition 'debug' has CPUs (1)" in _error_line(capsys)
+    assert main(["run", "--provider", "slurm", "-n", "3", "--time", "banana", *opts]) == 2
+    line = _error_line(capsys)
+    assert line.startswith("error: Slurm refused the job: sbatch: error: Invalid --time specification"), line
+    assert on_slurm.jobs() == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_run_provider_slurm_trains_three_ranks_and_leaves_no_job(on_slurm, tiny_model, sample_images, tmp_path,
+                                                                capsys):
+    """One batch job, one srun task per rank (the 3-rank result equals one process with 3x the batch:
+    the hand-written script's test above); the outputs are written in place, the record is gone."""
+    from xeontune.cli import main
+    from xeontune.cluster import state
+
+    out = tmp_path / "out"
+    rc = main(["run", "--provider", "slurm", "-n", "3", "--ppn", "auto", "--name", "sl", "--time", "10:00",
+               *_options(tiny_model, sample_images, out)])
+    text = capsys.readouterr()
+    assert rc == 0, text.out[-3000:] + text.err[-3000:] + on_slurm.log()
+    assert "submitted slurm job" in text.out and "3 rank(s), 1 per node" in text.out  # auto: 1 CPU a node
+    assert json.loads((out / "train_config.json").read_text())["world_size"] == 3
+    assert load_file(str(out / "learned_embeds.safetensors"))
+    assert on_slurm.jobs() == [] and not state.exists("sl")
+
+
+def _rank_pids(marker: str) -> list[int]:
+    """The rank processes whose command line names ``marker`` (their unique --output-dir)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"xeontune.train" in cmd and marker.encode() in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _start_long_job(name: str, tiny_model, sample_images, out, slurm) -> list[int]:
+    from xeontune.cli import main
+
+    assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", name]) == 0
+    assert main(["launch", "--detach", "--name", name, *_options(tiny_model, sample_images, out, steps=100000)]) == 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(_rank_pids(str(out))) < 3:
+        time.sleep(0.5)
+    pids = _rank_pids(str(out))
+    assert len(pids) == 3, slurm.log()
+    return pids
+
+
+def _gone(pids: list[int], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() for pid in pids):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_teardown_scancels_the_job_and_every_task_ends_within_60s(on_slurm, tiny_model, sample_images, tmp_path,
+                                                                 capsys):
+    from xeontune.cli import main
+
+    pids = _start_long_job("cx", tiny_model, sample_images, tmp_path / "out", on_slurm)
+    assert main(["cluster", "status", "--name", "cx"]) == 0
+    assert re.search(r"job \d+ RUNNING \(n\[1-3\]\)", capsys.readouterr().out)
+    started = time.monotonic()
+    assert main(["teardown", "--name", "cx"]) == 0
+    assert re.search(r"deleted Slurm job \d+ \(scancel\)", capsys.readouterr().out)
+    assert _gone(pids, 60 - (time.monotonic() - started)) and on_slurm.jobs() == []
+    assert main(["teardown", "--name", "cx"]) == 0  # idempotent
+    assert "nothing to tear down" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_a_killed_task_ends_the_job_with_a_clear_error_within_60s(on_slurm, tiny_model, sample_images, tmp_path,
+                                                                 capsys):
+    from xeontune.cli import main
+
+    pids = _start_long_job("kx", tiny_model, sample_images, tmp_path / "out", on_slurm)
+    capsys.readouterr()
+    os.kill(pids[-1], signal.SIGKILL)
+    started = time.monotonic()
+    assert main(["logs", "--name", "kx", "-f"]) != 0
+    assert time.monotonic() - started < 60
+    assert _gone(pids, 5) and on_slurm.jobs() == []
+    captured = capsys.readouterr()
+    assert "xeontune: srun ended with status" in captured.out and "a rank failed or was killed" in captured.out
+    assert main(["teardown", "--name", "kx"]) == 0
