@@ -167,15 +167,24 @@ def _rank_pids(marker: str) -> list[int]:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if proc.name.isdigit() and b"xeontune.train" in cmd and marker.encode() in cmd:
+        # not srun's own processes, whose command lines hold the rank's
+        if proc.name.isdigit() and cmd[1:3] == [b"-m", b"xeontune.train"] and marker.encode() in cmd:
             pids.append(int(proc.name))
     return pids
 
 
-def _start_long_job(name: str, tiny_model, sample_images, out, slurm) -> list[int]:
+def _start_long_job(name: str, tiny_model, sample_images, out, slurm, capsys) -> list[int]:
     from xeontune.cli import main
 
     assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", name]) == 0
+    assert main(["launch", "--dry-run", "--name", name, *_options(tiny_model, sample_images, out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    sbatch = shlex.split(next(line for line in lines if line.startswith("sbatch ")))
+    assert sbatch[:3] == ["sbatch", "--parsable", f"--job-name=xeontune-{name}"] and sbatch[-1].endswith("job.sbatch")
+    srun = shlex.split(next(line for line in lines if line.startswith("srun ")))
+    assert srun[:6] == ["srun", "--kill-on-bad-exit=1", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
+                        "--cpus-per-task=1"]
+    assert srun[6:9] == [sys.executable, "-m", "xeontune.train"] and "<toy-bot>" in srun  # quoted in the script
     assert main(["launch", "--detach", "--name", name, *_options(tiny_model, sample_images, out, steps=100000)]) == 0
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(_rank_pids(str(out))) < 3:
@@ -200,7 +209,7 @@ def test_teardown_scancels_the_job_and_every_task_ends_within_60s(on_slurm, tiny
                                                                  capsys):
     from xeontune.cli import main
 
-    pids = _start_long_job("cx", tiny_model, sample_images, tmp_path / "out", on_slurm)
+    pids = _start_long_job("cx", tiny_model, sample_images, tmp_path / "out", on_slurm, capsys)
     assert main(["cluster", "status", "--name", "cx"]) == 0
     assert re.search(r"job \d+ RUNNING \(n\[1-3\]\)", capsys.readouterr().out)
     started = time.monotonic()
@@ -217,7 +226,7 @@ def test_a_killed_task_ends_the_job_with_a_clear_error_within_60s(on_slurm, tiny
                                                                  capsys):
     from xeontune.cli import main
 
-    pids = _start_long_job("kx", tiny_model, sample_images, tmp_path / "out", on_slurm)
+    pids = _start_long_job("kx", tiny_model, sample_images, tmp_path / "out", on_slurm, capsys)
     capsys.readouterr()
     os.kill(pids[-1], signal.SIGKILL)
     started = time.monotonic()
