@@ -236,3 +236,52 @@ def test_a_killed_task_ends_the_job_with_a_clear_error_within_60s(on_slurm, tiny
     captured = capsys.readouterr()
     assert "xeontune: srun ended with status" in captured.out and "a rank failed or was killed" in captured.out
     assert main(["teardown", "--name", "kx"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.parametrize("how", ["notice", "requeue"])
+def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
+        how, on_slurm, tiny_model, sample_images, tmp_path, capsys):
+    """notice: SIGUSR1 to every task (what --signal=USR1@120 sends before the time limit; here scancel -s)
+    makes rank 0 checkpoint, the ranks stop, and the batch script requeues the job. requeue: `scontrol
+    requeue` mid-run (SIGTERM, no checkpoint of its own): the job resumes from its last periodic one."""
+    from xeontune.cli import main
+    from xeontune.job import record
+
+    out, steps = tmp_path / "out", 16
+    every = ["--checkpointing-steps", "2"] if how == "requeue" else []
+    assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", "rq"]) == 0
+    assert main(["launch", "--detach", "--name", "rq", *_options(tiny_model, sample_images, out, steps), *every]) == 0
+    job = record.load_job("rq")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(_lines(out / "metrics.jsonl")) < 5:
+        time.sleep(0.2)
+    if how == "notice":
+        assert on_slurm.run("scancel", "-s", "USR1", job.scheduler_id).returncode == 0
+    else:
+        assert on_slurm.run("scontrol", "requeue", job.scheduler_id).returncode == 0
+    # Slurm 22.05 holds a requeued job for about 120 s (Reason=BeginTime): release it now
+    while time.monotonic() < deadline + 60 and "Reason=BeginTime" not in on_slurm.run(
+            "scontrol", "show", "job", "-o", job.scheduler_id).stdout:
+        time.sleep(0.2)
+    assert on_slurm.run("scontrol", "update", f"JobId={job.scheduler_id}", "StartTime=now").returncode == 0
+    capsys.readouterr()
+    assert main(["logs", "--name", "rq", "-f"]) == 0, on_slurm.log()
+    log = capsys.readouterr().out
+    if how == "notice":
+        assert "written on notice (SIGUSR1)" in log and f"requeueing job {job.scheduler_id}" in log, log[-3000:]
+    assert f"xeontune: Slurm job {job.scheduler_id}, restart 1: resuming from the newest complete checkpoint" in log
+    straight = subprocess.run(
+        [sys.executable, "-m", "xeontune.cli", "train", *_options(tiny_model, sample_images, tmp_path / "one", steps)[1:],
+         "--train-batch-size", "3"], capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    got = load_file(str(out / "learned_embeds.safetensors"))
+    want = load_file(str(tmp_path / "one" / "learned_embeds.safetensors"))
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
+    assert on_slurm.jobs() == []
+    assert main(["teardown", "--name", "rq"]) == 0
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []

@@ -39,6 +39,7 @@ ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUE
           "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "STOPPED"}
 UNUSABLE = ("down", "drain", "fail", "inval", "maint", "future", "unk")
 CANCEL_WAIT_S = 60.0
+GRACE_S = 120  # seconds between Slurm's notice (SIGUSR1) and its time limit: a checkpoint's time
 
 
 def _tool(name: str) -> str:
@@ -208,6 +209,7 @@ class Slurm(Provider):
     def submission(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> tuple[list[str], str]:
         import sys
 
+        from xeontune.train import preempt
         from xeontune.train.options import LAUNCH_DEFAULTS_ENV
 
         nodes, cpus_per_task = self.layout(record, spec.ranks, spec.ppn)
@@ -217,6 +219,7 @@ class Slurm(Provider):
             LAUNCH_DEFAULTS_ENV["dist_timeout"]: "30",
             "CUDA_VISIBLE_DEVICES": "",  # ranks train on CPU (accelerate's barrier picks a visible GPU)
             "TORCH_CPP_LOG_LEVEL": "ERROR",
+            preempt.ENV: "1",  # SIGUSR1 (--signal, preemption): checkpoint, stop, requeue, resume
         }
         checkout = Path(__file__).resolve().parents[3]
         if (checkout / "xeontune" / "__init__.py").is_file() and Path(sys.prefix).resolve() not in checkout.parents:
@@ -225,24 +228,39 @@ class Slurm(Provider):
                  f"--cpus-per-task={cpus_per_task}"]
         rank = [sys.executable, "-m", "xeontune.train", *spec.rank_args]
         env_file = os.path.join(job.job_dir, "env")
-        wdir = os.getcwd()  # as mpirun's -wdir: a relative --output-dir is relative to where the job started
         q = shlex.quote
+        mark = os.path.join(job.job_dir, "preempted")
+        # a requeued job resumes from the newest complete checkpoint its earlier runs wrote
+        resume = ("" if spec.request.options.resume_from_checkpoint else
+                  f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && compgen -G {q(job.output_dir)}/\'checkpoint-*\' '
+                  '>/dev/null; then resume=(--resume-from-checkpoint latest); echo "xeontune: Slurm job $SLURM_JOB_ID, '
+                  'restart $SLURM_RESTART_COUNT: resuming from the newest complete checkpoint"; fi')
+        wdir = os.getcwd()  # as mpirun's -wdir: a relative --output-dir is relative to where the job started
         lines = [
             "#!/bin/bash",
             f"# written by xeontune: job {job.id} of cluster {record.name}",
             f"cd {q(wdir)} || exit 2",
             *(f"export {key}={q(value)}" for key, value in env.items()),
             f"if [ -f {q(env_file)} ]; then set -a; . {q(env_file)}; set +a; fi  # --env, never in argv",
+            f"export {preempt.MARK_ENV}={q(mark)}",
+            f"rm -f {q(mark)} {q(job.rc_path)}  # a requeued job's earlier run may have left them",
+            "resume=()",
+            resume,
             # a rank that dies ends the step at once (the others would wait for it in a collective)
-            f"srun --kill-on-bad-exit=1 {shlex.join(shape)} {shlex.join(rank)}",
+            f'srun --kill-on-bad-exit=1 {shlex.join(shape)} {shlex.join(rank)} "${{resume[@]}}"',
             "rc=$?",
+            f"if [ -e {q(mark)} ]; then",
+            '  echo "xeontune: checkpointed on Slurm\'s notice; requeueing job $SLURM_JOB_ID to resume from it"',
+            '  scontrol requeue "$SLURM_JOB_ID" && exit 0',
+            "fi",
             'if [ "$rc" -ne 0 ]; then echo "xeontune: srun ended with status $rc: a rank failed or was killed '
             '(its error is above)" >&2; fi',
             f"printf '%s\\n' \"$rc\" > {q(job.rc_path + '.tmp')} && mv -f {q(job.rc_path + '.tmp')} {q(job.rc_path)}",
             'exit "$rc"',
         ]
+        # --requeue: preemption requeues the job; --signal: the ranks' notice GRACE_S before the time limit
         argv = ["sbatch", "--parsable", f"--job-name=xeontune-{record.name}", *shape, f"--output={job.log_path}",
-                "--open-mode=append", f"--chdir={wdir}"]
+                "--open-mode=append", f"--chdir={wdir}", "--requeue", f"--signal=USR1@{GRACE_S}"]
         for key, flag in (("partition", "--partition"), ("account", "--account"), ("time", "--time")):
             if record.extra.get(key):
                 argv.append(f"{flag}={record.extra[key]}")
