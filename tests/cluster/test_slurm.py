@@ -232,6 +232,9 @@ def test_a_killed_task_ends_the_job_with_a_clear_error_within_60s(on_slurm, tiny
     started = time.monotonic()
     assert main(["logs", "--name", "kx", "-f"]) != 0
     assert time.monotonic() - started < 60
+    # the script wrote its status; Slurm may list the job a moment longer (COMPLETING)
+    while on_slurm.jobs() and time.monotonic() - started < 60:
+        time.sleep(0.2)
     assert _gone(pids, 5) and on_slurm.jobs() == []
     captured = capsys.readouterr()
     assert "xeontune: srun ended with status" in captured.out and "a rank failed or was killed" in captured.out
@@ -261,9 +264,11 @@ def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
         assert on_slurm.run("scancel", "-s", "USR1", job.scheduler_id).returncode == 0
     else:
         assert on_slurm.run("scontrol", "requeue", job.scheduler_id).returncode == 0
-    # Slurm 22.05 holds a requeued job for about 120 s (Reason=BeginTime): release it now
-    while time.monotonic() < deadline + 60 and "Reason=BeginTime" not in on_slurm.run(
-            "scontrol", "show", "job", "-o", job.scheduler_id).stdout:
+    # Slurm 22.05 holds a requeued job for about 120 s (Reason=BeginTime), so that its first run's
+    # slurmstepds are gone before it starts again: release it as soon as they are (earlier, the new
+    # run's launch can fail on a node still cleaning up the old one: the job then ends FAILED)
+    while time.monotonic() < deadline + 60 and ("Reason=BeginTime" not in on_slurm.run(
+            "scontrol", "show", "job", "-o", job.scheduler_id).stdout or _stepds(job.scheduler_id)):
         time.sleep(0.2)
     assert on_slurm.run("scontrol", "update", f"JobId={job.scheduler_id}", "StartTime=now").returncode == 0
     capsys.readouterr()
@@ -281,6 +286,19 @@ def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
     assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
     assert on_slurm.jobs() == []
     assert main(["teardown", "--name", "rq"]) == 0
+
+
+def _stepds(job_id: str) -> list[str]:
+    """slurmstepd processes still serving job ``job_id`` (its batch script or a step)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and cmd.startswith(f"slurmstepd: [{job_id}."):
+            found.append(cmd)
+    return found
 
 
 def _lines(path: Path) -> list[str]:

@@ -13,6 +13,7 @@ filesystem that the nodes share, as the venv is: nothing is copied, `fetch` has 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -40,6 +41,9 @@ ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUE
 UNUSABLE = ("down", "drain", "fail", "inval", "maint", "future", "unk")
 CANCEL_WAIT_S = 60.0
 GRACE_S = 120  # seconds between Slurm's notice (SIGUSR1) and its time limit: a checkpoint's time
+MARK = "preempted"  # in the job's dir: the ranks stopped on the notice, the script requeues the job
+REQUEUE_WINDOW_S = 60.0  # how long after that mark an ended state is taken for the requeue's passage
+SETTLE_S = 2.0  # a second look at an ended state, so a requeue's passing FAILED is not taken as the end
 
 
 def _tool(name: str) -> str:
@@ -229,7 +233,7 @@ class Slurm(Provider):
         rank = [sys.executable, "-m", "xeontune.train", *spec.rank_args]
         env_file = os.path.join(job.job_dir, "env")
         q = shlex.quote
-        mark = os.path.join(job.job_dir, "preempted")
+        mark = os.path.join(job.job_dir, MARK)
         # a requeued job resumes from the newest complete checkpoint its earlier runs wrote
         resume = ("" if spec.request.options.resume_from_checkpoint else
                   f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && compgen -G {q(job.output_dir)}/\'checkpoint-*\' '
@@ -282,6 +286,15 @@ class Slurm(Provider):
         state.save(record)
 
     def job_ended(self, record: ClusterRecord, job: JobInfo) -> str | None:
+        """A job that requeues itself passes through an ended state (seen: FAILED) for a moment: while
+        its ranks' mark is fresh, and until a second look agrees, it has not ended."""
+        with contextlib.suppress(OSError):
+            if time.time() - os.stat(os.path.join(job.job_dir, MARK)).st_mtime < REQUEUE_WINDOW_S:
+                return None  # the script requeues it, or writes its status
+        how = job_state(job.scheduler_id)
+        if how in ACTIVE:
+            return None
+        time.sleep(SETTLE_S)
         how = job_state(job.scheduler_id)
         return None if how in ACTIVE else how
 
