@@ -156,6 +156,9 @@ def _add_cloud_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spot", action="store_true", help="aws: spot instances")
     p.add_argument("--subnet", help="aws: subnet id instead of the default VPC")
     p.add_argument("--ssh-cidr", help="CIDR allowed to SSH in (default: your public address /32)")
+    p.add_argument("--partition", help="slurm: the partition (default: the cluster's default partition)")
+    p.add_argument("--time", dest="time_limit", help="slurm: the job's time limit, as sbatch --time takes it (2:00:00)")
+    p.add_argument("--account", help="slurm: the account the job is charged to")
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
@@ -246,7 +249,7 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
                        epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--provider", required=True, choices=providers.names())
     p.add_argument("-n", "--nodes", type=int, default=2,
-                   help="nodes of a new cluster (localhost: ranks) (default 2)")
+                   help="nodes of a new cluster (localhost, slurm: ranks) (default 2)")
     p.add_argument("--ppn", default="1", help="ranks per node: a number or auto, as in `xeontune launch` (default 1)")
     p.add_argument("--name", help="use this cluster if it exists (it is then kept), else create it under this "
                    "name (default: a new cluster named run-XXXXXX)")

@@ -51,6 +51,9 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         skip_bootstrap=bool(getattr(args, "skip_bootstrap", False)),
         data_dir=getattr(args, "data_dir", None),
         autostop_minutes=_autostop_minutes(getattr(args, "autostop", None)),
+        partition=getattr(args, "partition", None),
+        account=getattr(args, "account", None),
+        time_limit=getattr(args, "time_limit", None),
     )
 
 

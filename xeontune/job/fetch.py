@@ -419,8 +419,12 @@ def logs_command(name: str, follow: bool) -> int:
 def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | None = None,
             connected: Callable[[], None] | None = None) -> int:
     """Print the log from ``pos[0]`` on (kept there across connections); return the job's status."""
+    from xeontune.cluster import providers
+
     out = sys.stdout.buffer
     pos = pos if pos is not None else [0]
+    provider = providers.get(record.provider)
+    scheduler = provider if provider.schedules_jobs and job.scheduler_id else None
     with head_files(record) as head:
         if connected:
             connected()
@@ -438,6 +442,14 @@ def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | 
                 return rc
             if not follow:
                 return 0
+            ended = scheduler.job_ended(record, job) if scheduler else None
+            if ended is not None:
+                time.sleep(0.5)  # its script may have written its status just now
+                if head.read(job.rc_path) is None:
+                    print(f"xeontune: job {job.id} ({record.provider} job {job.scheduler_id}) ended {ended} "
+                          "without an exit status (cancelled, or killed at its time limit?)", file=sys.stderr)
+                    return 1
+                continue
             pid = (head.read(job.pid_path) or b"").strip()
             if pid.isdigit() and not head.exists(f"/proc/{int(pid)}"):
                 time.sleep(0.5)  # it may have written its status just now
@@ -478,9 +490,13 @@ def stop_job(record: ClusterRecord, job: JobInfo) -> None:
     stops the job hard; ``process.run_attached``)."""
     from xeontune.cluster import providers, ssh
 
+    provider = providers.get(record.provider)
+    if provider.schedules_jobs:
+        provider.stop_job(record, job)
+        return
     if not job.pid:
         raise HeadError(f"job {job.id} has no recorded pid on {record.head.name}")
-    if providers.get(record.provider).uses_ssh:
+    if provider.uses_ssh:
         rc, out, err = ssh.run(record, record.head, ["kill", "-INT", str(job.pid)], timeout_s=30)
         if rc != 0:
             raise HeadError(f"could not signal job {job.id} on {record.head.name}: {(err or out).strip()[:200]}")

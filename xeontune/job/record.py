@@ -39,6 +39,7 @@ class JobInfo:
     world_size: int = 0
     overwrite: bool = False  # the job's --overwrite: `fetch` may replace a run in local_output_dir
     pid: int = 0  # a detached job's runner on the head
+    scheduler_id: str = ""  # the batch scheduler's job id (slurm), where one started the job
     version: int = RECORD_VERSION
 
     @property

@@ -64,6 +64,9 @@ class RunOptions:
     subnet: str | None = None
     autostop: int | None = None  # minutes idle; None: DEFAULT_AUTOSTOP_MIN where the provider can stop itself
     env: list[str] = field(default_factory=list)  # KEY=VALUE for every rank, as `launch --env`
+    partition: str | None = None  # slurm: where the batch job runs, its account and --time
+    account: str | None = None
+    time_limit: str | None = None
     train_args: list[str] = field(default_factory=list)
 
 
@@ -333,7 +336,8 @@ class Outcome:
 def _spec_args(opts: RunOptions, name: str, data_dir: str | None) -> argparse.Namespace:
     return argparse.Namespace(name=name, nodes=opts.nodes, region=opts.region, instance_type=opts.instance_type,
                               image=opts.image, spot=opts.spot, ssh_cidr=opts.ssh_cidr, subnet=opts.subnet,
-                              skip_bootstrap=False, data_dir=data_dir, autostop=autostop_minutes(opts))
+                              skip_bootstrap=False, data_dir=data_dir, autostop=autostop_minutes(opts),
+                              partition=opts.partition, account=opts.account, time_limit=opts.time_limit)
 
 
 def finish(o: Outcome) -> int:
@@ -392,6 +396,8 @@ def main(args: argparse.Namespace) -> int:
         dist_backend=args.dist_backend, region=args.region, instance_type=args.instance_type, image=args.image,
         spot=args.spot, ssh_cidr=args.ssh_cidr, subnet=args.subnet, autostop=args.autostop,
         env=list(args.env or []), train_args=list(args.train_args),
+        partition=getattr(args, "partition", None), account=getattr(args, "account", None),
+        time_limit=getattr(args, "time_limit", None),
     )
     return run(opts)
 

@@ -160,12 +160,13 @@ def resolve_ppn(record: ClusterRecord, request: JobRequest) -> int:
     options = request.options
     provider = providers.get(record.provider)
     precision = ranks_precision(options, provider.remote)
-    if not provider.remote:
+    if not provider.remote and not record.cores_per_node:
         cores = len(placement.physical_cores())
         hosts = len(record.nodes) if provider.hosts_share_cores else 1  # namespaces share this machine
         cores, memory = max(cores // hosts, 1), placement.available_memory_bytes() // hosts
     else:
-        # a node's hyperthreads are vCPUs: the provider records physical cores, and RAM where the API says
+        # a node's hyperthreads are vCPUs: the provider records physical cores, and RAM where the API
+        # (or Slurm's sinfo) says
         cores, memory = record.cores_per_node or 1, record.memory_per_node or 0
     per_rank = rank_memory(options, precision)  # SDXL's second text encoder and activations, checkpointing
     unknown = 2**62  # no memory recorded (localhost, or a record from before it was): cores decide

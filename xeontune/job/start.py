@@ -289,6 +289,8 @@ def start(record: ClusterRecord, spec: LaunchSpec, detached: bool, local_output_
     (`run`): the head's autostop waits until the outputs are fetched (``record.UNFETCHED``)."""
     job_id = job_record.new_job_id()
     job_dir = posixpath.join(record.work_dir, "jobs", job_id)
+    if providers.get(record.provider).schedules_jobs:
+        return start_scheduled(record, spec, job_id, job_dir, detached, local_output_dir, say)
     plan = plan_for(record, spec, job_dir)
     preflight(record, plan)
     check_no_other_job(record)
@@ -308,6 +310,36 @@ def start(record: ClusterRecord, spec: LaunchSpec, detached: bool, local_output_
     say(f"launching {plan.world_size} rank(s) on cluster {record.name!r} ({record.provider}, backend {plan.backend}, "
         f"OMP_NUM_THREADS={plan.env.get('OMP_NUM_THREADS', 'node default')})")
     return job, run_plan(plan)
+
+
+def start_scheduled(record: ClusterRecord, spec: LaunchSpec, job_id: str, job_dir: str, detached: bool,
+                    local_output_dir: Path | None, say: Callable[[str], None]) -> tuple[JobInfo, int]:
+    """A batch scheduler's job (``Provider.schedules_jobs``): submitted, then followed through its
+    output file until it ends (attached), or left to the scheduler (detached). Its log is always a
+    file, so `logs -f` follows either. Ctrl-C while attached cancels it."""
+    from xeontune.job import fetch
+
+    provider = providers.get(record.provider)
+    job = JobInfo(id=job_id, cluster=record.name, output_dir=head_output_dir(spec, os.getcwd()),
+                  local_output_dir=str(local_output_dir or spec.request.local_output_dir), job_dir=job_dir,
+                  detached=True, started=time.time(), world_size=spec.ranks, overwrite=spec.request.options.overwrite)
+    provider.submission(record, spec, job)  # every refusal that needs no scheduler, before anything is written
+    job_record.save_job(job)
+    if spec.env:
+        write_secret_env(record, job_dir, spec.env)
+    provider.submit(record, spec, job)
+    job_record.save_job(job)
+    say(f"submitted {record.provider} job {job.scheduler_id}: {spec.ranks} rank(s), {spec.ppn} per node, "
+        f"backend {spec.backend}; log: {job.log_path}")
+    if detached:
+        return job, 0
+    try:
+        rc = fetch.follow_job(record, job, 0.0, say)
+    except KeyboardInterrupt:
+        say(f"interrupted: cancelling {record.provider} job {job.scheduler_id}")
+        provider.stop_job(record, job)
+        raise
+    return job, 1 if rc is None else rc
 
 
 def check_no_other_job(record: ClusterRecord) -> None:
@@ -365,11 +397,21 @@ def launch_command(args: argparse.Namespace) -> int:
                                        list(getattr(args, "env", None) or []), remote=provider.remote)
     spec = launch_spec(record, request, args.num_processes)
     if args.dry_run:
+        if provider.schedules_jobs:  # the submit command, then the batch script it submits
+            job_dir = posixpath.join(record.work_dir, "jobs", "<job id>")
+            job = JobInfo(id="<job id>", cluster=record.name, output_dir=head_output_dir(spec, os.getcwd()),
+                          local_output_dir=str(spec.request.local_output_dir), job_dir=job_dir)
+            argv, script = provider.submission(record, spec, job)
+            print(shlex.join(argv))
+            print(script, end="")
+            return 0
         print(shlex.join(plan_for(record, spec).argv))
         return 0
     detached = bool(getattr(args, "detach", False))
     job, rc = start(record, spec, detached, say=lambda text: print(text, file=sys.stderr, flush=True))
-    if detached:
+    if detached and provider.schedules_jobs:
+        print(f"follow it: xeontune logs --name {record.name} -f    cancel it: xeontune teardown --name {record.name}")
+    elif detached:
         name = record.name
         print(f"started job {job.id} ({job.world_size} rank(s)) on cluster {name!r}, detached (pid {job.pid} on "
               f"{record.head.name}); log: {job.log_path}")

@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     _configure_logging()
     _stop_like_ctrl_c()
+    from xeontune.train import preempt
+
+    preempt.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         from xeontune.train.options import parse_args
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except preempt.Preempted as exc:
+        print(f"checkpoint-{exc.step} written on notice (SIGUSR1): stopped, to resume from it", file=sys.stderr)
+        preempt.mark()
+        return preempt.EXIT_CODE
     except KeyboardInterrupt as exc:
         name = str(exc.args[0]) if exc.args else "SIGINT"
         rank = os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))

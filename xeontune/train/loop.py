@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_dir, atomic_write_json
-from xeontune.train import checkpoint, tokens, validation
+from xeontune.train import checkpoint, preempt, tokens, validation
 from xeontune.train.components import (
     Components,
     cast_text_encoder_linears,
@@ -542,6 +542,11 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                 if main:
                     _between_steps(run, done, writer)
                 run.sync.wait()  # the others wait for rank 0 here, not in the next step's all-reduce
+            if preempt.requested(run.world):  # Slurm's notice (train/preempt.py): checkpoint, then stop
+                if main:
+                    save_checkpoint(run, done)
+                run.sync.wait()
+                raise preempt.Preempted(done)
             line = forecast.update(done, time.perf_counter()) if forecast else None
             if line and interactive:
                 bar.write(line, file=sys.stderr)

@@ -17,9 +17,14 @@ from __future__ import annotations
 import importlib
 import shlex
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
+
+if TYPE_CHECKING:
+    from xeontune.job.record import JobInfo
+    from xeontune.job.spec import LaunchSpec
 
 
 @dataclass
@@ -35,6 +40,10 @@ class ClusterSpec:
     skip_bootstrap: bool = False
     data_dir: str | None = None  # training data synced to every node at bootstrap
     autostop_minutes: int = 0  # stop the cluster after this long idle (cluster/autostop.py); 0: never
+    # A batch scheduler's (slurm): where and how long its jobs run, as the scheduler names them
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str | None = None
 
 
 @dataclass
@@ -84,6 +93,10 @@ class Provider:
     # off). "": no autostop here, and `autostop_note` says why.
     autostop_action: str = ""
     autostop_note: str = "this provider has no way for the head to stop the cluster"
+    # A batch scheduler starts the ranks (slurm): `launch` and `run` submit the job with ``submit``
+    # instead of running mpirun, and ask ``job_ended`` / ``stop_job`` about it. Ranks still read
+    # paths of this machine (a shared filesystem), from this venv, as on a provider that is not remote.
+    schedules_jobs: bool = False
 
     # --- the operations every provider implements --------------------------------------------
 
@@ -148,6 +161,25 @@ class Provider:
     def check_launch(self, record: ClusterRecord) -> None:
         """Raise UserError when this machine cannot launch on the cluster (e.g. root is missing)."""
 
+    # --- a batch scheduler's jobs (``schedules_jobs``) --------------------------------------------
+
+    def submission(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> tuple[list[str], str]:
+        """The submit command and the batch script it submits (``--dry-run`` prints both)."""
+        raise NotImplementedError
+
+    def submit(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> None:
+        """Submit the job; its log goes to ``job.log_path`` and its exit status to ``job.rc_path``.
+        Sets ``job.scheduler_id``. Raise UserError when the scheduler refuses it."""
+        raise NotImplementedError
+
+    def job_ended(self, record: ClusterRecord, job: JobInfo) -> str | None:
+        """None while the job is queued or runs; once it ended, the scheduler's word for how."""
+        raise NotImplementedError
+
+    def stop_job(self, record: ClusterRecord, job: JobInfo) -> None:
+        """Stop the job on every rank (the scheduler's cancel)."""
+        raise NotImplementedError
+
 
 _REGISTRY: dict[str, str] = {}  # provider name -> module that defines PROVIDER
 
@@ -182,3 +214,4 @@ register("local", "xeontune.cluster.providers.local")
 register("localhost", "xeontune.cluster.providers.localhost")
 register("aws", "xeontune.cluster.providers.aws")
 register("azure", "xeontune.cluster.providers.azure")
+register("slurm", "xeontune.cluster.providers.slurm")

@@ -1,0 +1,319 @@
+"""The `slurm` provider: a cluster that exists already, whose scheduler places the ranks.
+
+`up` creates nothing: it checks that this machine can submit (``sbatch`` on PATH), that the
+partition exists, and reads its nodes' CPUs and memory (``sinfo``) so that ``--ppn auto`` follows the
+same ranks-per-node rule as elsewhere. A job is ONE batch job (``submit``): a generated script, written
+atomically in the job's dir, that runs one ``srun`` task per rank of ``python -m xeontune.train``
+with the launch spec's merged options (every value through ``shlex.quote``); each task takes its rank
+from Slurm's environment (train/world.py). The job's output file is the job's log, and the script
+writes srun's exit status beside it, so `logs -f` follows it like any detached job. `teardown` is
+``scancel`` of the jobs the record holds (idempotent). The state dir and the outputs must be on the
+filesystem that the nodes share, as the venv is: nothing is copied, `fetch` has nothing to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from xeontune.cluster import state
+from xeontune.cluster.providers import ClusterSpec, NodeStatus, Provider, TeardownReport
+from xeontune.cluster.state import ClusterRecord, Node
+from xeontune.errors import UserError
+
+if TYPE_CHECKING:
+    from xeontune.job.record import JobInfo
+    from xeontune.job.spec import LaunchSpec
+
+TIMEOUT_S = 60.0
+# Job states in which the job is not over yet (a preempted job with --requeue comes back as PENDING).
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+          "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "STOPPED"}
+UNUSABLE = ("down", "drain", "fail", "inval", "maint", "future", "unk")
+CANCEL_WAIT_S = 60.0
+GRACE_S = 120  # seconds between Slurm's notice (SIGUSR1) and its time limit: a checkpoint's time
+MARK = "preempted"  # in the job's dir: the ranks stopped on the notice, the script requeues the job
+REQUEUE_WINDOW_S = 60.0  # how long after that mark an ended state is taken for the requeue's passage
+SETTLE_S = 2.0  # a second look at an ended state, so a requeue's passing FAILED is not taken as the end
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise UserError(f"no {name} on PATH: --provider slurm submits from a Slurm login node (install Slurm's "
+                        "client commands here, or run xeontune where `sinfo` works)")
+    return path
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run([_tool(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{argv[0]} did not answer in {TIMEOUT_S:.0f} s: is slurmctld up?") from None
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())[:400] or "no output"
+
+
+@dataclass
+class SlurmNode:
+    name: str
+    cpus: int
+    cores: int  # physical: CPUs over threads per core
+    memory_mb: int
+    state: str
+
+    @property
+    def usable(self) -> bool:
+        return not self.state.lower().rstrip("*~#!%$@^-").startswith(UNUSABLE)
+
+
+def default_partition() -> str:
+    out = _run("scontrol", "show", "partition", "-o")
+    for line in out.stdout.splitlines():
+        if re.search(r"\bDefault=YES\b", line) and (m := re.search(r"\bPartitionName=(\S+)", line)):
+            return m[1]
+    raise UserError("this Slurm cluster has no default partition: pass --partition (see `sinfo -s`)")
+
+
+def partition_nodes(partition: str) -> list[SlurmNode]:
+    """The partition's nodes with their CPUs, physical cores and memory (``sinfo``); UserError if unknown."""
+    known = _run("scontrol", "show", "partition", "-o", partition)
+    if known.returncode != 0 or "PartitionName=" not in known.stdout:
+        names = [m[1] for m in re.finditer(r"\bPartitionName=(\S+)", _run("scontrol", "show", "partition", "-o").stdout)]
+        raise UserError(f"unknown Slurm partition {partition!r} (partitions: {', '.join(names) or 'none'})")
+    out = _run("sinfo", "-h", "-N", "-p", partition, "-o", "%N|%c|%m|%Z|%T")
+    if out.returncode != 0:
+        raise UserError(f"sinfo -p {partition} failed: {one_line(out.stderr)}")
+    nodes: dict[str, SlurmNode] = {}
+    for line in out.stdout.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 5 or not parts[1].isdigit():
+            continue
+        threads = int(parts[3]) if parts[3].isdigit() and int(parts[3]) > 0 else 1
+        memory = int(parts[2]) if parts[2].isdigit() else 0
+        nodes[parts[0]] = SlurmNode(parts[0], int(parts[1]), max(int(parts[1]) // threads, 1), memory, parts[4])
+    return list(nodes.values())
+
+
+class Slurm(Provider):
+    name = "slurm"
+    remote = False  # the ranks read this machine's paths (shared filesystem) and run from this venv
+    uses_ssh = False
+    needs_bootstrap = False
+    schedules_jobs = True
+    wait_timeout_s = 1.0
+    default_iface = ""
+    autostop_note = "a Slurm cluster is the scheduler's: a job ends at its --time limit, nothing idles here"
+
+    def up(self, spec: ClusterSpec) -> ClusterRecord:
+        _tool("sbatch")
+        if spec.num_nodes < 1:
+            raise UserError("-n (ranks) must be at least 1")
+        partition = spec.partition or default_partition()
+        nodes = partition_nodes(partition)
+        usable = [n for n in nodes if n.usable]
+        if not usable:
+            raise UserError(f"Slurm partition {partition!r} has no node that can run a job "
+                            f"({', '.join(sorted({n.state for n in nodes})) or 'no nodes'})")
+        capacity = sum(n.cpus for n in usable)
+        if spec.num_nodes > capacity:
+            raise UserError(f"-n {spec.num_nodes} is more ranks than Slurm partition {partition!r} can hold "
+                            f"({len(usable)} node(s), {capacity} CPUs in all; a rank needs at least one)")
+        extra = {"partition": partition, "ranks": str(spec.num_nodes), "nodes": str(len(usable)),
+                 "cpus_per_node": str(min(n.cpus for n in usable)), "jobs": ""}
+        if spec.account:
+            extra["account"] = spec.account
+        if spec.time_limit:
+            extra["time"] = spec.time_limit
+        memory = min(n.memory_mb for n in usable) * 2**20
+        record = ClusterRecord(
+            name=spec.name, provider=self.name,
+            nodes=[Node(partition, "head", "-", resource_id=f"partition {partition}")],
+            ssh_user=os.environ.get("USER") or "root",
+            work_dir=str(state.cluster_dir(spec.name) / "work"),  # on the shared filesystem, as the state dir
+            cores_per_node=min(n.cores for n in usable), memory_per_node=memory or None, extra=extra)
+        state.save(record)
+        return record
+
+    def wait(self, record: ClusterRecord, timeout_s: float) -> None:
+        return None
+
+    def query(self, record: ClusterRecord) -> list[NodeStatus]:
+        """The partition's line shows the last job's state (``scontrol show job``)."""
+        jobs = [j for j in record.extra.get("jobs", "").split(",") if j]
+        if not jobs:
+            return [NodeStatus(record.head.name, f"no job submitted (partition {record.extra.get('partition')})")]
+        job = jobs[-1]
+        info = job_info(job)
+        how = info.get("JobState", "gone (purged by slurmctld)")
+        where = info.get("NodeList") if info.get("NodeList") not in (None, "(null)") else info.get("Reason", "")
+        return [NodeStatus(record.head.name, f"job {job} {how}{f' ({where})' if where else ''}")]
+
+    def terminate(self, name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
+        """scancel every job of the record still queued or running; wait until Slurm has ended them."""
+        report = TeardownReport(searched=["Slurm jobs of this cluster's record"])
+        if record is None:
+            return report  # jobs are found only through the record (job names are not unique)
+        jobs = [j for j in record.extra.get("jobs", "").split(",") if j]
+        live = [j for j in jobs if job_state(j) in ACTIVE]
+        if not live:
+            return report
+        out = _run("scancel", *live)
+        if out.returncode != 0 and "Invalid job id" not in out.stderr:
+            report.failed += [f"Slurm job {j}: scancel: {one_line(out.stderr)}" for j in live]
+            return report
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while time.monotonic() < deadline and any(job_state(j) in ACTIVE for j in live):
+            time.sleep(0.5)
+        for j in live:
+            if job_state(j) in ACTIVE:
+                report.failed.append(f"Slurm job {j}: still {job_state(j)} {CANCEL_WAIT_S:.0f} s after scancel")
+            else:
+                report.deleted.append(f"Slurm job {j} (scancel)")
+        return report
+
+    def slots(self, record: ClusterRecord, ppn: int) -> int:
+        return int(record.extra.get("ranks", "1"))
+
+    def slots_text(self, record: ClusterRecord, ppn: int) -> str:
+        return f"-n {self.slots(record, ppn)} of `run`"
+
+    def launcher_args(self, record: ClusterRecord, ppn: int) -> list[str]:
+        raise UserError("a Slurm job is submitted with sbatch, not started with mpirun")
+
+    def wrap_launch(self, record: ClusterRecord, argv: list[str]) -> list[str]:
+        raise UserError("a Slurm job is submitted with sbatch, not started with mpirun")
+
+    # --- the batch job ---------------------------------------------------------------------------
+
+    def layout(self, record: ClusterRecord, ranks: int, ppn: int) -> tuple[int, int]:
+        """(nodes, CPUs per task) for ``ranks`` at ``ppn`` per node; UserError when the partition cannot."""
+        partition = record.extra.get("partition", "")
+        have = int(record.extra.get("nodes", "1"))
+        cpus = int(record.extra.get("cpus_per_node", "1"))
+        nodes = math.ceil(ranks / ppn)
+        if ppn > cpus:
+            raise UserError(f"--ppn {ppn} is more ranks per node than partition {partition!r} has CPUs ({cpus})")
+        if nodes > have:
+            raise UserError(f"-n {ranks} at --ppn {ppn} needs {nodes} nodes; Slurm partition {partition!r} has "
+                            f"{have} that can run jobs (at most {have * ppn} ranks at --ppn {ppn})")
+        return nodes, max((record.cores_per_node or 1) // ppn, 1)
+
+    def submission(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> tuple[list[str], str]:
+        import sys
+
+        from xeontune.train import preempt
+        from xeontune.train.options import LAUNCH_DEFAULTS_ENV
+
+        nodes, cpus_per_task = self.layout(record, spec.ranks, spec.ppn)
+        env = {
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(cpus_per_task),
+            LAUNCH_DEFAULTS_ENV["dist_backend"]: spec.backend,
+            LAUNCH_DEFAULTS_ENV["dist_timeout"]: "30",
+            "CUDA_VISIBLE_DEVICES": "",  # ranks train on CPU (accelerate's barrier picks a visible GPU)
+            "TORCH_CPP_LOG_LEVEL": "ERROR",
+            preempt.ENV: "1",  # SIGUSR1 (--signal, preemption): checkpoint, stop, requeue, resume
+        }
+        checkout = Path(__file__).resolve().parents[3]
+        if (checkout / "xeontune" / "__init__.py").is_file() and Path(sys.prefix).resolve() not in checkout.parents:
+            env["PYTHONPATH"] = str(checkout)  # xeontune from a checkout, not installed in the venv
+        shape = [f"--nodes={nodes}", f"--ntasks={spec.ranks}", f"--ntasks-per-node={spec.ppn}",
+                 f"--cpus-per-task={cpus_per_task}"]
+        rank = [sys.executable, "-m", "xeontune.train", *spec.rank_args]
+        env_file = os.path.join(job.job_dir, "env")
+        q = shlex.quote
+        mark = os.path.join(job.job_dir, MARK)
+        # a requeued job resumes from the newest complete checkpoint its earlier runs wrote
+        resume = ("" if spec.request.options.resume_from_checkpoint else
+                  f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && compgen -G {q(job.output_dir)}/\'checkpoint-*\' '
+                  '>/dev/null; then resume=(--resume-from-checkpoint latest); echo "xeontune: Slurm job $SLURM_JOB_ID, '
+                  'restart $SLURM_RESTART_COUNT: resuming from the newest complete checkpoint"; fi')
+        wdir = os.getcwd()  # as mpirun's -wdir: a relative --output-dir is relative to where the job started
+        lines = [
+            "#!/bin/bash",
+            f"# written by xeontune: job {job.id} of cluster {record.name}",
+            f"cd {q(wdir)} || exit 2",
+            *(f"export {key}={q(value)}" for key, value in env.items()),
+            f"if [ -f {q(env_file)} ]; then set -a; . {q(env_file)}; set +a; fi  # --env, never in argv",
+            f"export {preempt.MARK_ENV}={q(mark)}",
+            f"rm -f {q(mark)} {q(job.rc_path)}  # a requeued job's earlier run may have left them",
+            "resume=()",
+            resume,
+            # a rank that dies ends the step at once (the others would wait for it in a collective)
+            f'srun --kill-on-bad-exit=1 {shlex.join(shape)} {shlex.join(rank)} "${{resume[@]}}"',
+            "rc=$?",
+            f"if [ -e {q(mark)} ]; then",
+            '  echo "xeontune: checkpointed on Slurm\'s notice; requeueing job $SLURM_JOB_ID to resume from it"',
+            '  scontrol requeue "$SLURM_JOB_ID" && exit 0',
+            "fi",
+            'if [ "$rc" -ne 0 ]; then echo "xeontune: srun ended with status $rc: a rank failed or was killed '
+            '(its error is above)" >&2; fi',
+            f"printf '%s\\n' \"$rc\" > {q(job.rc_path + '.tmp')} && mv -f {q(job.rc_path + '.tmp')} {q(job.rc_path)}",
+            'exit "$rc"',
+        ]
+        # --requeue: preemption requeues the job; --signal: the ranks' notice GRACE_S before the time limit
+        argv = ["sbatch", "--parsable", f"--job-name=xeontune-{record.name}", *shape, f"--output={job.log_path}",
+                "--open-mode=append", f"--chdir={wdir}", "--requeue", f"--signal=USR1@{GRACE_S}"]
+        for key, flag in (("partition", "--partition"), ("account", "--account"), ("time", "--time")):
+            if record.extra.get(key):
+                argv.append(f"{flag}={record.extra[key]}")
+        return [*argv, os.path.join(job.job_dir, "job.sbatch")], "\n".join(lines) + "\n"
+
+    def submit(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> None:
+        from xeontune.io import atomic_write_text
+
+        argv, script = self.submission(record, spec, job)
+        _tool("sbatch")
+        os.makedirs(job.job_dir, mode=0o700, exist_ok=True)
+        atomic_write_text(Path(argv[-1]), script, mode=0o700)
+        out = _run(*argv)
+        job_id = out.stdout.strip().split(";")[0]
+        if out.returncode != 0 or not job_id.isdigit():
+            raise UserError(f"Slurm refused the job: {one_line(out.stderr or out.stdout)}")
+        job.scheduler_id = job_id
+        record.extra["jobs"] = ",".join(j for j in (*record.extra.get("jobs", "").split(","), job_id) if j)
+        state.save(record)
+
+    def job_ended(self, record: ClusterRecord, job: JobInfo) -> str | None:
+        """A job that requeues itself passes through an ended state (seen: FAILED) for a moment: while
+        its ranks' mark is fresh, and until a second look agrees, it has not ended."""
+        with contextlib.suppress(OSError):
+            if time.time() - os.stat(os.path.join(job.job_dir, MARK)).st_mtime < REQUEUE_WINDOW_S:
+                return None  # the script requeues it, or writes its status
+        how = job_state(job.scheduler_id)
+        if how in ACTIVE:
+            return None
+        time.sleep(SETTLE_S)
+        how = job_state(job.scheduler_id)
+        return None if how in ACTIVE else how
+
+    def stop_job(self, record: ClusterRecord, job: JobInfo) -> None:
+        if job.scheduler_id:
+            _run("scancel", job.scheduler_id)
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """``scontrol show job -o``'s fields; empty once slurmctld no longer knows the job."""
+    out = _run("scontrol", "show", "job", "-o", job_id)
+    if out.returncode != 0:
+        return {}
+    return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", out.stdout))
+
+
+def job_state(job_id: str) -> str:
+    """PENDING, RUNNING, COMPLETED, CANCELLED, FAILED, ...; "GONE" once slurmctld forgot the job."""
+    return job_info(job_id).get("JobState", "GONE")
+
+
+PROVIDER = Slurm()
