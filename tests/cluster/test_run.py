@@ -71,6 +71,13 @@ def wait_for_steps(proc: subprocess.Popen, name: str, log: Path, steps: int = 2,
     raise AssertionError(f"training did not get under way (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
 
 
+def kill_if_running(proc: subprocess.Popen) -> None:
+    """A test's way out: its `run` never outlives it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def assert_nothing_left(name: str) -> None:
     time.sleep(0.5)
     assert leftovers(name) == [], leftovers(name)
@@ -142,9 +149,7 @@ def test_a_rank_killed_mid_run_fails_the_run_and_deletes_the_cluster(root_home, 
             os.kill(pid, signal.SIGKILL)
         rc = proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_if_running(proc)
     text = log.read_text()
     assert rc != 0, text[-3000:]
     assert "training failed" in text and text.strip().splitlines()[-1].startswith("deleted cluster"), text[-2000:]
@@ -162,9 +167,7 @@ def test_sigint_stops_every_rank_through_its_grace_path_and_deletes_the_cluster(
         rc = proc.wait(timeout=90)
         took = time.monotonic() - sent
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_if_running(proc)
     text = log.read_text()
     assert rc == 130 and took < 60, (rc, took, text[-3000:])
     # each rank left through KeyboardInterrupt (its own message), not a SIGKILL
@@ -355,9 +358,7 @@ def test_a_dropped_connection_mid_run_is_reattached_and_loses_nothing(root_home,
         cut_at = runs_metrics(cluster_name)[0].read_text().count("\n")
         rc = proc.wait(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_if_running(proc)
     text = log.read_text()
     assert rc == 0, text[-3000:]
     assert "trying again" in text and "reconnected" in text, text[-3000:]
