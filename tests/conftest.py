@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
 import tempfile
 
 import pytest
 
 # No test may reach a model hub; huggingface_hub reads this once, at import.
 os.environ["HF_HUB_OFFLINE"] = "1"
-# bf16 runs write a bf16 copy of the UNet (components.bf16_copy_dir): not into the user's ~/.cache.
-os.environ.setdefault("XEONTUNE_CACHE", tempfile.mkdtemp(prefix="xeontune-test-cache-"))
+# bf16 runs write a bf16 copy of the UNet (components.bf16_copy_dir): not into the user's ~/.cache,
+# and not left behind in /tmp either (removed by the process that made it, when it exits).
+if "XEONTUNE_CACHE" not in os.environ:
+    os.environ["XEONTUNE_CACHE"] = tempfile.mkdtemp(prefix="xeontune-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["XEONTUNE_CACHE"], ignore_errors=True)
 
 # tests/ipex needs torch 2.8 + IPEX: `make test-ipex` (part of `make test`) runs it in .venv-ipex.
 if importlib.util.find_spec("intel_extension_for_pytorch") is None:

@@ -248,14 +248,14 @@ def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
         how, on_slurm, tiny_model, sample_images, tmp_path, capsys):
     """notice: SIGUSR1 to every task (what --signal=USR1@120 sends before the time limit; here scancel -s)
     makes rank 0 checkpoint, the ranks stop, and the batch script requeues the job. requeue: `scontrol
-    requeue` mid-run (SIGTERM, no checkpoint of its own): the job resumes from its last periodic one."""
+    requeue` mid-run (SIGTERM, as a preemption sends): rank 0 checkpoints in the grace time (KillWait),
+    and Slurm requeues the job. No periodic checkpoints: the job resumes from the one the signal made."""
     from xeontune.cli import main
     from xeontune.job import record
 
     out, steps = tmp_path / "out", 16
-    every = ["--checkpointing-steps", "2"] if how == "requeue" else []
     assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", "rq"]) == 0
-    assert main(["launch", "--detach", "--name", "rq", *_options(tiny_model, sample_images, out, steps), *every]) == 0
+    assert main(["launch", "--detach", "--name", "rq", *_options(tiny_model, sample_images, out, steps)]) == 0
     job = record.load_job("rq")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(_lines(out / "metrics.jsonl")) < 5:
@@ -274,9 +274,13 @@ def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
     capsys.readouterr()
     assert main(["logs", "--name", "rq", "-f"]) == 0, on_slurm.log()
     log = capsys.readouterr().out
-    if how == "notice":
-        assert "written on notice (SIGUSR1)" in log and f"requeueing job {job.scheduler_id}" in log, log[-3000:]
+    signalled = re.search(r"checkpoint-(\d+) written on (SIGUSR1|SIGTERM): stopped, to resume from it", log)
+    assert signalled and signalled[2] == ("SIGUSR1" if how == "notice" else "SIGTERM"), log[-3000:]
+    assert 5 <= int(signalled[1]) < steps
+    assert (f"requeueing job {job.scheduler_id}" in log) == (how == "notice"), log[-3000:]
     assert f"xeontune: Slurm job {job.scheduler_id}, restart 1: resuming from the newest complete checkpoint" in log
+    # the restarted run's forecast counts what the restart lost: at least the ~0.2+ s it waited to start again
+    assert re.search(r"forecast: step \d+/16, .*; 1 restart lost about \d+ (s|min) \(waiting to start again", log)
     straight = subprocess.run(
         [sys.executable, "-m", "xeontune.cli", "train", *_options(tiny_model, sample_images, tmp_path / "one", steps)[1:],
          "--train-batch-size", "3"], capture_output=True, text=True, timeout=600, env=dict(os.environ))

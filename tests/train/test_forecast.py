@@ -79,3 +79,25 @@ def test_launch_prints_the_forecast_of_rank_0(tiny_model, sample_images, tmp_pat
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "forecast:" in ln]
     assert [re.search(r"step (\d)/5", ln).group(1) for ln in lines] == ["3", "4"]
     assert all(ln.startswith("[0] ") and re.search(r"about \d+ s left \(\d+\.\d\d s/step\)$", ln) for ln in lines), lines
+
+
+def test_a_restarted_job_says_what_its_restarts_lost(monkeypatch):
+    """Started at t=1000, restarted at t=1400 from step 100's checkpoint at 2 s a step: 400 s less the
+    200 s those steps take is 200 s lost (the wait to start again, the steps done again)."""
+    monkeypatch.setenv(forecast.JOB_STARTED_ENV, "1000")
+    monkeypatch.setenv(forecast.RUN_STARTED_ENV, "1400")
+    monkeypatch.setenv(forecast.RESTARTS_ENV, "1")
+    monkeypatch.delenv(forecast.COST_ENV, raising=False)
+    f = Forecast.for_run(4000, resumed_step=100)
+    assert f.text(1000, 2.0) == ("forecast: step 1000/4000, about 1 h 40 min left (2.00 s/step); "
+                                 "1 restart lost about 3 min (waiting to start again, and steps done again)")
+    monkeypatch.setenv(forecast.RESTARTS_ENV, "2")
+    monkeypatch.setenv(forecast.COST_ENV, "3.6")
+    assert Forecast.for_run(4000, resumed_step=100).text(1000, 2.0).endswith(
+        "; 2 restarts lost about 3 min (waiting to start again, and steps done again), about $0.20")
+    # not restarted, or what the batch script says is unreadable: no such clause
+    for key, value in ((forecast.RESTARTS_ENV, "0"), (forecast.RUN_STARTED_ENV, "soon"),
+                       (forecast.RUN_STARTED_ENV, "900"), (forecast.JOB_STARTED_ENV, "")):
+        with monkeypatch.context() as m:
+            m.setenv(key, value)
+            assert "restart" not in Forecast.for_run(4000, resumed_step=100).text(1000, 2.0)

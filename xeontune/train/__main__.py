@@ -88,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except preempt.Preempted as exc:
-        print(f"checkpoint-{exc.step} written on notice (SIGUSR1): stopped, to resume from it", file=sys.stderr)
-        preempt.mark()
-        return preempt.EXIT_CODE
+        print(f"checkpoint-{exc.step} written on {exc.signal_name}: stopped, to resume from it", file=sys.stderr)
+        if exc.signum == signal.SIGUSR1:  # the batch script requeues the job (Slurm itself requeues on SIGTERM)
+            preempt.mark()
+        return exc.exit_code
     except KeyboardInterrupt as exc:
         name = str(exc.args[0]) if exc.args else "SIGINT"
         rank = os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))

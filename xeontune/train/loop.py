@@ -506,8 +506,9 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
     interactive = main and sys.stderr.isatty()
     bar = tqdm(total=run.max_steps, initial=start_step, disable=not interactive, desc="train", unit="step")
     log_every = max(1, run.max_steps // 20)
-    forecast = Forecast.for_run(run.max_steps) if main else None
+    forecast = Forecast.for_run(run.max_steps, start_step) if main else None
     loss_value: float | None = None
+    preempt.defer_term(True)
     try:
         for step in range(start_step, run.max_steps):
             started = time.perf_counter()
@@ -542,18 +543,21 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                 if main:
                     _between_steps(run, done, writer)
                 run.sync.wait()  # the others wait for rank 0 here, not in the next step's all-reduce
-            if preempt.requested(run.world):  # Slurm's notice (train/preempt.py): checkpoint, then stop
+            # Slurm's notice, or a preemption's SIGTERM (train/preempt.py): checkpoint, then stop
+            if done < run.max_steps and (signum := preempt.requested(run.world)):
                 if main:
                     save_checkpoint(run, done)
                 run.sync.wait()
-                raise preempt.Preempted(done)
+                raise preempt.Preempted(done, signum)
             line = forecast.update(done, time.perf_counter()) if forecast else None
             if line and interactive:
                 bar.write(line, file=sys.stderr)
             elif line:
                 log.info("%s", line)
+        preempt.defer_term(False)
         result_path = _finish(run, writer) if main else None
     finally:
+        preempt.defer_term(False)
         bar.close()
         if metrics:
             metrics.close()

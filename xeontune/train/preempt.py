@@ -1,8 +1,14 @@
-"""A checkpoint in the grace time: Slurm's ``--signal=USR1@120`` (its time limit near) or a
-preemption notice reaches every rank as SIGUSR1; the ranks agree at the end of a step, rank 0 writes
-a checkpoint, and every rank exits with ``EXIT_CODE``. The batch script (cluster/providers/slurm.py)
-then requeues the job, which resumes from that checkpoint by itself.
+"""A checkpoint in the grace time. Two signals reach every rank of a Slurm job before it is stopped:
+- SIGUSR1: Slurm's ``--signal=USR1@120`` (its time limit near), or a preemption notice where the
+  cluster sends one (``PreemptParameters=send_user_signal``). The ranks checkpoint, exit with
+  ``EXIT_CODE`` and leave the mark; the batch script (cluster/providers/slurm.py) then requeues the job.
+- SIGTERM: a preemption (``PreemptMode=REQUEUE``, its ``GraceTime``), ``scontrol requeue``, ``scancel``
+  or the time limit itself. The ranks checkpoint and exit 143, with no mark: Slurm requeues a
+  preempted job itself, and a cancelled one can still be resumed from that checkpoint by hand.
+Either way the ranks agree at the end of a step, rank 0 writes the checkpoint, and a requeued job
+resumes from it by itself. Slurm's SIGKILL after ``KillWait``/``GraceTime`` bounds the wait.
 
+SIGTERM is deferred only while steps run (``defer_term``); before, it stops a rank as Ctrl-C does.
 Only where the launcher asks for it (``ENV``): agreeing costs one small all-reduce a step.
 """
 
@@ -11,38 +17,71 @@ from __future__ import annotations
 import os
 import signal
 
-ENV = "XEONTUNE_CHECKPOINT_ON_SIGNAL"  # "1": USR1 means checkpoint and stop
-MARK_ENV = "XEONTUNE_PREEMPT_MARK"  # a file the ranks create once stopped so (the batch script then requeues)
-EXIT_CODE = 75  # EX_TEMPFAIL: stopped on purpose, to be resumed
+ENV = "XEONTUNE_CHECKPOINT_ON_SIGNAL"  # "1": USR1 and TERM mean checkpoint and stop
+MARK_ENV = "XEONTUNE_PREEMPT_MARK"  # a file the ranks create once stopped on USR1 (the batch script then requeues)
+EXIT_CODE = 75  # EX_TEMPFAIL: stopped on purpose, to be requeued and resumed
 
-_asked: list[int] = []
+_asked: list[int] = []  # the signals received, in order
+_deferring = [False]  # SIGTERM waits for the end of the step (only while steps run)
 
 
 class Preempted(Exception):
     """Raised on every rank after the checkpoint of ``step`` was written."""
 
-    def __init__(self, step: int) -> None:
-        super().__init__(step)
+    def __init__(self, step: int, signum: int) -> None:
+        super().__init__(step, signum)
         self.step = step
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODE if self.signum == signal.SIGUSR1 else 128 + self.signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def armed() -> bool:
+    return os.environ.get(ENV) == "1"
 
 
 def install() -> None:
-    """Arm SIGUSR1 (main thread only), where ``ENV`` asks for it."""
-    if os.environ.get(ENV) == "1":
-        signal.signal(signal.SIGUSR1, lambda sig, _frame: _asked.append(sig))
+    """Arm SIGUSR1 and SIGTERM (main thread only), where ``ENV`` asks for it."""
+    if not armed():
+        return
+
+    def on_term(sig: int, _frame: object) -> None:
+        if not _deferring[0]:
+            raise KeyboardInterrupt(signal.Signals(sig).name)  # as train/__main__.py's own handler
+        _asked.append(sig)
+
+    signal.signal(signal.SIGUSR1, lambda sig, _frame: _asked.append(sig))
+    signal.signal(signal.SIGTERM, on_term)
 
 
-def requested(world: int) -> bool:
-    """Whether any rank was signalled: every rank gets the same answer (one all-reduce when armed)."""
-    if os.environ.get(ENV) != "1":
-        return False
-    if world <= 1:
-        return bool(_asked)
-    import torch
+def defer_term(steps_running: bool) -> None:
+    """While training steps run, SIGTERM asks for a checkpoint instead of stopping at once."""
+    _deferring[0] = steps_running
 
-    flag = torch.tensor([1.0 if _asked else 0.0])
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+
+def requested(world: int) -> int | None:
+    """The signal that asks to stop, if any rank received one; every rank gets the same answer (one
+    all-reduce when armed). A SIGUSR1 anywhere wins: its job is then requeued by its own script."""
+    if not armed():
+        return None
+    mine = max((_code(s) for s in _asked), default=0)
+    if world > 1:
+        import torch
+
+        flag = torch.tensor([float(mine)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        mine = int(flag.item())
+    return {1: signal.SIGTERM, 2: signal.SIGUSR1}.get(mine)
+
+
+def _code(sig: int) -> int:
+    return 2 if sig == signal.SIGUSR1 else 1
 
 
 def mark() -> None:

@@ -213,7 +213,7 @@ class Slurm(Provider):
     def submission(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> tuple[list[str], str]:
         import sys
 
-        from xeontune.train import preempt
+        from xeontune.train import forecast, preempt
         from xeontune.train.options import LAUNCH_DEFAULTS_ENV
 
         nodes, cpus_per_task = self.layout(record, spec.ranks, spec.ppn)
@@ -223,7 +223,7 @@ class Slurm(Provider):
             LAUNCH_DEFAULTS_ENV["dist_timeout"]: "30",
             "CUDA_VISIBLE_DEVICES": "",  # ranks train on CPU (accelerate's barrier picks a visible GPU)
             "TORCH_CPP_LOG_LEVEL": "ERROR",
-            preempt.ENV: "1",  # SIGUSR1 (--signal, preemption): checkpoint, stop, requeue, resume
+            preempt.ENV: "1",  # SIGUSR1 (--signal) or SIGTERM (preemption): checkpoint, stop, requeue, resume
         }
         checkout = Path(__file__).resolve().parents[3]
         if (checkout / "xeontune" / "__init__.py").is_file() and Path(sys.prefix).resolve() not in checkout.parents:
@@ -234,6 +234,7 @@ class Slurm(Provider):
         env_file = os.path.join(job.job_dir, "env")
         q = shlex.quote
         mark = os.path.join(job.job_dir, MARK)
+        started = os.path.join(job.job_dir, "started")
         # a requeued job resumes from the newest complete checkpoint its earlier runs wrote
         resume = ("" if spec.request.options.resume_from_checkpoint else
                   f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && compgen -G {q(job.output_dir)}/\'checkpoint-*\' '
@@ -248,6 +249,10 @@ class Slurm(Provider):
             f"if [ -f {q(env_file)} ]; then set -a; . {q(env_file)}; set +a; fi  # --env, never in argv",
             f"export {preempt.MARK_ENV}={q(mark)}",
             f"rm -f {q(mark)} {q(job.rc_path)}  # a requeued job's earlier run may have left them",
+            # for the forecast's time lost to restarts (train/forecast.py)
+            f"[ -s {q(started)} ] || date +%s > {q(started)}",
+            f'export {forecast.JOB_STARTED_ENV}="$(cat {q(started)})" {forecast.RUN_STARTED_ENV}="$(date +%s)" '
+            f'{forecast.RESTARTS_ENV}="${{SLURM_RESTART_COUNT:-0}}"',
             "resume=()",
             resume,
             # a rank that dies ends the step at once (the others would wait for it in a collective)

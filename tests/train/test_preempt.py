@@ -1,0 +1,100 @@
+"""The checkpoint in a Slurm job's grace time (train/preempt.py), on one process: SIGUSR1 and SIGTERM
+mid-run checkpoint and stop with their own status, and the run resumes to the vectors of a straight one.
+tests/cluster/test_slurm.py does the same through a real Slurm's requeue."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from xeontune.train import preempt
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _args(tiny_model, sample_images, out: Path, steps: int) -> list[str]:
+    return ["--model", str(tiny_model), "--data-dir", str(sample_images), "--placeholder-token", "<cat-toy>",
+            "--initializer-token", "toy", "--resolution", "32", "--max-train-steps", str(steps), "--output-dir",
+            str(out), "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision", "fp32"]
+
+
+def _steps_done(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _signal_mid_run(args: list[str], out: Path, signum: int, env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen([sys.executable, "-m", "xeontune.train", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while _steps_done(out) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_signal_mid_run_checkpoints_stops_and_the_resumed_run_equals_a_straight_one(
+        signum, tiny_model, sample_images, tmp_path):
+    steps, out, mark = 200, tmp_path / "out", tmp_path / "preempted"
+    env = {**os.environ, preempt.ENV: "1", preempt.MARK_ENV: str(mark)}
+    stopped = _signal_mid_run(_args(tiny_model, sample_images, out, steps), out, signum, env)
+    assert stopped.returncode == (75 if signum == signal.SIGUSR1 else 143), stopped.stderr[-3000:]
+    done = _steps_done(out)
+    assert 3 <= done < steps
+    name = signal.Signals(signum).name
+    assert f"checkpoint-{done} written on {name}: stopped, to resume from it" in stopped.stderr
+    assert (out / f"checkpoint-{done}").is_dir() and not (out / "learned_embeds.safetensors").exists()
+    assert mark.exists() == (signum == signal.SIGUSR1)  # on SIGTERM Slurm requeues, not the batch script
+
+    resumed = subprocess.run([sys.executable, "-m", "xeontune.train", *_args(tiny_model, sample_images, out, steps),
+                              "--resume-from-checkpoint", "latest"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = subprocess.run([sys.executable, "-m", "xeontune.train",
+                               *_args(tiny_model, sample_images, tmp_path / "straight", steps)],
+                              cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    got = load_file(str(out / "learned_embeds.safetensors"))
+    want = load_file(str(tmp_path / "straight" / "learned_embeds.safetensors"))
+    assert got.keys() == want.keys() and all(float((got[k] - want[k]).abs().max()) == 0.0 for k in want)
+
+
+def test_sigterm_waits_for_the_end_of_a_step_only_while_steps_run():
+    """Armed: SIGTERM before the steps stops at once (as Ctrl-C); during them it is only noted, and
+    SIGUSR1 (the batch script requeues) wins over it. Unarmed: requested() never says stop."""
+    script = textwrap.dedent("""
+        import os, signal
+        from xeontune.train import preempt
+        preempt.install()
+        assert preempt.requested(1) is None
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("not stopped")
+        except KeyboardInterrupt as exc:
+            print("stopped at once:", exc.args[0])
+        preempt.defer_term(True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("deferred:", preempt.requested(1).name)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print("then:", preempt.requested(1).name)
+    """)
+    armed = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, preempt.ENV: "1"})
+    assert armed.returncode == 0, armed.stderr
+    assert armed.stdout.splitlines() == ["stopped at once: SIGTERM", "deferred: SIGTERM", "then: SIGUSR1"]
+    unarmed = subprocess.run([sys.executable, "-c", "from xeontune.train import preempt\n"
+                              "preempt.install(); preempt.defer_term(True); print(preempt.requested(1))"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60,
+                             env={k: v for k, v in os.environ.items() if k != preempt.ENV})
+    assert unarmed.returncode == 0 and unarmed.stdout.strip() == "None", unarmed.stderr
