@@ -7,15 +7,16 @@ import subprocess
 import pytest
 
 from tests.cluster.clusterlib import REPO
-from xeontune.cluster import manage, providers
+from xeontune.cluster import files, manage, providers
 from xeontune.job import start as launcher
 
 pytestmark = pytest.mark.slow
 
 
 def test_three_ranks_all_reduce_on_localhost(xeontune_home):
-    record, _ = manage.up(providers.ClusterSpec(name="solo", num_nodes=3), "localhost")
+    record, written = manage.up(providers.ClusterSpec(name="solo", num_nodes=3), "localhost")
     try:
+        assert written == {} and not (files.files_dir(record) / "hosts").exists()  # no SSH, no hosts file
         plan = launcher.build_plan(record, 3, 1, "gloo", [], module="tests.cluster.allreduce_probe")
         launcher.preflight(record, plan)
         proc = subprocess.run(plan.argv, cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -177,6 +177,7 @@ def _start_long_job(name: str, tiny_model, sample_images, out, slurm, capsys) ->
     from xeontune.cli import main
 
     assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", name]) == 0
+    assert "ssh_config" not in capsys.readouterr().out  # no SSH, no hosts file: Slurm places the ranks
     assert main(["launch", "--dry-run", "--name", name, *_options(tiny_model, sample_images, out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     sbatch = shlex.split(next(line for line in lines if line.startswith("sbatch ")))

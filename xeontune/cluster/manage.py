@@ -79,7 +79,8 @@ def up(spec: ClusterSpec, provider_name: str, keep_on_failure: bool = False) -> 
             skipped = provider.needs_bootstrap and spec.skip_bootstrap
             if not skipped:  # with the bootstrap skipped, the nodes need not answer SSH yet
                 provider.wait(record, provider.wait_timeout_s)
-            written = files.write_cluster_files(record)
+            # the hosts file and SSH configs serve mpirun over SSH; localhost and Slurm have no use for them
+            written = files.write_cluster_files(record) if provider.uses_ssh else {}
             if provider.needs_bootstrap and not skipped:
                 from xeontune.cluster import bootstrap
 
@@ -125,9 +126,10 @@ def up_command(args: argparse.Namespace) -> int:
     record, written = up(spec, args.provider, keep_on_failure=bool(getattr(args, "keep_on_failure", False)))
     print(f"cluster {record.name!r} is up ({record.provider}, {len(record.nodes)} node(s)):")
     _print_nodes(record)
-    print(f"files in {files.files_dir(record)}:")
-    for name in sorted(written):
-        print(f"  {name}")
+    if written:
+        print(f"files in {files.files_dir(record)}:")
+        for name in sorted(written):
+            print(f"  {name}")
     provider = providers.get(record.provider)
     cost = provider.cost_per_hour(record)
     if cost is not None:
