@@ -293,6 +293,52 @@ def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
     assert main(["teardown", "--name", "rq"]) == 0
 
 
+@pytest.mark.root
+def test_a_restarted_job_resumes_its_checkpoint_or_starts_its_own_run_over(on_slurm, tiny_model, sample_images,
+                                                                          tmp_path, capsys):
+    """The batch script's restart branch, run by bash with an srun that records its arguments: a
+    requeued job resumes from its newest checkpoint; one stopped before its first checkpoint starts
+    over (--overwrite) where this job wrote the run, and never overwrites another run's output dir."""
+    from xeontune.cli import main
+    from xeontune.cluster import state
+
+    out = tmp_path / "out"
+    assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", "rs"]) == 0
+    capsys.readouterr()
+    assert main(["launch", "--dry-run", "--name", "rs", *_options(tiny_model, sample_images, out)]) == 0
+    script = capsys.readouterr().out.split("\n", 1)[1]  # after the sbatch command line
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    script = script.replace(f"{state.load('rs').work_dir}/jobs/<job id>", str(job_dir))
+    (tmp_path / "job.sbatch").write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path / 'srun-args'}\n")
+    (bin_dir / "srun").chmod(0o755)
+
+    def flags_after(restarts: int) -> list[str]:
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+               "SLURM_RESTART_COUNT": str(restarts)}
+        done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        args = (tmp_path / "srun-args").read_text().splitlines()
+        return [a for a in args if a in ("--overwrite", "--resume-from-checkpoint", "latest")]
+
+    assert flags_after(0) == []  # the first run
+    out.mkdir()
+    time.sleep(0.05)
+    (out / "train_config.json").write_text("{}")  # what that run wrote before it was stopped
+    assert flags_after(1) == ["--overwrite"]
+    (out / "checkpoint-4").mkdir()
+    assert flags_after(2) == ["--resume-from-checkpoint", "latest"]
+    (out / "checkpoint-4").rmdir()
+    first_start = (job_dir / "started").stat().st_mtime
+    os.utime(out / "train_config.json", (first_start - 60, first_start - 60))  # another run's, from before
+    assert flags_after(1) == []  # the trainer then refuses the dir, as for any run
+    assert main(["teardown", "--name", "rs"]) == 0
+
+
 def _stepds(job_id: str) -> list[str]:
     """slurmstepd processes still serving job ``job_id`` (its batch script or a step)."""
     found = []

@@ -235,11 +235,21 @@ class Slurm(Provider):
         q = shlex.quote
         mark = os.path.join(job.job_dir, MARK)
         started = os.path.join(job.job_dir, "started")
-        # a requeued job resumes from the newest complete checkpoint its earlier runs wrote
-        resume = ("" if spec.request.options.resume_from_checkpoint else
-                  f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && compgen -G {q(job.output_dir)}/\'checkpoint-*\' '
-                  '>/dev/null; then resume=(--resume-from-checkpoint latest); echo "xeontune: Slurm job $SLURM_JOB_ID, '
-                  'restart $SLURM_RESTART_COUNT: resuming from the newest complete checkpoint"; fi')
+        # A requeued job resumes from the newest complete checkpoint its earlier runs wrote. One stopped
+        # before its first checkpoint starts over: --overwrite, but only where this job wrote the run
+        # (its train_config.json newer than the job's first start), never over someone else's.
+        out_dir = q(job.output_dir)
+        resume = ("" if spec.request.options.resume_from_checkpoint else "\n".join([
+            'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
+            f"  if compgen -G {out_dir}/'checkpoint-*' >/dev/null; then",
+            '    resume=(--resume-from-checkpoint latest); echo "xeontune: Slurm job $SLURM_JOB_ID, '
+            'restart $SLURM_RESTART_COUNT: resuming from the newest complete checkpoint"',
+            f"  elif [ {out_dir}/train_config.json -nt {q(started)} ]; then",
+            '    resume=(--overwrite); echo "xeontune: Slurm job $SLURM_JOB_ID, restart $SLURM_RESTART_COUNT: '
+            'no checkpoint yet, starting over"',
+            "  fi",
+            "fi",
+        ]))
         wdir = os.getcwd()  # as mpirun's -wdir: a relative --output-dir is relative to where the job started
         lines = [
             "#!/bin/bash",
