@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.cluster import slurmlib
+from xeontune.errors import UserError
 from xeontune.train import world
 
 
@@ -25,6 +26,19 @@ def test_tasks_per_node_expands_slurms_compressed_lists():
     assert world.tasks_per_node("4") == [4]
     with pytest.raises(ValueError):
         world.tasks_per_node("2(x)")
+
+
+def test_fewer_ranks_than_ppn_share_the_nodes_cores_among_themselves():
+    from xeontune.cluster.providers.slurm import PROVIDER
+    from xeontune.cluster.state import ClusterRecord
+
+    record = ClusterRecord(name="l", provider="slurm", cores_per_node=32,
+                           extra={"partition": "p", "nodes": "2", "cpus_per_node": "32"})
+    assert PROVIDER.layout(record, 3, 8) == (1, 3, 10)  # not 4 CPUs each, 20 of 32 idle
+    assert PROVIDER.layout(record, 12, 8) == (2, 6, 5)
+    assert PROVIDER.layout(record, 16, 8) == (2, 8, 4)
+    with pytest.raises(UserError, match="needs 3 nodes"):
+        PROVIDER.layout(record, 17, 8)
 
 
 def test_an_srun_task_gets_the_standard_names_and_the_batch_script_does_not():

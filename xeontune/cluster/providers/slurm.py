@@ -197,8 +197,9 @@ class Slurm(Provider):
 
     # --- the batch job ---------------------------------------------------------------------------
 
-    def layout(self, record: ClusterRecord, ranks: int, ppn: int) -> tuple[int, int]:
-        """(nodes, CPUs per task) for ``ranks`` at ``ppn`` per node; UserError when the partition cannot."""
+    def layout(self, record: ClusterRecord, ranks: int, ppn: int) -> tuple[int, int, int]:
+        """(nodes, tasks per node, CPUs per task) for ``ranks`` at up to ``ppn`` per node; UserError when
+        the partition cannot. Fewer ranks than ``ppn`` share a node's cores among themselves."""
         partition = record.extra.get("partition", "")
         have = int(record.extra.get("nodes", "1"))
         cpus = int(record.extra.get("cpus_per_node", "1"))
@@ -208,7 +209,8 @@ class Slurm(Provider):
         if nodes > have:
             raise UserError(f"-n {ranks} at --ppn {ppn} needs {nodes} nodes; Slurm partition {partition!r} has "
                             f"{have} that can run jobs (at most {have * ppn} ranks at --ppn {ppn})")
-        return nodes, max((record.cores_per_node or 1) // ppn, 1)
+        per_node = math.ceil(ranks / nodes)
+        return nodes, per_node, max((record.cores_per_node or 1) // per_node, 1)
 
     def submission(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> tuple[list[str], str]:
         import sys
@@ -216,7 +218,7 @@ class Slurm(Provider):
         from xeontune.train import forecast, preempt
         from xeontune.train.options import LAUNCH_DEFAULTS_ENV
 
-        nodes, cpus_per_task = self.layout(record, spec.ranks, spec.ppn)
+        nodes, per_node, cpus_per_task = self.layout(record, spec.ranks, spec.ppn)
         env = {
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(cpus_per_task),
             LAUNCH_DEFAULTS_ENV["dist_backend"]: spec.backend,
@@ -228,7 +230,7 @@ class Slurm(Provider):
         checkout = Path(__file__).resolve().parents[3]
         if (checkout / "xeontune" / "__init__.py").is_file() and Path(sys.prefix).resolve() not in checkout.parents:
             env["PYTHONPATH"] = str(checkout)  # xeontune from a checkout, not installed in the venv
-        shape = [f"--nodes={nodes}", f"--ntasks={spec.ranks}", f"--ntasks-per-node={spec.ppn}",
+        shape = [f"--nodes={nodes}", f"--ntasks={spec.ranks}", f"--ntasks-per-node={per_node}",
                  f"--cpus-per-task={cpus_per_task}"]
         rank = [sys.executable, "-m", "xeontune.train", *spec.rank_args]
         env_file = os.path.join(job.job_dir, "env")
