@@ -226,6 +226,34 @@ def test_bf16_unet_comes_from_a_mapped_copy(tiny_model, tmp_path, monkeypatch):
     os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns - 10**9))
 
 
+def test_a_sharded_unet_gets_a_mapped_bf16_copy_too(tiny_model, tmp_path, monkeypatch):
+    """save_pretrained shards a large UNet (an SDXL UNet in fp32, fine-tunes saved by diffusers): its
+    bf16 copy is keyed on the index and every shard, and later loads map it instead of converting."""
+    import shutil
+
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from xeontune.train import components
+
+    model = tmp_path / "sharded"
+    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("unet"))
+    UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet").save_pretrained(
+        model / "unet", max_shard_size="200KB")
+    shards = sorted((model / "unet").glob("diffusion_pytorch_model-*.safetensors"))
+    assert len(shards) > 1 and not (model / "unet" / "diffusion_pytorch_model.safetensors").exists()
+    monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
+    first = components.load(str(model), unet_dtype=torch.bfloat16).unet
+    copy = components.bf16_copy_dir(str(model), None, None)
+    assert copy is not None and (copy / "config.json").is_file()
+    second = components.load(str(model), unet_dtype=torch.bfloat16).unet
+    assert str(next(copy.glob("*.safetensors")).resolve()) in Path("/proc/self/maps").read_text()
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
+    os.utime(shards[-1], ns=(shards[-1].stat().st_atime_ns, shards[-1].stat().st_mtime_ns + 10**9))
+    assert components.bf16_copy_dir(str(model), None, None) != copy  # any shard changed: a new copy
+
+
 def test_bf16_text_encoder_linears_come_from_a_mapped_copy(tiny_model, tmp_path, monkeypatch):
     """The text encoder's Linear layers in bf16: the first run casts and writes a copy, the ranks'
     launcher writes it before they start, and later loads memory-map it with the same weights; the

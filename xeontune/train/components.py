@@ -173,27 +173,47 @@ WEIGHT_STEMS = {"unet": "diffusion_pytorch_model", "text_encoder": "model", "tex
 TEXT_LINEARS_FILE = "linears.safetensors"
 
 
-def _weights_file(model: str, part: str, revision: str | None, variant: str | None) -> Path | None:
-    """``part``'s weights file on this disk (a local pipeline, or the hub cache), or None."""
+def _weights_files(model: str, part: str, revision: str | None, variant: str | None) -> list[Path]:
+    """``part``'s weights on this disk (a local pipeline, or the hub cache): one file, or a sharded
+    checkpoint's index and its shards (what `save_pretrained` writes above its shard size, as for an
+    SDXL UNet in fp32); empty when they are not on disk."""
     name = f"{WEIGHT_STEMS[part]}{'.' + variant if variant else ''}"
     local = Path(model)
     if local.is_dir():
         found = [local / part / f"{name}{ext}" for ext in (".safetensors", ".bin")]
-        return next((f for f in found if f.is_file()), None)
-    from huggingface_hub import try_to_load_from_cache
+        single = next((f for f in found if f.is_file()), None)
+        index = local / part / f"{name}.safetensors.index.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache
 
-    cached = try_to_load_from_cache(model, f"{part}/{name}.safetensors", revision=revision)
-    return Path(cached) if isinstance(cached, str) else None
+        def cached(filename: str) -> Path | None:
+            hit = try_to_load_from_cache(model, f"{part}/{filename}", revision=revision)
+            return Path(hit) if isinstance(hit, str) else None
+
+        single, index = cached(f"{name}.safetensors"), cached(f"{name}.safetensors.index.json")
+    if single is not None:
+        return [single]
+    if index is None or not index.is_file():
+        return []
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, AttributeError):
+        return []
+    files = [index.parent / shard for shard in shards]
+    return [index, *files] if all(f.is_file() for f in files) else []
 
 
 def bf16_copy_dir(model: str, revision: str | None, variant: str | None, part: str = "unet") -> Path | None:
-    """Where the bf16 copy of this model's ``part`` lives: named by its source file's path, size and
-    modification time, so an updated model gets a new copy. None when the source is not on disk."""
-    source = _weights_file(model, part, revision, variant)
-    if source is None:
+    """Where the bf16 copy of this model's ``part`` lives: named by its source files' paths, sizes and
+    modification times, so an updated model gets a new copy. None when the source is not on disk."""
+    sources = _weights_files(model, part, revision, variant)
+    if not sources:
         return None
-    stat = source.resolve().stat()
-    key = hashlib.sha1(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    stamp = []
+    for source in sources:
+        stat = source.resolve().stat()
+        stamp.append(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}")
+    key = hashlib.sha1("\n".join(stamp).encode()).hexdigest()[:16]
     root = Path(os.environ.get(BF16_CACHE_ENV) or Path.home() / ".cache" / "xeontune")
     return root / f"{part.replace('_', '-')}-bf16" / key
 
