@@ -270,3 +270,24 @@ def test_packed_weights_train_what_the_stock_layers_train(base_args, tmp_path, p
         stock_error, packed_error = ((v - exact).norm().item() for v in (stock, packed))
         print(f"bf16 vs fp32 run: stock {stock_error:.3g}, packed {packed_error:.3g} (moved {moved:.3g})")
         assert packed_error <= 1.5 * stock_error
+
+
+def test_latents_are_cached_a_bounded_number_of_pixels_at_a_time(tiny_model):
+    """Large images go through the VAE one at a time (four 1024 px images at once held gigabytes of
+    fp32 activations); the cached latents do not depend on how the images were grouped."""
+    from diffusers import AutoencoderKL
+
+    from xeontune.train.data import Latents
+
+    vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae").eval()
+    calls: list[int] = []
+    encode = vae.encode
+    vae.encode = lambda pixels: (calls.append(len(pixels)), encode(pixels))[1]
+    pixels = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    by_default = Latents(vae, pixels, cached=True)
+    assert calls == [6]  # 3 images and their mirrors, 64 px: one call
+    one_by_one = Latents(vae, pixels, cached=True, encode_batch=1)
+    assert calls[1:] == [1] * 6
+    torch.testing.assert_close(by_default.mean, one_by_one.mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(by_default.std, one_by_one.std, rtol=1e-5, atol=1e-6)
+    assert [Latents.encode_batch(torch.empty(1, 3, side, side)) for side in (256, 512, 768, 1024)] == [4, 1, 1, 1]

@@ -212,7 +212,7 @@ class Latents:
     ``crops`` (from ``load_images_with_crops``) are kept per image and per mirror image, for SDXL's time_ids.
     """
 
-    def __init__(self, vae: torch.nn.Module, images: torch.Tensor, cached: bool, encode_batch: int = 4,
+    def __init__(self, vae: torch.nn.Module, images: torch.Tensor, cached: bool, encode_batch: int | None = None,
                  crops: torch.Tensor | None = None) -> None:
         self.vae: torch.nn.Module | None = vae  # None once the caller frees it (cached mode)
         self.images = images
@@ -228,11 +228,19 @@ class Latents:
         if cached:
             both = torch.cat([images, images.flip(-1)])  # [originals, mirrored]
             means, stds = [], []
-            for chunk in both.split(encode_batch):
+            for chunk in both.split(encode_batch or self.encode_batch(images)):
                 mean, std = self._encode(chunk)
                 means.append(mean)
                 stds.append(std)
             self.mean, self.std = torch.cat(means), torch.cat(stds)
+
+    @staticmethod
+    def encode_batch(images: torch.Tensor) -> int:
+        """Images per VAE call when caching: up to 512 x 512 pixels' worth. The fp32 encoder's
+        full-resolution activations are 0.5 GB per 1024 px image and several are alive at once, so
+        four 1024 px images at a time peaked at about 10 GB above the weights; one at a time computes
+        the same latents."""
+        return max(1, (512 * 512) // (images.shape[-1] * images.shape[-2]))
 
     @torch.no_grad()
     def _encode(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
