@@ -106,11 +106,11 @@ def pin_this_rank(env: Mapping[str, str] | None = None) -> list[int] | None:
 # activations kept for the backward pass plus torch's own. Measured as the peak RSS of a step on
 # the SD1.5-architecture model minus its weights (docs/performance.md); it grows with pixels.
 ACTIVATION_BYTES_256PX = 1.0e9
-# SDXL's UNet keeps more per pixel at small sizes, less at large ones (no attention at its finest
-# level). Counted on the meta device (the bytes autograd keeps for the UNet's backward, weights
-# left out, fp32, batch 1), SDXL over SD1.5 at the same size: 1.4 at 256 px, 0.85 at 512, 0.49 at
-# 1024; the largest is taken. At 1024 px that gives 22 GB, beside the 21 GB counted for SDXL there.
-SDXL_ACTIVATION_SCALE = 1.4
+# SDXL, measured (docs/performance.md, "SDXL"): the peak RSS of a training step less the frozen
+# weights, batch 1, bf16, was about 1.0 GB at 512 px and 5.1 GB at 1024 px (2-core AMD EPYC with
+# avx512_bf16, 2026-11-24). The estimate grows the 1024 px figure, with some margin, by the pixels
+# (so 512 px is over-counted, never under), and doubles it for fp32's 4-byte activations.
+SDXL_ACTIVATION_BYTES_1024PX = {"bf16": 5.5e9, "fp32": 11.0e9}
 # `--gradient-checkpointing`: the share of the estimate a rank still holds. The same count kept
 # 0.05-0.14x of the bytes (SD1.5 and SDXL, 256-1024 px) and the tiny models 0.22-0.25x at 64 px;
 # the block being recomputed, the text encoders and torch's own do not shrink, hence more.
@@ -136,11 +136,14 @@ def threads_per_rank_rule(physical: int) -> int:
 
 
 def rank_memory_bytes(weight_bytes: int, resolution: int, batch_size: int, family: str = "sd",
-                      checkpointing: bool = False) -> int:
+                      checkpointing: bool = False, precision: str = "fp32") -> int:
     """What one rank holds: its frozen weights in the training dtype plus the step's activations
-    (SD1.5's measured figure, grown with the pixels; SDXL's scaled; less under gradient checkpointing)."""
-    activations = ACTIVATION_BYTES_256PX * batch_size * (resolution / 256) ** 2
-    activations *= SDXL_ACTIVATION_SCALE if family == "sdxl" else 1.0
+    (SD1.5's and SDXL's measured figures, grown with the pixels; less under gradient checkpointing)."""
+    if family == "sdxl":
+        per_image = SDXL_ACTIVATION_BYTES_1024PX["bf16" if precision == "bf16" else "fp32"] * (resolution / 1024) ** 2
+    else:
+        per_image = ACTIVATION_BYTES_256PX * (resolution / 256) ** 2
+    activations = per_image * batch_size
     activations *= CHECKPOINTED_ACTIVATION_SHARE if checkpointing else 1.0
     return int(weight_bytes + activations)
 

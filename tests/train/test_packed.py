@@ -184,6 +184,26 @@ def test_auto_packs_in_both_precisions_on_both_cpu_kinds_where_the_kernels_run(f
     assert type(unet[0]) is nn.Conv2d
 
 
+def test_auto_leaves_sdxl_stock_in_bf16_without_amx(fake_cpu):
+    """SDXL in bf16 was no faster packed on an AVX512-BF16 CPU without AMX (docs/performance.md, "SDXL"),
+    for one UNet more in memory: auto packs it only with AMX; SD1.x packs on both (1.29x without AMX)."""
+    for family in ("sdxl", "sd"):
+        unet, vae = _unet_and_vae()
+        unet.to(torch.bfloat16)
+        _, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="auto",
+                                                     family=family)
+        if not _packs(torch.bfloat16):  # no oneDNN bf16 kernels on this CPU: stock for every family
+            assert type(unet[0]) is nn.Conv2d
+            continue
+        expect_packed = family == "sd" or fake_cpu == "amx-xeon"
+        assert (type(unet[0]) is packed.PackedConv2d) == expect_packed, (family, notes)
+        if not expect_packed:
+            assert notes[-1].startswith("packed weights: not used (SDXL in bf16 without AMX")
+    unet, vae = _unet_and_vae()  # fp32 SDXL: the kernels and the memory decide, not AMX
+    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", family="sdxl")
+    assert type(unet[0]) is packed.PackedConv2d
+
+
 def test_packing_gives_way_to_compile_and_refuses_to_be_forced_where_it_cannot_run(monkeypatch):
     unet, vae = _unet_and_vae()
     out, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="auto", compile=True)

@@ -49,7 +49,7 @@ PREPACK_ENV = "XEONTUNE_IPEX_PREPACK"
 
 def prepare_frozen_models(
     unet: nn.Module, vae: nn.Module, *, precision: str, ipex: str = "auto", compile: bool = False,
-    pack: str = "auto", checkpointing: bool = False, step_bytes: int | None = None,
+    pack: str = "auto", checkpointing: bool = False, step_bytes: int | None = None, family: str = "sd",
 ) -> tuple[nn.Module, nn.Module, list[str]]:
     """Return (unet, vae, notes): the models to train with and one line per decision taken.
 
@@ -67,7 +67,7 @@ def prepare_frozen_models(
     if checkpointing:  # first: IPEX's copy, the packed layers and a compiled graph all keep the blocks' flag
         notes.append(enable_checkpointing(unet))
     # decided once, up front: where auto packs, `--ipex auto` leaves IPEX out (see _auto_packing)
-    auto_pack = _auto_packing(precision, compile) if pack == "auto" else (False, "")
+    auto_pack = _auto_packing(precision, compile, family) if pack == "auto" else (False, "")
     if auto_pack[0] and step_bytes is not None:
         auto_pack = _packing_fits(unet, step_bytes)
     if ipex == "off":
@@ -109,14 +109,14 @@ def enable_checkpointing(unet: nn.Module) -> str:
     return "gradient checkpointing: the UNet's blocks recompute their activations in the backward pass"
 
 
-def _auto_packing(precision: str, compile: bool) -> tuple[bool, str]:
+def _auto_packing(precision: str, compile: bool, family: str = "sd") -> tuple[bool, str]:
     """What `--pack-weights auto` does: (packs, why not). Where it packs, `--ipex auto` leaves IPEX out:
     measured side by side in one venv (torch 2.8, 256 px, AMX Xeon), s/step packed / IPEX / stock were
     bf16 0.686 / 0.835 / 1.143 and fp32 1.875 / 2.122 / 2.206 (docs/performance.md). A compiled UNet
     is left to inductor."""
     if compile:
         return False, ""
-    return packed.auto_choice(precision)
+    return packed.auto_choice(precision, family)
 
 
 def _packing_fits(unet: nn.Module, step_bytes: int) -> tuple[bool, str]:

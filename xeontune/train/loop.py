@@ -385,7 +385,8 @@ def setup(
             components.unet, components.vae, precision=precision, ipex=opts.ipex, compile=opts.compile,
             pack=opts.pack_weights, checkpointing=opts.gradient_checkpointing,
             step_bytes=placement.rank_memory_bytes(0, opts.resolution, opts.train_batch_size, components.family,
-                                                   opts.gradient_checkpointing),
+                                                   opts.gradient_checkpointing, precision),
+            family=components.family,
         )
     if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))

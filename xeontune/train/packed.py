@@ -34,14 +34,23 @@ from torch import nn
 PACK_CHOICES = ("auto", "on", "off")
 
 
-def auto_choice(precision: str) -> tuple[bool, str]:
+def auto_choice(precision: str, family: str = "sd") -> tuple[bool, str]:
     """Whether `--pack-weights auto` packs on this CPU, and why not when it does not (one phrase, for
     notes and `doctor`). The rule: pack in both precisions wherever oneDNN runs the packed kernels in
     the precision's dtype, since it won wherever it was measured (docs/performance.md, "Packed
-    weights"): bf16 1.6x on an AMX Xeon, fp32 1.18x on the same Xeon and 1.21x on an AVX2-only EPYC.
+    weights"): bf16 1.6x on an AMX Xeon and 1.29x on an AVX512-BF16 EPYC, fp32 1.18x on the same Xeon
+    and 1.21x on an AVX2-only EPYC; except SDXL in bf16 without AMX, measured no faster packed (its
+    large layers amortize oneDNN's per-call reorder) for one UNet more in memory (5.1 GB).
     Its price is memory: each rank holds the reordered copies (``frozen_weight_bytes`` counts them)."""
+    from xeontune import hardware
+
     ok, why = available(torch.bfloat16 if precision == "bf16" else torch.float32)
-    return ok, "" if ok else f"not used ({why})"
+    if not ok:
+        return False, f"not used ({why})"
+    if family == "sdxl" and precision == "bf16" and "amx_bf16" not in hardware.cpu_flags():
+        return False, ("not used (SDXL in bf16 without AMX was no faster packed: 10.10 against 10.11 s/step at "
+                       "512 px, for 5.1 GB more; --pack-weights on forces it)")
+    return True, ""
 
 
 @functools.cache

@@ -85,7 +85,7 @@ def rank_memory(opts: TrainOptions, precision: str) -> int:
     family = pipeline_family(str(opts.model), opts.revision)
     weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights), family)
     return placement.rank_memory_bytes(weights, opts.resolution, opts.train_batch_size, family,
-                                       opts.gradient_checkpointing)
+                                       opts.gradient_checkpointing, precision)
 
 
 def plan_ranks(opts: TrainOptions, precision: str) -> placement.RankPlan:
