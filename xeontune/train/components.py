@@ -210,9 +210,9 @@ def bf16_copy_dir(model: str, revision: str | None, variant: str | None, part: s
     if not sources:
         return None
     stamp = []
-    for source in sources:
-        stat = source.resolve().stat()
-        stamp.append(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}")
+    for source in (s.resolve() for s in sources):
+        stat = source.stat()
+        stamp.append(f"{source}|{stat.st_size}|{stat.st_mtime_ns}")
     key = hashlib.sha1("\n".join(stamp).encode()).hexdigest()[:16]
     root = Path(os.environ.get(BF16_CACHE_ENV) or Path.home() / ".cache" / "xeontune")
     return root / f"{part.replace('_', '-')}-bf16" / key

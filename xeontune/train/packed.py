@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xeontune import hardware
+
 PACK_CHOICES = ("auto", "on", "off")
 
 
@@ -42,8 +44,6 @@ def auto_choice(precision: str, family: str = "sd") -> tuple[bool, str]:
     and 1.21x on an AVX2-only EPYC; except SDXL in bf16 without AMX, measured no faster packed (its
     large layers amortize oneDNN's per-call reorder) for one UNet more in memory (5.1 GB).
     Its price is memory: each rank holds the reordered copies (``frozen_weight_bytes`` counts them)."""
-    from xeontune import hardware
-
     ok, why = available(torch.bfloat16 if precision == "bf16" else torch.float32)
     if not ok:
         return False, f"not used ({why})"
