@@ -94,8 +94,17 @@ def test_frozen_weight_bytes_of_a_local_model(tiny_model):
     assert frozen_weight_bytes(str(tiny_model), "fp32", packed=True) - fp32 == unet
 
 
-def test_ranks_count_packed_weights_where_auto_packs():
-    assert packs("auto") and packs("on") and not packs("off")
+def test_ranks_count_packed_weights_where_auto_packs(fake_cpu):
+    from xeontune.train.packed import auto_choice
+
+    for precision in ("fp32", "bf16"):
+        for family in ("sd", "sdxl"):
+            assert packs("on", precision, family) and not packs("off", precision, family)
+            # on this machine's CPU auto counts what it will do; a remote node's CPU is not known: counted
+            assert packs("auto", precision, family) == auto_choice(precision, family)[0]
+            assert packs("auto", precision, family, here=False)
+    if auto_choice("bf16", "sd")[0]:  # oneDNN runs bf16 here: only AMX packs SDXL in bf16
+        assert packs("auto", "bf16", "sdxl") == (fake_cpu == "amx-xeon")
     assert frozen_weight_bytes("some-org/some-model", "bf16") < frozen_weight_bytes("some-org/some-model", "fp32")
 
 

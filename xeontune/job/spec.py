@@ -168,7 +168,7 @@ def resolve_ppn(record: ClusterRecord, request: JobRequest) -> int:
         # a node's hyperthreads are vCPUs: the provider records physical cores, and RAM where the API
         # (or Slurm's sinfo) says
         cores, memory = record.cores_per_node or 1, record.memory_per_node or 0
-    per_rank = rank_memory(options, precision)  # SDXL's second text encoder and activations, checkpointing
+    per_rank = rank_memory(options, precision, here=not provider.remote)  # SDXL's second text encoder and activations, checkpointing
     unknown = 2**62  # no memory recorded (localhost, or a record from before it was): cores decide
     return placement.auto_ranks(cores, 1, memory or unknown, per_rank).ranks
 

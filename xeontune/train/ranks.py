@@ -65,10 +65,17 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     return int(unet * (2 if packed else 1) + rest)
 
 
-def packs(pack_weights: str) -> bool:
-    """Whether the ranks may hold packed weights, to count them in their memory: `auto` packs in both
-    precisions wherever oneDNN runs the kernels (packed.auto_choice), so it counts them too."""
-    return pack_weights != "off"
+def packs(pack_weights: str, precision: str, family: str, here: bool = True) -> bool:
+    """Whether the ranks may hold packed weights, to count them in their memory. `auto` follows
+    packed.auto_choice where the ranks run on this machine's CPU (``here``); for another machine's
+    ranks (a cluster's nodes) it counts them, the safe side: their CPU is not known here."""
+    if pack_weights != "auto":
+        return pack_weights == "on"
+    if not here:
+        return True
+    from xeontune.train.packed import auto_choice
+
+    return auto_choice(precision, family)[0]
 
 
 def _text_encoder_bytes(stored: float, precision: str, linear_share: float = TEXT_ENCODER_LINEAR_SHARE) -> float:
@@ -76,14 +83,15 @@ def _text_encoder_bytes(stored: float, precision: str, linear_share: float = TEX
     return stored * (1 - linear_share / 2) if precision == "bf16" else stored
 
 
-def rank_memory(opts: TrainOptions, precision: str) -> int:
+def rank_memory(opts: TrainOptions, precision: str, here: bool = True) -> int:
     """What one rank of this run holds (what `--nproc-per-node auto` and `launch --ppn auto` divide
     memory by): the model's frozen weights as the rank holds them and its activations, both by family
-    (read from model_index.json: a local folder, or the hub's when reachable; else SD1.x is assumed)."""
+    (read from model_index.json: a local folder, or the hub's when reachable; else SD1.x is assumed).
+    ``here``: the ranks run on this machine's CPU (see packs())."""
     from xeontune.train.components import pipeline_family
 
     family = pipeline_family(str(opts.model), opts.revision)
-    weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights), family)
+    weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family)
     return placement.rank_memory_bytes(weights, opts.resolution, opts.train_batch_size, family,
                                        opts.gradient_checkpointing, precision)
 
