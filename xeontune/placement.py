@@ -175,3 +175,12 @@ def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
     except OSError:
         pass
     return available
+
+
+def anonymous_bytes(status: Path = Path("/proc/self/status")) -> int:
+    """This process's anonymous resident memory (RssAnon): what it holds beyond file-backed pages,
+    which MemAvailable already counts as available."""
+    for line in status.read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0

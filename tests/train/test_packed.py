@@ -296,34 +296,67 @@ def test_forcing_packing_where_it_cannot_run_is_one_line_and_exit_2(base_args, m
     assert bad_choice.value.code == 2
 
 
-def test_auto_leaves_the_layers_stock_where_the_packed_copy_would_not_fit(monkeypatch):
-    """SDXL in fp32 on 24 GB: the packed UNet (10.3 GB more) and a step's activations do not fit beside
-    the weights. Faked memory: auto packs with room for both, not without; `on` still forces it."""
+def test_auto_leaves_the_layers_stock_where_the_packed_copy_would_not_fit(monkeypatch, caplog):
+    """SDXL in fp32 on 24 GB: two reordered UNets (20.6 GB) and the rest of the run do not fit. The plain
+    UNet's pages are mapped from its file, so MemAvailable already counts them free: packing needs two
+    UNets beside the rest, out of MemAvailable plus the process's anonymous memory, less the margin.
+    Faked memory: auto packs with room for both copies, not without; `on` still forces it; where even
+    the stock layers do not fit, the run is warned."""
     from xeontune import placement
 
-    unet_bytes = sum(p.numel() * p.element_size() for p in _unet_and_vae()[0].parameters())
-    monkeypatch.setattr(placement, "available_memory_bytes", lambda *a: unet_bytes + 1000)
+    unet_bytes = backends.module_bytes(_unet_and_vae()[0])
+    anonymous, rest = 5000, 1000
+    room = 2 * unet_bytes + rest  # exactly what the packed run needs
+    monkeypatch.setattr(placement, "anonymous_bytes", lambda *a: anonymous)
+    monkeypatch.setattr(placement, "available_memory_bytes",
+                        lambda *a: room / (1 - placement.RESERVED_FRACTION) - anonymous + 1)
     unet, vae = _unet_and_vae()
-    backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", step_bytes=1000)
+    backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", step_bytes=rest)
     assert type(unet[0]) is packed.PackedConv2d  # fits exactly
     unet, vae = _unet_and_vae()
-    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", step_bytes=1001)
+    with caplog.at_level("WARNING"):
+        _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto",
+                                                     step_bytes=rest + 100)
     assert type(unet[0]) is nn.Conv2d
     assert notes[-1].startswith("packed weights: not used (the reordered UNet") and "--pack-weights on" in notes[-1]
+    assert not caplog.records  # the stock layers fit: nothing to warn of
     unet, vae = _unet_and_vae()
-    backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="on", step_bytes=1001)
+    backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="on", step_bytes=rest + 100)
     assert type(unet[0]) is packed.PackedConv2d
+    unet, vae = _unet_and_vae()
+    with caplog.at_level("WARNING"):
+        backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", step_bytes=room)
+    assert type(unet[0]) is nn.Conv2d
+    assert any("may run out of memory" in r.getMessage() and "--gradient-checkpointing" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_the_trainer_asks_for_room_for_its_step(base_args, monkeypatch):
-    """setup passes the step's activation estimate (placement.rank_memory_bytes without weights) to the
-    packing decision: with less memory than that, auto does not pack."""
+    """setup passes what the run holds beside the UNet (the text encoder and VAE, a step's activations)
+    to the packing decision: with less memory than two UNets and that, auto does not pack."""
     from xeontune import placement
     from xeontune.train import loop
     from xeontune.train.options import parse_args
 
-    monkeypatch.setattr(placement, "available_memory_bytes", lambda *a: placement.rank_memory_bytes(0, 64, 1) - 1)
+    seen = {}
+
+    def fits(unet, step_bytes):
+        seen["unet"], seen["rest"] = backends.module_bytes(unet), step_bytes
+        return False, "not used (faked: no room)"
+
+    monkeypatch.setattr(backends, "_packing_fits", fits)
     opts = parse_args([*base_args, "--mixed-precision", "fp32", "--pack-weights", "auto"])
     run, _ = loop.setup(opts, loop.make_accelerator(opts))
     assert not any(type(m) is packed.PackedConv2d for m in run.components.unet.modules())
-    assert any(n.startswith("packed weights: not used (the reordered UNet") for n in run.backend_notes)
+    assert "packed weights: not used (faked: no room)" in run.backend_notes
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel
+
+    # as loaded: the run's VAE is released once latents are cached, and its token table became a buffer
+    vae = AutoencoderKL.from_pretrained(opts.model, subfolder="vae")
+    text_encoder = CLIPTextModel.from_pretrained(opts.model, subfolder="text_encoder")
+    beside = backends.module_bytes(text_encoder) + backends.module_bytes(vae)
+    assert seen["unet"] == backends.module_bytes(run.components.unet) > 0
+    counted = seen["rest"] - placement.rank_memory_bytes(0, opts.resolution, 1)  # less the step's activations
+    # counted after the token was added: its row, at most a padded block of 64 rows (resize_token_embeddings)
+    assert 0 <= counted - beside <= 64 * 4 * text_encoder.config.hidden_size

@@ -53,8 +53,8 @@ def prepare_frozen_models(
 ) -> tuple[nn.Module, nn.Module, list[str]]:
     """Return (unet, vae, notes): the models to train with and one line per decision taken.
 
-    ``step_bytes``: what a training step will need beside the weights (its activations); given, `--pack-weights
-    auto` packs only where the packed copy and those fit in the memory available now."""
+    ``step_bytes``: what the run holds beside the UNet (the other models' weights and a step's activations);
+    given, `--pack-weights auto` packs only where the packed UNet and those fit in this process's memory."""
     if ipex not in IPEX_CHOICES:
         raise UserError(f"--ipex must be one of {', '.join(IPEX_CHOICES)}, got {ipex!r}")
     if pack not in PACK_CHOICES:
@@ -119,19 +119,30 @@ def _auto_packing(precision: str, compile: bool, family: str = "sd") -> tuple[bo
     return packed.auto_choice(precision, family)
 
 
+def module_bytes(module: nn.Module) -> int:
+    """The bytes of a module's parameters, as it holds them now."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def _packing_fits(unet: nn.Module, step_bytes: int) -> tuple[bool, str]:
-    """Packed layers hold the UNet's weights twice, reordered (forward and input gradient), the plain
-    pages handed back: about one UNet more than stock layers (what ranks.frozen_weight_bytes counts).
-    For SDXL in fp32 that is 10.3 GB more, which with the step's activations does not fit beside the
-    weights on a 24 GB machine: there auto leaves the layers stock rather than run out of memory."""
+    """Packed layers hold the UNet's weights twice, reordered (forward and input gradient), and hand the
+    plain pages back. Those plain pages are mapped from the weights file, so MemAvailable counts them as
+    free already: the packed run needs two UNets beside ``step_bytes``, out of MemAvailable plus what
+    this process holds anonymously, less the margin --nproc-per-node auto leaves. SDXL in fp32 does not
+    fit so on a 24 GB machine (20.6 GB of reordered UNet alone): there auto leaves the layers stock
+    rather than run out of memory. Where stock layers do not fit either, it warns."""
     from xeontune import placement
 
-    extra = sum(p.numel() * p.element_size() for p in unet.parameters())
-    available = placement.available_memory_bytes()
-    if extra + step_bytes <= available:
+    unet_bytes = module_bytes(unet)
+    memory = (placement.available_memory_bytes() + placement.anonymous_bytes()) * (1 - placement.RESERVED_FRACTION)
+    if 2 * unet_bytes + step_bytes <= memory:
         return True, ""
-    return False, (f"not used (the reordered UNet, {extra / 1e9:.1f} GB more, and the step's activations, about "
-                   f"{step_bytes / 1e9:.1f} GB, do not fit in the {available / 1e9:.1f} GB available now; "
+    if unet_bytes + step_bytes > memory:
+        log.warning("this run needs about %.1f GB (UNet %.1f GB, the rest %.1f GB) and this machine has about %.1f GB "
+                    "for it: it may run out of memory; --gradient-checkpointing or a lower --resolution needs less",
+                    (unet_bytes + step_bytes) / 1e9, unet_bytes / 1e9, step_bytes / 1e9, memory / 1e9)
+    return False, (f"not used (the reordered UNet, {2 * unet_bytes / 1e9:.1f} GB, and the rest of the run, about "
+                   f"{step_bytes / 1e9:.1f} GB, do not fit in the {memory / 1e9:.1f} GB this process can have; "
                    "--pack-weights on forces it)")
 
 

@@ -352,7 +352,7 @@ def setup(
 
     from xeontune import placement
     from xeontune.hardware import choose_precision
-    from xeontune.train.backends import prepare_frozen_models
+    from xeontune.train.backends import module_bytes, prepare_frozen_models
 
     main, world = accelerator.is_main_process, accelerator.num_processes
     sync = Sync.create(world, opts.dist_wait_timeout)
@@ -384,8 +384,9 @@ def setup(
         components.unet, components.vae, notes = prepare_frozen_models(
             components.unet, components.vae, precision=precision, ipex=opts.ipex, compile=opts.compile,
             pack=opts.pack_weights, checkpointing=opts.gradient_checkpointing,
-            step_bytes=placement.rank_memory_bytes(0, opts.resolution, opts.train_batch_size, components.family,
-                                                   opts.gradient_checkpointing, precision),
+            step_bytes=placement.rank_memory_bytes(
+                sum(module_bytes(m) for m in (*components.text_encoders, components.vae)), opts.resolution,
+                opts.train_batch_size, components.family, opts.gradient_checkpointing, precision),
             family=components.family,
         )
     if main:
