@@ -120,14 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("kind", choices=["tiny", "sd15-arch", "sd2-tiny", "sdxl-tiny", "sdxl-arch"],
                    help="tiny, sd2-tiny, sdxl-tiny: seconds to train; sd15-arch, sdxl-arch: real sizes (GBs)")
     p.add_argument("dir", help="directory to write the pipeline to (save_pretrained layout)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.set_defaults(func=_cmd_model)
 
-    p = sub.add_parser("sample-data", help="write a deterministic set of concept images")
-    p.add_argument("dir")
+    p = sub.add_parser("sample-data", help="write a deterministic set of concept images",
+                       description="Write a deterministic set of toy concept images (PNG) to train on: "
+                                   "for trying the tool and for benchmarks, offline.")
+    p.add_argument("dir", help="directory to write the images to (created if missing)")
     p.add_argument("--count", type=int, default=6, help="number of images (default 6)")
     p.add_argument("--size", type=int, default=128, help="image side in pixels (default 128)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the images (default 0)")
     p.set_defaults(func=_cmd_sample_data)
 
     p = sub.add_parser(
