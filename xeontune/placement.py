@@ -162,17 +162,20 @@ def auto_ranks(physical: int, numa_nodes: int, available_bytes: int, per_rank_by
                     why=f"{physical} physical cores, {numa_nodes} NUMA node(s); limited by {limit}")
 
 
-def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """MemAvailable, bounded by a cgroup v2 memory limit when one is set."""
+def available_memory_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """MemAvailable, bounded by what is left under a cgroup v2 memory limit when one is set: the limit
+    less the group's usage, its file pages counted as available as MemAvailable counts them."""
     available = 0
     for line in meminfo.read_text().splitlines():
         if line.startswith("MemAvailable:"):
             available = int(line.split()[1]) * 1024
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        limit = (cgroup / "memory.max").read_text().strip()
         if limit.isdigit():
-            available = min(available, int(limit))
-    except OSError:
+            used = int((cgroup / "memory.current").read_text())
+            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines() if line.strip())
+            available = min(available, max(int(limit) - used + int(stat.get("file", 0)), 0))
+    except (OSError, ValueError):
         pass
     return available
 

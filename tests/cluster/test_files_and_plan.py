@@ -248,6 +248,25 @@ def test_teardown_without_record_is_idempotent(xeontune_home, capsys):
     assert main(["teardown", "--name", "ghost"]) == 0
 
 
+def test_ppn_auto_counts_packing_as_this_cpu_decides_only_where_the_nodes_are_this_machine(
+        xeontune_home, tiny_model, monkeypatch):
+    """`--pack-weights auto` depends on the CPU. Namespace "hosts" share this machine's: the per-rank memory
+    follows this CPU's rule there. A cloud's or Slurm's nodes are other machines (their cores come from the
+    provider or sinfo): packed weights stay counted, the safe side."""
+    import dataclasses
+
+    from xeontune.train import ranks
+
+    seen: list[bool] = []
+    monkeypatch.setattr(ranks, "rank_memory", lambda opts, precision, here=True: seen.append(here) or 10**9)
+    args = ["--model", str(tiny_model), *REQUIRED[2:]]
+    cloud = cloud_record(xeontune_home)
+    for record in (cloud, dataclasses.replace(cloud, provider="slurm"),
+                   dataclasses.replace(cloud, provider="local", cores_per_node=None, memory_per_node=None)):
+        job_spec.resolve_ppn(record, job_spec.read_request(args, "auto", remote=record.provider == "aws"))
+    assert seen == [False, False, True]
+
+
 def test_ppn_auto_follows_the_ranks_per_node_rule(xeontune_home, capsys, tiny_model):
     """`launch --ppn auto` applies `train --nproc-per-node auto`'s rule to one node; ranks pin themselves
     to their own cores on real nodes, not on namespace "hosts" that share this machine's cores."""

@@ -296,38 +296,54 @@ def test_forcing_packing_where_it_cannot_run_is_one_line_and_exit_2(base_args, m
     assert bad_choice.value.code == 2
 
 
-def test_auto_leaves_the_layers_stock_where_the_packed_copy_would_not_fit(monkeypatch):
-    """SDXL in fp32 on 24 GB: two reordered UNets (20.6 GB) and the rest of the run do not fit. The plain
-    UNet's pages are mapped from its file, so MemAvailable already counts them free: packing needs two
-    UNets beside the rest, out of MemAvailable plus the process's anonymous memory, less the margin.
-    Faked memory: auto packs with room for both copies, not without; `on` still forces it; where even
-    the stock layers do not fit, the run is warned."""
+def _file_mapped(module: nn.Module, path) -> nn.Module:
+    """``module`` with its weights memory-mapped from a file, as diffusers loads a pipeline's."""
+    torch.save(module.state_dict(), path)
+    module.load_state_dict(torch.load(path, mmap=True, weights_only=True), assign=True)
+    return module
+
+
+def test_auto_leaves_the_layers_stock_where_the_packed_copy_would_not_fit(monkeypatch, tmp_path):
+    """SDXL in fp32 on 24 GB: two reordered UNets (20.5 GB) and the rest of the run do not fit. A UNet
+    mapped from its file is page cache, which MemAvailable counts free, and its pages are handed back once
+    packed: two UNets beside the rest. A UNet converted in memory keeps its plain weights: three. Out of
+    MemAvailable plus the process's anonymous memory, less the margin. Faked memory: auto packs with room
+    exactly, not with less; `on` still forces it; a run that may not fit as prepared is warned."""
     from xeontune import placement
 
     unet_bytes = backends.module_bytes(_unet_and_vae()[0])
     anonymous, rest = 5000, 1000
-    room = 2 * unet_bytes + rest  # exactly what the packed run needs
     warned: list[str] = []  # recorded at the call: other tests may leave the loggers' levels changed
     monkeypatch.setattr(backends.log, "warning", lambda msg, *args: warned.append(msg % args))
     monkeypatch.setattr(placement, "anonymous_bytes", lambda *a: anonymous)
-    monkeypatch.setattr(placement, "available_memory_bytes",
-                        lambda *a: room / (1 - placement.RESERVED_FRACTION) - anonymous + 1)
-    unet, vae = _unet_and_vae()
-    backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", step_bytes=rest)
-    assert type(unet[0]) is packed.PackedConv2d  # fits exactly
-    unet, vae = _unet_and_vae()
-    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto",
-                                                 step_bytes=rest + 100)
+
+    def room(nbytes: int) -> None:  # this process can have exactly nbytes
+        monkeypatch.setattr(placement, "available_memory_bytes",
+                            lambda *a: (nbytes + 1) / (1 - placement.RESERVED_FRACTION) - anonymous)
+
+    def prepared(pack: str, step_bytes: int, mapped: bool) -> tuple[nn.Module, list[str]]:
+        unet, vae = _unet_and_vae()
+        if mapped:
+            _file_mapped(unet, tmp_path / "unet.pt")
+        assert packed.file_mapped_bytes(unet.parameters()) == (unet_bytes if mapped else 0)
+        _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack=pack,
+                                                     step_bytes=step_bytes)
+        return unet, notes
+
+    room(2 * unet_bytes + rest)
+    assert type(prepared("auto", rest, mapped=True)[0][0]) is packed.PackedConv2d  # fits exactly
+    unet, notes = prepared("auto", rest + 100, mapped=True)
     assert type(unet[0]) is nn.Conv2d
-    assert notes[-1].startswith("packed weights: not used (the reordered UNet") and "--pack-weights on" in notes[-1]
+    assert notes[-1].startswith("packed weights: not used (the packed UNet and the rest") and "--pack-weights on" in notes[-1]
+    assert type(prepared("auto", rest, mapped=False)[0][0]) is nn.Conv2d  # converted in memory: a third UNet
     assert not warned  # the stock layers fit: nothing to warn of
-    unet, vae = _unet_and_vae()
-    backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="on", step_bytes=rest + 100)
-    assert type(unet[0]) is packed.PackedConv2d
-    unet, vae = _unet_and_vae()
-    backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", step_bytes=room)
-    assert type(unet[0]) is nn.Conv2d
-    assert len(warned) == 1 and "may run out of memory" in warned[0] and "--gradient-checkpointing" in warned[0]
+    room(3 * unet_bytes + rest)
+    assert type(prepared("auto", rest, mapped=False)[0][0]) is packed.PackedConv2d
+    room(2 * unet_bytes + rest)
+    assert type(prepared("on", rest + 100, mapped=True)[0][0]) is packed.PackedConv2d  # forced, and warned
+    assert len(warned) == 1 and "may run out of memory" in warned[0] and "--pack-weights off" in warned[0]
+    assert type(prepared("off", 2 * unet_bytes + rest, mapped=True)[0][0]) is nn.Conv2d  # not even stock fits
+    assert len(warned) == 2 and "--gradient-checkpointing" in warned[1] and "--pack-weights off" not in warned[1]
 
 
 def test_the_trainer_asks_for_room_for_its_step(base_args, monkeypatch):
@@ -339,7 +355,7 @@ def test_the_trainer_asks_for_room_for_its_step(base_args, monkeypatch):
 
     seen = {}
 
-    def fits(unet, step_bytes):
+    def fits(unet, step_bytes, memory):
         seen["unet"], seen["rest"] = backends.module_bytes(unet), step_bytes
         return False, "not used (faked: no room)"
 

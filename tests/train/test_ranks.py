@@ -77,6 +77,26 @@ def test_auto_rule(physical, numa, available, per_rank, ranks):
     assert ("memory" in plan.why) == (ranks < physical // placement.threads_per_rank_rule(physical))
 
 
+def test_available_memory_is_what_is_left_under_a_cgroup_limit(tmp_path):
+    """A container's cgroup v2 limit bounds MemAvailable by what the group has left, its own file pages
+    counted as available (as MemAvailable counts the page cache): not by the whole limit."""
+    GiB = 2**30
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {64 * GiB // 1024} kB\nMemAvailable: {60 * GiB // 1024} kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text("max\n")  # no limit
+    assert placement.available_memory_bytes(meminfo, cgroup) == 60 * GiB
+    (cgroup / "memory.max").write_text(f"{16 * GiB}\n")
+    (cgroup / "memory.current").write_text(f"{10 * GiB}\n")
+    (cgroup / "memory.stat").write_text(f"anon {7 * GiB}\nfile {3 * GiB}\nkernel 0\n")
+    assert placement.available_memory_bytes(meminfo, cgroup) == 9 * GiB  # 16 - 10 used + 3 of it file pages
+    (cgroup / "memory.current").write_text(f"{17 * GiB}\n")
+    (cgroup / "memory.stat").write_text("file 0\n")
+    assert placement.available_memory_bytes(meminfo, cgroup) == 0
+    assert placement.available_memory_bytes(meminfo, tmp_path / "no-cgroup") == 60 * GiB  # cgroup v1 or none
+
+
 def test_rank_memory_grows_with_pixels_and_batch():
     at_256 = placement.rank_memory_bytes(2 * GB, 256, 1)
     assert placement.rank_memory_bytes(2 * GB, 512, 1) - 2 * GB == pytest.approx(4 * (at_256 - 2 * GB))

@@ -160,7 +160,8 @@ def resolve_ppn(record: ClusterRecord, request: JobRequest) -> int:
     options = request.options
     provider = providers.get(record.provider)
     precision = ranks_precision(options, provider.remote)
-    if not provider.remote and not record.cores_per_node:
+    here = not provider.remote and not record.cores_per_node  # the ranks run on this machine's CPU
+    if here:
         cores = len(placement.physical_cores())
         hosts = len(record.nodes) if provider.hosts_share_cores else 1  # namespaces share this machine
         cores, memory = max(cores // hosts, 1), placement.available_memory_bytes() // hosts
@@ -168,7 +169,9 @@ def resolve_ppn(record: ClusterRecord, request: JobRequest) -> int:
         # a node's hyperthreads are vCPUs: the provider records physical cores, and RAM where the API
         # (or Slurm's sinfo) says
         cores, memory = record.cores_per_node or 1, record.memory_per_node or 0
-    per_rank = rank_memory(options, precision, here=not provider.remote)  # SDXL's second text encoder and activations, checkpointing
+    # SDXL's second text encoder, activations, checkpointing; packing as auto decides on this CPU where the
+    # nodes are this machine (namespaces, localhost), counted where they are not (clouds, Slurm's nodes)
+    per_rank = rank_memory(options, precision, here=here)
     unknown = 2**62  # no memory recorded (localhost, or a record from before it was): cores decide
     return placement.auto_ranks(cores, 1, memory or unknown, per_rank).ranks
 

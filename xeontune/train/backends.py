@@ -54,7 +54,8 @@ def prepare_frozen_models(
     """Return (unet, vae, notes): the models to train with and one line per decision taken.
 
     ``step_bytes``: what the run holds beside the UNet (the other models' weights and a step's activations);
-    given, `--pack-weights auto` packs only where the packed UNet and those fit in this process's memory."""
+    given, `--pack-weights auto` packs only where the packed UNet and those fit in this process's memory,
+    and a run that may not fit as prepared is warned."""
     if ipex not in IPEX_CHOICES:
         raise UserError(f"--ipex must be one of {', '.join(IPEX_CHOICES)}, got {ipex!r}")
     if pack not in PACK_CHOICES:
@@ -68,8 +69,9 @@ def prepare_frozen_models(
         notes.append(enable_checkpointing(unet))
     # decided once, up front: where auto packs, `--ipex auto` leaves IPEX out (see _auto_packing)
     auto_pack = _auto_packing(precision, compile, family) if pack == "auto" else (False, "")
+    memory = _process_memory() if step_bytes is not None else 0  # before packing takes any of it
     if auto_pack[0] and step_bytes is not None:
-        auto_pack = _packing_fits(unet, step_bytes)
+        auto_pack = _packing_fits(unet, step_bytes, memory)
     if ipex == "off":
         notes.append("IPEX: off (--ipex off)")
     elif ipex == "auto" and auto_pack[0]:
@@ -90,6 +92,8 @@ def prepare_frozen_models(
                 notes.append("packed weights: not applied (IPEX packs the UNet's weights itself)")
             pack = "off"
     notes.extend(_apply_packing(unet, pack, auto_pack))
+    if step_bytes is not None:
+        _warn_if_short(unet, step_bytes, memory)
     if compile:
         # Compilation happens on the first call: the first step takes minutes, and on the
         # 2-core AVX2 machine the compiled UNet was slower than eager (docs/performance.md).
@@ -124,26 +128,45 @@ def module_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _packing_fits(unet: nn.Module, step_bytes: int) -> tuple[bool, str]:
-    """Packed layers hold the UNet's weights twice, reordered (forward and input gradient), and hand the
-    plain pages back. Those plain pages are mapped from the weights file, so MemAvailable counts them as
-    free already: the packed run needs two UNets beside ``step_bytes``, out of MemAvailable plus what
-    this process holds anonymously, less the margin --nproc-per-node auto leaves. SDXL in fp32 does not
-    fit so on a 24 GB machine (20.6 GB of reordered UNet alone): there auto leaves the layers stock
-    rather than run out of memory. Where stock layers do not fit either, it warns."""
+def _process_memory() -> int:
+    """What this process can have: MemAvailable (which counts file-mapped weights as free) plus the
+    anonymous memory it holds already, less the margin --nproc-per-node auto leaves too."""
     from xeontune import placement
 
+    return int((placement.available_memory_bytes() + placement.anonymous_bytes()) * (1 - placement.RESERVED_FRACTION))
+
+
+def _memory_need(unet: nn.Module, step_bytes: int, packs: bool) -> int:
+    """The run's memory: the UNet as held, plus ``step_bytes``. Packed layers hold the UNet twice,
+    reordered (forward and input gradient); its plain weights' pages are handed back where they are
+    mapped from a file, but a UNet converted in memory (anonymous) keeps its plain weights too."""
     unet_bytes = module_bytes(unet)
-    memory = (placement.available_memory_bytes() + placement.anonymous_bytes()) * (1 - placement.RESERVED_FRACTION)
-    if 2 * unet_bytes + step_bytes <= memory:
+    if not packs:
+        return unet_bytes + step_bytes
+    held = unet_bytes - packed.file_mapped_bytes(unet.parameters())
+    return 2 * unet_bytes + held + step_bytes
+
+
+def _packing_fits(unet: nn.Module, step_bytes: int, memory: int) -> tuple[bool, str]:
+    """Whether the packed UNet and the rest of the run (``step_bytes``) fit in ``memory``. SDXL in fp32
+    does not on a 24 GB machine (two reordered UNets are 20.5 GB): there auto leaves the layers stock
+    rather than run out of memory."""
+    need = _memory_need(unet, step_bytes, packs=True)
+    if need <= memory:
         return True, ""
-    if unet_bytes + step_bytes > memory:
-        log.warning("this run needs about %.1f GB (UNet %.1f GB, the rest %.1f GB) and this machine has about %.1f GB "
-                    "for it: it may run out of memory; --gradient-checkpointing or a lower --resolution needs less",
-                    (unet_bytes + step_bytes) / 1e9, unet_bytes / 1e9, step_bytes / 1e9, memory / 1e9)
-    return False, (f"not used (the reordered UNet, {2 * unet_bytes / 1e9:.1f} GB, and the rest of the run, about "
-                   f"{step_bytes / 1e9:.1f} GB, do not fit in the {memory / 1e9:.1f} GB this process can have; "
-                   "--pack-weights on forces it)")
+    return False, (f"not used (the packed UNet and the rest of the run need about {need / 1e9:.1f} GB, more than the "
+                   f"{memory / 1e9:.1f} GB this process can have; --pack-weights on forces it)")
+
+
+def _warn_if_short(unet: nn.Module, step_bytes: int, memory: int) -> None:
+    """Warn before the first step where the run, as prepared, may not fit in memory."""
+    packs = any(isinstance(m, (packed.PackedConv2d, packed.PackedLinear)) for m in unet.modules())
+    need = _memory_need(unet, step_bytes, packs)
+    if need > memory:
+        log.warning("this run needs about %.1f GB (UNet%s %.1f GB, the rest %.1f GB) and this machine has about %.1f GB "
+                    "for it: it may run out of memory; --gradient-checkpointing or a lower --resolution needs less%s",
+                    need / 1e9, " packed" if packs else "", (need - step_bytes) / 1e9, step_bytes / 1e9, memory / 1e9,
+                    ", and --pack-weights off" if packs else "")
 
 
 def _apply_packing(unet: nn.Module, pack: str, auto_pack: tuple[bool, str]) -> list[str]:

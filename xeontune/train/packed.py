@@ -18,13 +18,14 @@ swaps it back). Measured in docs/performance.md ("Packed weights").
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import functools
 import os
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +184,30 @@ def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
+
+
+def file_mapped_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """How many of ``tensors``' bytes lie in mappings of regular files (/proc/self/maps, read once):
+    page cache, which MemAvailable counts as free, rather than this process's anonymous memory."""
+    if sys.platform != "linux":
+        return 0
+    spans: list[tuple[int, int]] = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            path = fields[5].strip() if len(fields) > 5 else ""
+            if fields[4] != "0" and path.startswith("/") and not path.endswith("(deleted)"):
+                low, high = (int(a, 16) for a in fields[0].split("-"))
+                spans.append((low, high))
+    spans.sort()
+    total = 0
+    for tensor in tensors:
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        i = bisect.bisect_right(spans, (start, sys.maxsize)) - 1  # the last mapping starting at or before start
+        if i >= 0 and spans[i][0] <= start and end <= spans[i][1]:
+            total += end - start
+    return total
 
 
 def _in_file_mapping(first: int, last: int) -> bool:
