@@ -229,18 +229,20 @@ def test_a_user_error_in_the_ranks_is_one_line(base_args, tmp_path):
 
 
 def test_bf16_unet_comes_from_a_mapped_copy(tiny_model, tmp_path, monkeypatch):
-    """bf16 loads write a bf16 safetensors copy once; later loads memory-map it (shared by the ranks
-    of a node) and hold the same weights; a changed model file gets a new copy."""
+    """bf16 loads write a bf16 safetensors copy once; that load and every later one memory-map it (shared
+    by the ranks of a node: no converted weights held privately) and hold the same weights; a changed
+    model file gets a new copy."""
     import torch
 
-    from xeontune.train import components
+    from xeontune.train import backends, components, packed
 
     monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
     first = components.load(str(tiny_model), unet_dtype=torch.bfloat16).unet
     copy = components.bf16_copy_dir(str(tiny_model), None, None)
     assert copy is not None and (copy / "config.json").is_file()
     weights = next(copy.glob("*.safetensors"))
-    assert str(weights.resolve()) not in Path("/proc/self/maps").read_text()
+    assert str(weights.resolve()) in Path("/proc/self/maps").read_text()
+    assert packed.file_mapped_bytes(first.parameters()) == backends.module_bytes(first) > 0  # the first run too
     second = components.load(str(tiny_model), unet_dtype=torch.bfloat16).unet
     assert str(weights.resolve()) in Path("/proc/self/maps").read_text()  # mapped, not read and converted
     from safetensors import safe_open

@@ -221,7 +221,9 @@ def bf16_copy_dir(model: str, revision: str | None, variant: str | None, part: s
 def _load_unet_in(dtype: Any, model: str, revision: str | None, variant: str | None) -> Any:
     """The frozen UNet in ``dtype``. In bf16 it comes from a bf16 safetensors copy, written on first
     use: loading that copy memory-maps it (no conversion, so no fp32 peak), and every rank on a node
-    maps the same file, so the weights' pages are held once in the page cache, not once per rank."""
+    maps the same file, so the weights' pages are held once in the page cache, not once per rank. The
+    first run maps the copy it just wrote too, and lets the converted weights go: otherwise they stay
+    private memory beside packed copies (5.1 GB for SDXL), and it would run unlike every later run."""
     import torch
     from diffusers import UNet2DConditionModel
 
@@ -233,6 +235,9 @@ def _load_unet_in(dtype: Any, model: str, revision: str | None, variant: str | N
     copy = copy or (bf16_copy_dir(model, revision, variant) if dtype == torch.bfloat16 else None)  # just downloaded
     if copy is not None:
         _write_copy(lambda tmp: unet.save_pretrained(tmp, safe_serialization=True), copy, "UNet")
+        if (copy / "config.json").is_file():  # written (or another rank's won the rename)
+            del unet
+            return UNet2DConditionModel.from_pretrained(copy, torch_dtype=dtype)
     return unet
 
 
