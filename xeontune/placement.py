@@ -81,6 +81,11 @@ def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
     return None
 
 
+def local_ranks(env: Mapping[str, str] | None = None) -> int:
+    """How many ranks of this job run on this host, this one included (1 outside a launch)."""
+    return max(_first_int(os.environ if env is None else env, _LOCAL_SIZE_VARS) or 1, 1)
+
+
 def pin_this_rank(env: Mapping[str, str] | None = None) -> list[int] | None:
     """When the launcher asked for it (``XEONTUNE_PIN_CORES=1``), pin this process to its slice of
     the host's physical cores and set OMP_NUM_THREADS to the slice's size. Call it before torch is

@@ -346,6 +346,35 @@ def test_auto_leaves_the_layers_stock_where_the_packed_copy_would_not_fit(monkey
     assert len(warned) == 2 and "--gradient-checkpointing" in warned[1] and "--pack-weights off" not in warned[1]
 
 
+def test_the_ranks_of_a_host_share_its_memory_and_pack_all_or_none(monkeypatch, tmp_path):
+    """Each rank counts its share of MemAvailable among the host's ranks (LOCAL_WORLD_SIZE, as torch's
+    launcher, mpirun and Slurm's adoption set it), and all ranks agree: one that cannot pack makes
+    every rank run stock layers (``agree``: Sync.all_true, an all-reduce MIN)."""
+    from xeontune import placement
+
+    unet_bytes = backends.module_bytes(_unet_and_vae()[0])
+    rest = 1000
+    monkeypatch.setattr(placement, "anonymous_bytes", lambda *a: 0)
+    monkeypatch.setattr(placement, "available_memory_bytes",  # room for one packed rank, not for two
+                        lambda *a: (2 * unet_bytes + rest + 1) / (1 - placement.RESERVED_FRACTION))
+    asked: list[bool] = []
+
+    def prepared(agree_with_others: bool = True) -> nn.Module:
+        unet, vae = _file_mapped(_unet_and_vae()[0], tmp_path / "unet.pt"), _unet_and_vae()[1]
+        backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", step_bytes=rest,
+                                       agree=lambda mine: asked.append(mine) or (mine and agree_with_others))
+        return unet
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert type(prepared()[0]) is packed.PackedConv2d and asked == [True]
+    assert type(prepared(agree_with_others=False)[0]) is nn.Conv2d and asked[-1] is True  # another rank said no
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert type(prepared()[0]) is nn.Conv2d and asked[-1] is False  # half the host each: it asks the others with no
+    from xeontune.train.loop import Sync
+
+    assert Sync().all_true(True) and not Sync().all_true(False)  # one process: its own answer
+
+
 def test_the_trainer_asks_for_room_for_its_step(base_args, monkeypatch):
     """setup passes what the run holds beside the UNet (the text encoder and VAE, a step's activations)
     to the packing decision: with less memory than two UNets and that, auto does not pack."""

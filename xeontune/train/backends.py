@@ -32,6 +32,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -50,12 +51,14 @@ PREPACK_ENV = "XEONTUNE_IPEX_PREPACK"
 def prepare_frozen_models(
     unet: nn.Module, vae: nn.Module, *, precision: str, ipex: str = "auto", compile: bool = False,
     pack: str = "auto", checkpointing: bool = False, step_bytes: int | None = None, family: str = "sd",
+    agree: Callable[[bool], bool] | None = None,
 ) -> tuple[nn.Module, nn.Module, list[str]]:
     """Return (unet, vae, notes): the models to train with and one line per decision taken.
 
     ``step_bytes``: what the run holds beside the UNet (the other models' weights and a step's activations);
     given, `--pack-weights auto` packs only where the packed UNet and those fit in this process's memory,
-    and a run that may not fit as prepared is warned."""
+    and a run that may not fit as prepared is warned. ``agree``: in a multi-rank run, True only where every
+    rank's answer is True, so that all ranks pack or none does (one rank short of memory slows them all)."""
     if ipex not in IPEX_CHOICES:
         raise UserError(f"--ipex must be one of {', '.join(IPEX_CHOICES)}, got {ipex!r}")
     if pack not in PACK_CHOICES:
@@ -72,6 +75,8 @@ def prepare_frozen_models(
     memory = _process_memory() if step_bytes is not None else 0  # before packing takes any of it
     if auto_pack[0] and step_bytes is not None:
         auto_pack = _packing_fits(unet, step_bytes, memory)
+    if pack == "auto" and agree is not None and not agree(auto_pack[0]) and auto_pack[0]:
+        auto_pack = (False, "not used (another rank of this run would not pack: every rank runs the same layers)")
     if ipex == "off":
         notes.append("IPEX: off (--ipex off)")
     elif ipex == "auto" and auto_pack[0]:
@@ -129,11 +134,13 @@ def module_bytes(module: nn.Module) -> int:
 
 
 def _process_memory() -> int:
-    """What this process can have: MemAvailable (which counts file-mapped weights as free) plus the
-    anonymous memory it holds already, less the margin --nproc-per-node auto leaves too."""
+    """What this process can have: its share of MemAvailable (which counts file-mapped weights as free)
+    among the ranks on this host, plus the anonymous memory it holds already, less the margin
+    --nproc-per-node auto leaves too."""
     from xeontune import placement
 
-    return int((placement.available_memory_bytes() + placement.anonymous_bytes()) * (1 - placement.RESERVED_FRACTION))
+    share = placement.available_memory_bytes() / placement.local_ranks()
+    return int((share + placement.anonymous_bytes()) * (1 - placement.RESERVED_FRACTION))
 
 
 def _memory_need(unet: nn.Module, step_bytes: int, packs: bool) -> int:

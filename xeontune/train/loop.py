@@ -99,6 +99,14 @@ class Sync:
         if self.group is not None:
             torch.distributed.barrier(group=self.group)
 
+    def all_true(self, value: bool) -> bool:
+        """True on every rank when ``value`` is True on every rank (a decision all ranks must share)."""
+        if self.group is None:
+            return value
+        flag = torch.tensor([int(value)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
     def check_same(self, value: str, what: str) -> None:
         """UserError on every rank unless all ranks hold the same ``value`` (issue 18: a node whose
         copy of --data-dir differs would train the same vectors on other images, silently)."""
@@ -387,7 +395,7 @@ def setup(
             step_bytes=placement.rank_memory_bytes(
                 sum(module_bytes(m) for m in (*components.text_encoders, components.vae)), opts.resolution,
                 opts.train_batch_size, components.family, opts.gradient_checkpointing, precision),
-            family=components.family,
+            family=components.family, agree=sync.all_true,
         )
     if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
