@@ -329,8 +329,8 @@ def start_scheduled(record: ClusterRecord, spec: LaunchSpec, job_id: str, job_di
         write_secret_env(record, job_dir, spec.env)
     provider.submit(record, spec, job)
     job_record.save_job(job)
-    say(f"submitted {record.provider} job {job.scheduler_id}: {spec.ranks} rank(s), {min(spec.ranks, spec.ppn)} per node, "
-        f"backend {spec.backend}; log: {job.log_path}")
+    say(f"submitted {record.provider} job {job.scheduler_id}: {spec.ranks} rank(s), "
+        f"{min(spec.ranks, spec.ppn)} per node, backend {spec.backend}; log: {job.log_path}")
     if detached:
         return job, 0
     try:

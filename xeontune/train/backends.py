@@ -75,8 +75,10 @@ def prepare_frozen_models(
     memory = _process_memory() if step_bytes is not None else 0  # before packing takes any of it
     if auto_pack[0] and step_bytes is not None:
         auto_pack = _packing_fits(unet, step_bytes, memory)
-    if pack == "auto" and agree is not None and not agree(auto_pack[0]) and auto_pack[0]:
-        auto_pack = (False, "not used (another rank of this run would not pack: every rank runs the same layers)")
+    if pack == "auto" and agree is not None:
+        everyone = agree(auto_pack[0])  # every rank asks, whatever its own answer: a collective
+        if auto_pack[0] and not everyone:
+            auto_pack = (False, "not used (another rank of this run would not pack: every rank runs the same layers)")
     if ipex == "off":
         notes.append("IPEX: off (--ipex off)")
     elif ipex == "auto" and auto_pack[0]:

@@ -186,20 +186,23 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
+def _mappings() -> Iterator[tuple[int, int, str, bool]]:
+    """/proc/self/maps as (low, high, permissions, of a file): True for a mapping of a regular file
+    that still exists."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(a, 16) for a in fields[0].split("-"))
+            path = fields[5].strip() if len(fields) > 5 else ""
+            yield low, high, fields[1], fields[4] != "0" and path.startswith("/") and not path.endswith("(deleted)")
+
+
 def file_mapped_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """How many of ``tensors``' bytes lie in mappings of regular files (/proc/self/maps, read once):
     page cache, which MemAvailable counts as free, rather than this process's anonymous memory."""
     if sys.platform != "linux":
         return 0
-    spans: list[tuple[int, int]] = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            path = fields[5].strip() if len(fields) > 5 else ""
-            if fields[4] != "0" and path.startswith("/") and not path.endswith("(deleted)"):
-                low, high = (int(a, 16) for a in fields[0].split("-"))
-                spans.append((low, high))
-    spans.sort()
+    spans = sorted((low, high) for low, high, _, of_file in _mappings() if of_file)
     total = 0
     for tensor in tensors:
         start = tensor.data_ptr()
@@ -214,16 +217,11 @@ def _in_file_mapping(first: int, last: int) -> bool:
     """Whether [first, last) lies inside one mapping of a regular file (per /proc/self/maps) and holds
     no anonymous page: in a private writable mapping a page that was written to is a copy-on-write
     copy, which MADV_DONTNEED would silently revert to the file's contents."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            low, high = (int(a, 16) for a in fields[0].split("-"))
-            if low <= first < high:
-                path = fields[5].strip() if len(fields) > 5 else ""
-                if not (last <= high and fields[4] != "0" and path.startswith("/") and not path.endswith("(deleted)")):
-                    return False
-                perms = fields[1]
-                return not (perms[1] == "w" and perms[3] == "p") or not _has_anonymous_pages(first, last)
+    for low, high, perms, of_file in _mappings():
+        if low <= first < high:
+            if not (last <= high and of_file):
+                return False
+            return not (perms[1] == "w" and perms[3] == "p") or not _has_anonymous_pages(first, last)
     return False
 
 
