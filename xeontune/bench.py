@@ -222,15 +222,7 @@ def _status_mb(key: str) -> float | None:
 
 def reset_peak_rss() -> bool:
     """Start a new peak-RSS window (VmHWM), after handing freed memory back to the OS."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    process = ctypes.CDLL(None)
-    for release in ("MallocExtension_ReleaseFreeMemory", "malloc_trim"):  # tcmalloc, glibc
-        fn = getattr(process, release, None)
-        if fn is not None:
-            fn(0) if release == "malloc_trim" else fn()
+    hardware.release_freed_memory()
     try:
         Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: resets VmHWM to the current RSS
     except OSError:
@@ -589,6 +581,7 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             times, warmups, phases = alternate(args, run, worker, precision, log)
             peak = max(peak, *times.pop("peaks"))
         del run
+        hardware.release_freed_memory()  # the ranks below size themselves by what this process leaves free
         if args.one_at_a_time and not args.no_baseline:
             reset_peak_rss()  # hand the optimized variant's freed memory back before the baseline loads
             with BaselineWorker(args, model, Path(tmp)) as worker:

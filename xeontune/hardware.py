@@ -286,6 +286,24 @@ def reexec_with_allocator(python_args: list[str], allocator: str | None = None) 
     return True  # not reached
 
 
+def release_freed_memory() -> None:
+    """Hand memory that Python and torch have freed back to the OS. tcmalloc keeps freed pages
+    (gigabytes after a UNet's weights go) resident for reuse, so without this, memory this process no
+    longer uses still looks taken to anything sizing itself by MemAvailable: the packing fit check of
+    other ranks, `--nproc-per-node auto`, the ranks that `bench` starts after its own steps."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    process = ctypes.CDLL(None)
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)  # tcmalloc, when preloaded
+    if release is not None:
+        release()
+    trim = getattr(process, "malloc_trim", None)  # glibc: what its own heap keeps
+    if trim is not None:
+        trim(0)
+
+
 def rank_threads(physical_cores: int | None = None) -> int:
     """Threads for this rank: OMP_NUM_THREADS if the launcher set it, else physical cores divided
     by the ranks on this host, as accelerate reads them from the MPI environment (Hydra's

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xeontune import hardware
 from xeontune.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,7 @@ def _load_unet_in(dtype: Any, model: str, revision: str | None, variant: str | N
         _write_copy(lambda tmp: unet.save_pretrained(tmp, safe_serialization=True), copy, "UNet")
         if (copy / "config.json").is_file():  # written (or another rank's won the rename)
             del unet
+            hardware.release_freed_memory()  # the converted weights, before anything sizes itself by MemAvailable
             return UNet2DConditionModel.from_pretrained(copy, torch_dtype=dtype)
     return unet
 

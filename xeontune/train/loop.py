@@ -7,7 +7,6 @@ Read ``train_step`` first: it is the whole of the math. ``setup`` builds what it
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import math
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_dir, atomic_write_json
 from xeontune.train import checkpoint, preempt, tokens, validation
@@ -472,7 +472,7 @@ def release_vae_parts(components: Components, latents: Latents, opts: TrainOptio
         components.vae.quant_conv = None
     else:
         components.vae = None
-    gc.collect()
+    hardware.release_freed_memory()
 
 
 # --- the run -----------------------------------------------------------------------------------
