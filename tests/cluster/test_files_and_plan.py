@@ -248,23 +248,26 @@ def test_teardown_without_record_is_idempotent(xeontune_home, capsys):
     assert main(["teardown", "--name", "ghost"]) == 0
 
 
-def test_ppn_auto_counts_packing_as_this_cpu_decides_only_where_the_nodes_are_this_machine(
-        xeontune_home, tiny_model, monkeypatch):
-    """`--pack-weights auto` depends on the CPU. Namespace "hosts" share this machine's: the per-rank memory
-    follows this CPU's rule there. A cloud's or Slurm's nodes are other machines (their cores come from the
-    provider or sinfo): packed weights stay counted, the safe side."""
+def test_ppn_auto_follows_this_cpu_only_where_the_nodes_are_this_machine(
+        xeontune_home, tiny_model, monkeypatch, fake_cpu):
+    """`--pack-weights auto` and `--mixed-precision auto` depend on the CPU. Namespace "hosts" share this
+    machine's: the per-rank memory follows this CPU's rules there. A cloud's or Slurm's nodes are other
+    machines (their cores come from the provider or sinfo; a Slurm login node's CPU need not be its compute
+    nodes'): packed weights stay counted and auto precision is sized as fp32, the safe side."""
     import dataclasses
 
     from xeontune.train import ranks
 
-    seen: list[bool] = []
-    monkeypatch.setattr(ranks, "rank_memory", lambda opts, precision, here=True: seen.append(here) or 10**9)
-    args = ["--model", str(tiny_model), *REQUIRED[2:]]
+    seen: list[tuple[bool, str]] = []
+    monkeypatch.setattr(ranks, "rank_memory",
+                        lambda opts, precision, here=True: seen.append((here, precision)) or 10**9)
+    args = ["--model", str(tiny_model), *REQUIRED[2:], "--mixed-precision", "auto"]
     cloud = cloud_record(xeontune_home)
     for record in (cloud, dataclasses.replace(cloud, provider="slurm"),
                    dataclasses.replace(cloud, provider="local", cores_per_node=None, memory_per_node=None)):
         job_spec.resolve_ppn(record, job_spec.read_request(args, "auto", remote=record.provider == "aws"))
-    assert seen == [False, False, True]
+    this_cpu = "bf16" if fake_cpu == "amx-xeon" else "fp32"
+    assert seen == [(False, "fp32"), (False, "fp32"), (True, this_cpu)]
 
 
 def test_ppn_auto_follows_the_ranks_per_node_rule(xeontune_home, capsys, tiny_model):

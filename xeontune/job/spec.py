@@ -144,7 +144,8 @@ def rank_args(options: TrainOptions, given: set[str]) -> list[str]:
 
 def ranks_precision(options: TrainOptions, remote: bool) -> str:
     """The precision the ranks will train in, by the trainer's rule (``hardware.choose_precision``).
-    A cloud node's CPU is not known here: auto is sized as the larger, fp32."""
+    ``remote``: the nodes are other machines (a cloud's, a Slurm partition's, whose CPU need not be the
+    login node's), whose CPU is not known here: auto is sized as the larger, fp32."""
     if remote:
         return "bf16" if options.mixed_precision == "bf16" else "fp32"
     return hardware.choose_precision(options.mixed_precision)[0]
@@ -159,8 +160,8 @@ def resolve_ppn(record: ClusterRecord, request: JobRequest) -> int:
 
     options = request.options
     provider = providers.get(record.provider)
-    precision = ranks_precision(options, provider.remote)
     here = not provider.remote and not record.cores_per_node  # the ranks run on this machine's CPU
+    precision = ranks_precision(options, remote=not here)
     if here:
         cores = len(placement.physical_cores())
         hosts = len(record.nodes) if provider.hosts_share_cores else 1  # namespaces share this machine
