@@ -22,6 +22,7 @@ SYSFS_CPU = Path("/sys/devices/system/cpu")
 SYSFS_NODE = Path("/sys/devices/system/node")
 # Set by the launcher for ranks that own their host's cores (not for namespace "hosts" that share one).
 PIN_ENV = "XEONTUNE_PIN_CORES"
+SHARED_MACHINE_ENV = "XEONTUNE_RANKS_ON_THIS_MACHINE"  # set where a job's hosts share one machine
 # Launchers name a rank's place on its host differently: torch elastic, then MPICH/Intel MPI Hydra, Open MPI.
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
 _LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
@@ -82,8 +83,11 @@ def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
 
 
 def local_ranks(env: Mapping[str, str] | None = None) -> int:
-    """How many ranks of this job run on this host, this one included (1 outside a launch)."""
-    return max(_first_int(os.environ if env is None else env, _LOCAL_SIZE_VARS) or 1, 1)
+    """How many ranks of this job share this host's memory, this one included (1 outside a launch):
+    the launcher's local size, or all the job's ranks where its "hosts" are namespaces of one machine
+    (SHARED_MACHINE_ENV, which the job sets for them: each namespace's mpirun counts its own ranks only)."""
+    env = os.environ if env is None else env
+    return max(_first_int(env, _LOCAL_SIZE_VARS) or 1, _first_int(env, (SHARED_MACHINE_ENV,)) or 1, 1)
 
 
 def pin_this_rank(env: Mapping[str, str] | None = None) -> list[int] | None:

@@ -296,13 +296,19 @@ def test_ppn_auto_follows_the_ranks_per_node_rule(xeontune_home, capsys, tiny_mo
     assert main(["launch", "--ppn", "auto", "--name", "sky", "--dry-run", "--", *args]) == 0
     remote = shlex.split(shlex.split(capsys.readouterr().out)[-1])
     assert remote[remote.index("-ppn") + 1] == "8" and remote[remote.index("-n") + 1] == "16"  # -n: every slot
-    assert launcher.build_plan(rec, 16, 8, "gloo", []).env[placement.PIN_ENV] == "1"
+    plan_env = launcher.build_plan(rec, 16, 8, "gloo", []).env
+    assert plan_env[placement.PIN_ENV] == "1" and placement.SHARED_MACHINE_ENV not in plan_env  # 8 a node
 
 
-def test_namespace_hosts_do_not_pin_and_bad_ppn_is_one_line(record, capsys):
+def test_namespace_hosts_do_not_pin_share_the_memory_and_bad_ppn_is_one_line(record, capsys):
+    """Namespace "hosts" share this machine's cores and memory: no rank pins itself, and every rank sizes
+    its packing by its share of the machine among all the job's ranks (each namespace's mpirun would count
+    its own only)."""
     from xeontune import placement
 
-    assert placement.PIN_ENV not in launcher.build_plan(record, 3, 1, "gloo", []).env
+    env = launcher.build_plan(record, 3, 1, "gloo", []).env
+    assert placement.PIN_ENV not in env and env[placement.SHARED_MACHINE_ENV] == "3"
+    assert placement.local_ranks({**env, "MPI_LOCALNRANKS": "1"}) == 3
     assert main(["launch", "--ppn", "two", "--name", "demo", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--ppn must be a positive number or auto" in err

@@ -151,6 +151,8 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
         # Each rank pins itself to its own slice of its node's physical cores (placement.py). Not
         # for namespace "hosts": they share this machine's cores, and each would pin to the first.
         env[placement.PIN_ENV] = "1"
+    else:  # nor its memory: each rank's packing fit check takes its share of all of it (placement.local_ranks)
+        env[placement.SHARED_MACHINE_ENV] = str(num_processes)
     if not remote:
         env["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
         env["HOME"] = os.environ.get("HOME", "/root")
