@@ -581,9 +581,10 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             times, warmups, phases = alternate(args, run, worker, precision, log)
             peak = max(peak, *times.pop("peaks"))
         del run
-        hardware.release_freed_memory()  # the ranks below size themselves by what this process leaves free
+        # hand the optimized variant's freed memory back: the baseline (--one-at-a-time) loads next, and the
+        # ranks below size themselves by what this process leaves free
+        reset_peak_rss()
         if args.one_at_a_time and not args.no_baseline:
-            reset_peak_rss()  # hand the optimized variant's freed memory back before the baseline loads
             with BaselineWorker(args, model, Path(tmp)) as worker:
                 notes.append(f"baseline: {worker.ready['note']}; stepped after the optimized variant (--one-at-a-time)")
                 times["baseline"], warmups["baseline"], phases["baseline"] = [], [], []

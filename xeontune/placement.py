@@ -87,7 +87,7 @@ def local_ranks(env: Mapping[str, str] | None = None) -> int:
     the launcher's local size, or all the job's ranks where its "hosts" are namespaces of one machine
     (SHARED_MACHINE_ENV, which the job sets for them: each namespace's mpirun counts its own ranks only)."""
     env = os.environ if env is None else env
-    return max(_first_int(env, _LOCAL_SIZE_VARS) or 1, _first_int(env, (SHARED_MACHINE_ENV,)) or 1, 1)
+    return max(_first_int(env, _LOCAL_SIZE_VARS) or 1, _first_int(env, (SHARED_MACHINE_ENV,)) or 1)
 
 
 def pin_this_rank(env: Mapping[str, str] | None = None) -> list[int] | None:
