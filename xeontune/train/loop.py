@@ -194,9 +194,7 @@ class Run:
         return list(range(start, start + b))
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "bf16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return precision_autocast(self.precision)
 
     def encode_text(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """The UNet's text conditioning: (encoder_hidden_states, added_cond_kwargs).
@@ -234,6 +232,14 @@ class Run:
                     f"({'none' if grad is None else 'non-finite or zero'}); a backend broke the gradient path "
                     "(e.g. IPEX weight prepacking of Linear layers). Try --ipex off."
                 )
+
+
+def precision_autocast(precision: str) -> contextlib.AbstractContextManager:
+    """What the text encoders and the UNet run under: bf16 autocast for bf16 (the UNet's weights are
+    already bf16; the text encoders' LayerNorms stay fp32), nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def train_step(run: Run, step: int) -> torch.Tensor:
