@@ -353,6 +353,36 @@ def test_sdxl_bf16_trains_with_both_encoders_linears_mapped_from_bf16_copies(xl_
     assert torch.equal(state[table][-2:], split(result.vectors)[1])
 
 
+def test_a_half_precision_variant_trains_as_its_values_in_fp32(xl_args, sdxl_model, tmp_path, monkeypatch):
+    """`--variant fp16` (SDXL's usual download) or a model saved in fp16: transformers 5 loads the text
+    encoders in their files' dtype, and an fp16 encoder broke the step. The parts are upcast: a fp32 run
+    gives the vectors of a model whose fp32 files hold the same fp16-rounded values, bit for bit; a bf16
+    run saves a pipeline whose encoders are the files' fp16 ones plus the new rows."""
+    from diffusers import StableDiffusionXLPipeline
+
+    monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
+    half, rounded = tmp_path / "half", tmp_path / "rounded"
+    StableDiffusionXLPipeline.from_pretrained(sdxl_model, torch_dtype=torch.float16).save_pretrained(half, variant="fp16")
+    StableDiffusionXLPipeline.from_pretrained(half, variant="fp16", torch_dtype=torch.float32).save_pretrained(rounded)
+    assert not [f for f in half.rglob("*.safetensors") if ".fp16." not in f.name]  # only the variant's files
+
+    fp32 = xl_args + ["--mixed-precision", "fp32", "--max-train-steps", "3"]
+    from_half = train(fp32 + ["--model", str(half), "--variant", "fp16", "--output-dir", str(tmp_path / "a")])
+    from_rounded = train(fp32 + ["--model", str(rounded), "--output-dir", str(tmp_path / "b")])
+    assert torch.equal(from_half.vectors, from_rounded.vectors)
+
+    out = tmp_path / "bf16"
+    result = train(xl_args + ["--model", str(half), "--variant", "fp16", "--mixed-precision", "bf16",
+                              "--max-train-steps", "2", "--save-as-full-pipeline", "--output-dir", str(out)])
+    assert torch.isfinite(result.vectors).all()
+    saved = StableDiffusionXLPipeline.from_pretrained(out / "pipeline")
+    for encoder, tokenizer, want in ((saved.text_encoder, saved.tokenizer, split(result.vectors)[0]),
+                                     (saved.text_encoder_2, saved.tokenizer_2, split(result.vectors)[1])):
+        assert encoder.dtype == torch.float16
+        row = encoder.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("<toy-bot>")]
+        assert torch.equal(row, want[0].half())
+
+
 @pytest.mark.slow
 def test_a_broken_gradient_path_in_the_second_encoder_stops_the_run(xl_args, monkeypatch):
     original = tokens.SplicedEmbedding.forward

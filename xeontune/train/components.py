@@ -128,9 +128,26 @@ def load(
         if module is not None:
             module.requires_grad_(False)
             module.eval()
+    upcast = {name: _in_fp32(module) for name, module in
+              (("unet", unet if unet_dtype is None else None), ("text_encoder", text_encoder),
+               ("text_encoder_2", text_encoder_2), ("vae", vae))}
     return Components(tokenizer, text_encoder, vae, unet, noise_scheduler, unet_for_inference=unet,
-                      unet_cast=unet_dtype is not None, family=family, tokenizer_2=tokenizer_2,
-                      text_encoder_2=text_encoder_2)
+                      unet_cast=unet_dtype is not None or upcast["unet"], family=family, tokenizer_2=tokenizer_2,
+                      text_encoder_2=text_encoder_2, text_encoder_cast=upcast["text_encoder"],
+                      text_encoder_2_cast=upcast["text_encoder_2"])
+
+
+def _in_fp32(module: Any) -> bool:
+    """Half-precision weights (a `--variant fp16`, or a model saved in fp16) in fp32, in place: the
+    trainer computes in fp32, or in bf16 from fp32 text encoders and a bf16 UNet copy; CPU autocast
+    refuses fp16 LayerNorm parameters and has no fast fp16 kernels. True if it cast (then a saved
+    pipeline reloads the part as its files hold it)."""
+    import torch
+
+    if module is None or next(module.parameters()).dtype == torch.float32:
+        return False
+    module.float()
+    return True
 
 
 # The hub repository that the guides name was removed in 2024; its maintained mirror:

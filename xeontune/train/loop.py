@@ -663,7 +663,7 @@ def save_pipeline(run: Run, target: Path) -> Path:
         if getattr(components, f"{name}_cast"):  # likewise its Linear layers
             encoder = load_text_encoder(opts.model, opts.revision, opts.variant, name)
         encoders[name] = (encoder, encoder.get_input_embeddings())
-        encoder.set_input_embeddings(tokens.merged_table(part, placeholder))
+        encoder.set_input_embeddings(tokens.merged_table(part, placeholder, encoder.dtype))
         encoder.config.vocab_size = encoder.get_input_embeddings().weight.shape[0]
     try:
         common = {"vae": components.vae, "unet": unet, "scheduler": components.noise_scheduler,

@@ -179,11 +179,12 @@ def install(text_encoder: nn.Module, placeholder: Placeholder, full_table: bool 
     return module
 
 
-def merged_table(module: nn.Module, placeholder: Placeholder) -> nn.Embedding:
-    """An ordinary nn.Embedding holding the frozen rows and the learned ones (for saving a pipeline)."""
+def merged_table(module: nn.Module, placeholder: Placeholder, dtype: torch.dtype | None = None) -> nn.Embedding:
+    """An ordinary nn.Embedding holding the frozen rows and the learned ones (for saving a pipeline),
+    in ``dtype`` (the saved encoder's) or the table's own."""
     base = module.table if isinstance(module, SplicedEmbedding) else module.weight.detach()
     rows = max(base.shape[0], placeholder.first_id + len(placeholder.tokens))
-    weight = torch.zeros(rows, base.shape[1], dtype=base.dtype)
+    weight = torch.zeros(rows, base.shape[1], dtype=dtype or base.dtype)
     weight[: base.shape[0]] = base
     weight[placeholder.first_id : placeholder.first_id + len(placeholder.tokens)] = module.learned()
     return nn.Embedding.from_pretrained(weight, freeze=True)
