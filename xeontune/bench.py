@@ -804,6 +804,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    if args.json_out:  # checked before minutes of benchmarking, not after
+        target = Path(args.json_out)
+        try:
+            if target.is_dir():
+                raise IsADirectoryError(21, "a folder", str(target))
+            with tempfile.TemporaryFile(dir=target.parent):  # where atomic_write_text will write
+                pass
+        except OSError as exc:
+            raise UserError(f"--json-out {target}: cannot write there ({exc.strerror})") from None
     result = run_bench(args, log)
     text = json.dumps(asdict(result), indent=2)
     if args.json_out:

@@ -226,6 +226,10 @@ def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: Pipeline
         raise UserError(f"unknown model kind {kind!r} (choose from: {', '.join(DIMS)})")
     dims = dims or DIMS[kind]
     out = Path(out_dir)
+    if out.name in ("", ".", ".."):
+        raise UserError(f"model folder {str(out_dir)!r}: name a new folder, e.g. models/{kind}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # the pipeline would replace it whole
+        raise UserError(f"{out} already exists and is not empty: name a new or empty folder")
     torch.manual_seed(seed)
     modules = build_modules(dims, build_tokenizer(dims))
     if dims.family == "sdxl":

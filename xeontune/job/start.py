@@ -105,7 +105,7 @@ def threads_per_rank(record: ClusterRecord, provider: Provider, world_size: int,
 
 def _rank_pythonpath() -> str | None:
     """The source tree, when xeontune runs from a checkout rather than an installed package."""
-    pkg_parent = Path(__file__).resolve().parent.parent
+    pkg_parent = Path(__file__).resolve().parents[2]  # xeontune/job/start.py -> the checkout
     if Path(sys.prefix).resolve() in pkg_parent.parents:
         return None
     return str(pkg_parent)

@@ -197,8 +197,11 @@ def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
 def load_config_file(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"config file {p} does not exist")
-    text = p.read_text()
+        raise UserError(f"config file {p} {'is a folder' if p.is_dir() else 'does not exist'}")
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError:
+        raise UserError(f"config file {p} is not text (YAML or TOML)") from None
     try:
         if p.suffix.lower() == ".toml":
             import tomllib

@@ -76,13 +76,17 @@ def _session(region: str | None = None) -> Any:
     global _loader
     boto3 = _boto3()
     import botocore.session
+    from botocore.exceptions import ProfileNotFound
 
     core = botocore.session.get_session()
-    if _loader is None:
-        _loader = core.get_component("data_loader")
-    else:
-        core.register_component("data_loader", _loader)
-    return boto3.session.Session(botocore_session=core, region_name=region)
+    try:
+        if _loader is None:
+            _loader = core.get_component("data_loader")
+        else:
+            core.register_component("data_loader", _loader)
+        return boto3.session.Session(botocore_session=core, region_name=region)
+    except ProfileNotFound as exc:
+        raise UserError(f"{exc}: check AWS_PROFILE (`aws configure list-profiles`)") from None
 
 
 def _client(region: str) -> Any:

@@ -78,9 +78,16 @@ class SlurmNode:
         return not self.state.lower().rstrip("*~#!%$@^-").startswith(UNUSABLE)
 
 
-def default_partition() -> str:
+def _partitions() -> str:
+    """``scontrol show partition -o``; UserError with scontrol's own words when it fails."""
     out = _run("scontrol", "show", "partition", "-o")
-    for line in out.stdout.splitlines():
+    if out.returncode != 0:
+        raise UserError(f"scontrol show partition failed: {one_line(out.stderr or out.stdout)}")
+    return out.stdout
+
+
+def default_partition() -> str:
+    for line in _partitions().splitlines():
         if re.search(r"\bDefault=YES\b", line) and (m := re.search(r"\bPartitionName=(\S+)", line)):
             return m[1]
     raise UserError("this Slurm cluster has no default partition: pass --partition (see `sinfo -s`)")
@@ -90,7 +97,7 @@ def partition_nodes(partition: str) -> list[SlurmNode]:
     """The partition's nodes with their CPUs, physical cores and memory (``sinfo``); UserError if unknown."""
     known = _run("scontrol", "show", "partition", "-o", partition)
     if known.returncode != 0 or "PartitionName=" not in known.stdout:
-        names = [m[1] for m in re.finditer(r"\bPartitionName=(\S+)", _run("scontrol", "show", "partition", "-o").stdout)]
+        names = [m[1] for m in re.finditer(r"\bPartitionName=(\S+)", _partitions())]
         raise UserError(f"unknown Slurm partition {partition!r} (partitions: {', '.join(names) or 'none'})")
     out = _run("sinfo", "-h", "-N", "-p", partition, "-o", "%N|%c|%m|%Z|%T")
     if out.returncode != 0:
