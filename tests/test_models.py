@@ -44,6 +44,28 @@ def test_cli_bad_model_kind_and_count(capsys, tmp_path):
     assert "--count must be at least 1" in capsys.readouterr().err
 
 
+def test_model_never_replaces_what_is_already_there(capsys, tmp_path):
+    """The pipeline replaces its folder whole: a folder of images, a file or the current folder given by
+    mistake is refused, untouched."""
+    images = tmp_path / "images"
+    models.write_sample_data(images, count=2, size=32)
+    (tmp_path / "notes.txt").write_text("keep")
+    for target in (images, tmp_path / "notes.txt", "."):
+        assert main(["model", "tiny", str(target)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err
+    assert len(list(images.glob("*.png"))) == 2 and (tmp_path / "notes.txt").read_text() == "keep"
+    (tmp_path / "empty").mkdir()
+    assert main(["model", "tiny", str(tmp_path / "empty")]) == 0 and (tmp_path / "empty" / "model_index.json").is_file()
+
+
+def test_a_path_that_cannot_be_written_is_one_line(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    assert main(["sample-data", str(tmp_path / "file" / "images")]) == 1  # under a file: NotADirectoryError
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and str(tmp_path / "file") in err and "Traceback" not in err
+
+
 def test_sdxl_arch_has_sdxl_base_dimensions_without_allocating_them():
     """Sized on the meta device: the real SDXL-base parameter counts, no 14 GB in memory."""
     import torch

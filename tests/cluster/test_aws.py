@@ -265,6 +265,10 @@ def test_missing_credentials_is_one_line(env, capsys, monkeypatch):
     assert cli.main(up_argv("nocred", 1)) == 2
     assert "no AWS credentials" in _one_line_error(capsys.readouterr().err)
     assert not state.exists("nocred")
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")  # botocore raises ProfileNotFound before any call
+    assert cli.main(up_argv("nocred", 1)) == 2
+    assert "no-such-profile" in _one_line_error(capsys.readouterr().err)
+    assert not state.exists("nocred")
 
 
 class _Proxy(http.server.ThreadingHTTPServer):

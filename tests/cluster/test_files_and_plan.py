@@ -404,3 +404,15 @@ def test_a_private_key_is_0600_before_its_first_byte_is_written(tmp_path, monkey
     finally:
         os.umask(old)
     assert modes == [0o600] and stat.S_IMODE(os.stat(tmp_path / "id").st_mode) == 0o600
+
+
+def test_ranks_launched_from_a_checkout_import_xeontune_from_it():
+    """The ranks' PYTHONPATH is the folder holding the package (it was the package folder itself, which
+    put xeontune's own modules, io.py among them, first on every rank's path)."""
+    from xeontune.job import start
+
+    root = start._rank_pythonpath()
+    if root is None:  # installed into the venv, not run from a checkout: nothing to add
+        assert Path(sys.prefix).resolve() in Path(start.__file__).resolve().parents
+        return
+    assert (Path(root) / "xeontune" / "job" / "start.py").resolve() == Path(start.__file__).resolve()

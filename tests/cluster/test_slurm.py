@@ -134,6 +134,19 @@ def test_run_without_sbatch_on_path_is_one_line(xeontune_home, monkeypatch, tmp_
     assert "no sbatch on PATH" in _error_line(capsys)
 
 
+def test_a_failing_scontrol_is_reported_in_its_own_words(monkeypatch):
+    """Not "no default partition" or "unknown partition (partitions: none)" when scontrol itself failed."""
+    from xeontune.cluster.providers import slurm
+
+    def scontrol_fails(*argv):
+        return subprocess.CompletedProcess(argv, 1, "", "scontrol: fatal: Could not establish a configuration source")
+
+    monkeypatch.setattr(slurm, "_run", scontrol_fails)
+    for call in (slurm.default_partition, lambda: slurm.partition_nodes("p1")):
+        with pytest.raises(UserError, match="scontrol show partition failed: .*configuration source"):
+            call()
+
+
 @pytest.mark.slow
 @pytest.mark.root
 def test_slurm_refusals_are_one_line_errors_before_anything_runs(on_slurm, tiny_model, sample_images, tmp_path,

@@ -54,6 +54,11 @@ def test_config_file_errors(tmp_path):
         parse_args(["--config", str(cfg)])
     with pytest.raises(UserError, match="does not exist"):
         parse_args(["--config", str(tmp_path / "missing.yaml")])
+    with pytest.raises(UserError, match="is a folder"):
+        parse_args(["--config", str(tmp_path)])
+    cfg.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")  # an image given by mistake
+    with pytest.raises(UserError, match="is not text"):
+        parse_args(["--config", str(cfg)])
 
 
 @pytest.mark.parametrize(("flags", "message"), [

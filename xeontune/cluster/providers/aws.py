@@ -84,6 +84,7 @@ def _session(region: str | None = None) -> Any:
             _loader = core.get_component("data_loader")
         else:
             core.register_component("data_loader", _loader)
+        core.get_scoped_config()  # an unknown AWS_PROFILE fails here, not inside a later call
         return boto3.session.Session(botocore_session=core, region_name=region)
     except ProfileNotFound as exc:
         raise UserError(f"{exc}: check AWS_PROFILE (`aws configure list-profiles`)") from None
