@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
-from tests.cluster.clusterlib import REPO
+from tests.cluster.clusterlib import REPO, cli
 from xeontune.cluster import files, manage, providers
 from xeontune.job import start as launcher
 
@@ -25,3 +27,29 @@ def test_three_ranks_all_reduce_on_localhost(xeontune_home):
         assert len(lines) == 3 and all("ok=True" in line and "master=127.0.0.1" in line for line in lines)
     finally:
         assert manage.teardown("solo").ok
+
+
+def test_teardown_stops_a_detached_job_whose_ranks_run_here(xeontune_home, tiny_model, sample_images, tmp_path):
+    """"Nothing left running": the job's runner, mpirun and ranks ran on after `teardown` had deleted the
+    cluster and the job's record (so `logs` and `fetch` could no longer reach them)."""
+    from tests.cluster.test_distributed_training import OFFLINE, train_args
+    from xeontune.job import record as job_record
+
+    tiny = {"model": tiny_model, "data": sample_images}
+    assert cli("cluster", "up", "--provider", "localhost", "-n", "1", "--name", "busy").returncode == 0
+    try:
+        started = cli("launch", "--name", "busy", "--detach", "--",
+                      *train_args(tiny, tmp_path / "out", 1, 100_000, "--mixed-precision", "fp32"), env=OFFLINE)
+        assert started.returncode == 0, started.stdout + started.stderr
+        job = job_record.load_job("busy")
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            time.sleep(0.5)
+        assert metrics.is_file() and Path(f"/proc/{job.pid}").exists()
+    finally:
+        down = cli("teardown", "--name", "busy", timeout=120)
+    assert down.returncode == 0 and f"stopping job {job.id}" in down.stderr, down.stdout + down.stderr
+    assert not Path(f"/proc/{job.pid}").exists()
+    ranks = subprocess.run(["pgrep", "-f", f"xeontune.train.*{tmp_path / 'out'}"], capture_output=True, text=True)
+    assert ranks.stdout.strip() == "", ranks.stdout

@@ -242,6 +242,8 @@ def teardown(name: str, provider_name: str | None = None, region: str | None = N
             print(f"no record of cluster {name!r} in {state.home()}: looking for resources tagged with its name "
                   "(a cluster of this name from another state dir would match too)", file=sys.stderr)
         provider_name = record.provider if record else provider_name
+        if record is not None:
+            _stop_job_on_this_machine(record)
         if provider_name is None:
             # No record and no --provider: ask every provider that can look for leftovers by name alone.
             report = providers.TeardownReport()
@@ -252,6 +254,39 @@ def teardown(name: str, provider_name: str | None = None, region: str | None = N
         if report.ok:
             state.delete(name)
         return report
+
+
+def _stop_job_on_this_machine(record: ClusterRecord) -> None:
+    """A detached job whose ranks run on this machine (localhost, namespaces) outlives the deletion of
+    its cluster: stop it first, as Ctrl-C stops an attached one (SIGINT to its runner, which passes it to
+    every rank; a second one stops them hard). Clouds' jobs end with their VMs, Slurm's are cancelled."""
+    import signal
+    import time
+
+    from xeontune.job.record import load_job, record_path
+
+    provider = providers.get(record.provider)
+    if provider.remote or provider.schedules_jobs or not record_path(record.name).is_file():
+        return
+    try:
+        job = load_job(record.name)
+    except UserError:
+        return
+    running = Path(f"/proc/{job.pid}")
+    if not job.pid or Path(job.rc_path).exists() or not running.exists():
+        return
+    print(f"stopping job {job.id}, still running on cluster {record.name!r}", file=sys.stderr)
+    for _ in range(2):
+        try:
+            os.kill(job.pid, signal.SIGINT)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 30
+        while running.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not running.exists():
+            return
+    raise UserError(f"job {job.id} (pid {job.pid}) did not stop: kill it, then run teardown again")
 
 
 def _salvage(path: os.PathLike[str], provider_name: str | None, region: str | None) -> tuple[str | None, str | None]:
