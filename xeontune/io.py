@@ -52,8 +52,9 @@ def atomic_path(path: str | os.PathLike[str], mode: int | None = None, durable: 
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())  # mkstemp makes 0600
         yield tmp
+        # after the writer: mkstemp makes 0600, and some writers (safetensors' save_file) make the file anew
+        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
         if durable:
             fsync_path(tmp)
         os.replace(tmp, target)
@@ -80,7 +81,8 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, mode: int | None =
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike[str], durable: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory that replaces ``path`` (a directory) when the block succeeds.
+    """Yield a temporary directory that replaces ``path`` (a directory) when the block succeeds; its
+    files then get the usual mode (0666 less the umask).
 
     ``durable``: fsync every file and directory in it before the rename, and the parent after it."""
     target = Path(path)
@@ -89,6 +91,9 @@ def atomic_dir(path: str | os.PathLike[str], durable: bool = False) -> Iterator[
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the result should look like a normal dir
     try:
         yield tmp
+        for file in tmp.rglob("*"):  # safetensors' save_file makes its files 0600: outputs are the user's to share
+            if file.is_file() and not file.is_symlink():
+                os.chmod(file, 0o666 & ~_umask())
         if durable:
             _fsync_tree(tmp)
         if target.exists():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 
+import pytest
 import torch
 
 from xeontune.cli import main
@@ -218,3 +219,57 @@ def test_overwrite_refuses_a_dir_with_outputs_but_no_run(capsys, base_args, tmp_
     rc, errors = run_cli(capsys, replace(base_args, "--output-dir", str(stray)) + ["--overwrite"])
     assert rc == 2 and len(errors) == 1 and "train_config.json" in errors[0], errors
     assert (stray / "learned_embeds.safetensors").read_text() == "someone else's embedding"
+
+
+@pytest.mark.parametrize(("flags", "fragment"), [
+    (["--adam-beta1", "1.5"], "--adam-beta1 and --adam-beta2"),
+    (["--adam-beta2", "-1"], "--adam-beta1 and --adam-beta2"),
+    (["--adam-epsilon", "-1"], "--adam-epsilon"),
+    (["--adam-weight-decay", "-1"], "--adam-weight-decay"),
+    (["--learning-rate", "inf"], "--learning-rate"),
+    (["--learning-rate", "1e38"], "--learning-rate"),
+    (["--lr-scheduler", "polynomial", "--lr-power", "-1"], "--lr-power"),
+    (["--lr-power", "nan"], "--lr-power"),
+    (["--lr-warmup-steps", "-5"], "--lr-warmup-steps"),
+    (["--lr-num-cycles", "0"], "--lr-num-cycles"),
+    (["--dist-timeout", "inf"], "--dist-timeout"),
+    (["--dist-wait-timeout", "inf"], "--dist-wait-timeout"),
+    (["--validation-prompt", "x", "--validation-inference-steps", "0"], "--validation-inference-steps"),
+    (["--placeholder-token", " "], "must not contain spaces"),
+    (["--placeholder-token", "<t> "], "must not contain spaces"),
+])
+def test_optimizer_schedule_and_timeout_values_are_checked_up_front(capsys, base_args, tmp_path, flags, fragment):
+    """They gave torch's tracebacks (before or in the middle of the run), or trained with nonsense."""
+    assert_one_line_error(capsys, base_args + flags, tmp_path / "out", fragment)
+
+
+def test_config_file_values_are_not_coerced(capsys, base_args, tmp_path):
+    config = tmp_path / "run.yaml"
+    for text, fragment in (("placeholder_token: 2024\n", "must be text"), ("num_vectors: 2.7\n", "whole number"),
+                           ("center_crop: treu\n", "true or false"), ("validation_prompt: [a, b]\n", "must be text")):
+        config.write_text(text)
+        args = [a for a in base_args if a != "<toy-bot>" and a != "--placeholder-token"] \
+            if "placeholder_token" in text else base_args
+        assert_one_line_error(capsys, args + ["--config", str(config)], tmp_path / "out", fragment)
+    config.write_text("mixed_precision: no\n")  # YAML's false: the example script's spelling
+    from xeontune.train.options import parse_args
+
+    assert parse_args(base_args + ["--config", str(config)]).mixed_precision == "fp32"
+
+
+def test_a_run_whose_vectors_become_non_finite_stops_without_writing_them(capsys, base_args, tmp_path, monkeypatch):
+    """The loss is checked at every step; vectors that overflowed in the optimizer step were written
+    anyway (all inf, exit 0) when the last step's loss was still finite."""
+    real_step = torch.optim.AdamW.step
+
+    def overflowing_step(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.fill_(float("inf"))
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflowing_step)
+    assert main(["train", *replace(base_args, "--max-train-steps", "2"), "--mixed-precision", "fp32"]) == 1
+    assert "vectors became non-finite at step 1" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "learned_embeds.safetensors").exists()

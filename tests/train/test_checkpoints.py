@@ -148,3 +148,38 @@ def test_a_damaged_state_file_is_a_one_line_error(tmp_path):
     (path / checkpoint.COMPLETE_FILE).unlink()
     with pytest.raises(UserError, match="incomplete"):
         checkpoint.read(path)
+
+
+def test_resuming_at_or_past_the_last_step_and_the_final_outputs(base_args, tmp_path, capsys):
+    """A checkpoint at the last step: the run writes its outputs and says nothing was left to train
+    (it crashed on the missing loss). Past the last step: a one-line error (it wrote the later step's
+    vectors labelled as the earlier one). A run's output dir given for a checkpoint: says which to give.
+    The final step gets its step copy like every N-th one, and outputs are not private (0600) files."""
+    out = tmp_path / "out"
+    common = [a for a in base_args if a not in ("--max-train-steps", "3")]
+    steps = ["--max-train-steps", "3", "--checkpointing-steps", "1", "--save-steps", "1", "--mixed-precision", "fp32"]
+    assert main(["train", *common, *steps, "--save-as-full-pipeline"]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in out.glob("learned_embeds-steps-*")) == [
+        f"learned_embeds-steps-{n}.safetensors" for n in (1, 2, 3)]
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in (out / "learned_embeds.safetensors", out / "learned_embeds-steps-3.safetensors",
+                 next((out / "pipeline" / "unet").glob("*.safetensors"))):
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file
+
+    again = tmp_path / "again"
+    assert main(["train", *common, *steps, "--output-dir", str(again),
+                 "--resume-from-checkpoint", str(out / "checkpoint-3")]) == 0
+    assert "no step left to train after 3 steps" in capsys.readouterr().out
+    from safetensors.torch import load_file
+
+    resumed, straight = (load_file(d / "learned_embeds.safetensors") for d in (again, out))
+    assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+    rc, errors, _ = run_cli(capsys, [*common, "--max-train-steps", "2", "--output-dir", str(tmp_path / "past"),
+                                     "--resume-from-checkpoint", str(out / "checkpoint-3")])
+    assert rc == 2 and len(errors) == 1 and "past --max-train-steps 2" in errors[0]
+    rc, errors, _ = run_cli(capsys, [*common, *steps, "--output-dir", str(tmp_path / "dir"),
+                                     "--resume-from-checkpoint", str(out)])
+    assert rc == 2 and len(errors) == 1 and "is a run's output dir" in errors[0] and "checkpoint-3" in errors[0]

@@ -25,6 +25,7 @@ def test_example_script_command_line_is_accepted():
         "--max_train_steps", "3000", "--learning_rate", "5.0e-04", "--scale_lr", "--lr_scheduler", "constant",
         "--lr_warmup_steps", "0", "--output_dir", "textual_inversion_cat", "--mixed_precision", "no",
         "--enable_xformers_memory_efficient_attention", "--dataloader_num_workers", "8", "--center_crop",
+        "--use_8bit_adam",  # the SDXL script's: bitsandbytes, for a few KB of optimizer state here
     ])
     assert o.model == "runwayml/stable-diffusion-v1-5" and o.data_dir == "./cat"
     assert o.gradient_accumulation_steps == 4 and o.max_train_steps == 3000 and o.scale_lr and o.center_crop

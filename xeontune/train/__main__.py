@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
         result = train(opts)
         if result.embeds_path:
-            print(f"wrote {result.embeds_path} (loss {result.final_loss:.4f} after {result.steps} steps)")
+            loss = "no step left to train" if result.final_loss is None else f"loss {result.final_loss:.4f}"
+            print(f"wrote {result.embeds_path} ({loss} after {result.steps} steps)")
         return 0
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

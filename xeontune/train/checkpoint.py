@@ -154,6 +154,10 @@ def resolve(resume_from: str, output_dir: Path) -> tuple[Path, bytes]:
         path = Path(resume_from)
         if not path.is_dir():
             raise UserError(f"--resume-from-checkpoint: {path} is not a checkpoint dir")
+        inside = _all_checkpoint_dirs(path)
+        if inside:  # a run's output dir given for one of its checkpoints
+            raise UserError(f"--resume-from-checkpoint: {path} is a run's output dir, not a checkpoint: give "
+                            f"{path / inside[-1][1].name}, or latest with --output-dir {path}")
         return path, read(path)
     found = _all_checkpoint_dirs(output_dir)
     if not found:

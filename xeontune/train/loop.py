@@ -504,6 +504,9 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
     main = accelerator.is_main_process
     out = run.output_dir
     start_step = state.step if state else 0
+    if start_step > run.max_steps:
+        raise UserError(f"--resume-from-checkpoint: the checkpoint is at step {start_step}, past --max-train-steps "
+                        f"{run.max_steps}: raise --max-train-steps to train on from it")
 
     writer = None
     if main:
@@ -536,6 +539,8 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             loss_value = float(loss)
             if not math.isfinite(loss_value):
                 raise TrainingError(f"loss became {loss_value} at step {step + 1}; lower --learning-rate")
+            if not torch.isfinite(run.embedding.learned()).all():  # a few KB; the loss shows it one step late
+                raise TrainingError(f"the vectors became non-finite at step {step + 1}; lower --learning-rate")
             sent = (run.counter.take() + loss.numel() * loss.element_size()) if run.counter else 0
             phases = run.phases.take()
             done = step + 1
@@ -639,6 +644,8 @@ def _finish(run: Run, writer) -> Path:
     opts, out = run.opts, run.output_dir
     pause_for_tests("alone", run.rank)
     path = save_embeds(run, out / "learned_embeds.safetensors", run.max_steps)
+    if opts.save_steps and run.max_steps % opts.save_steps == 0:  # as every other N-th step has one
+        save_embeds(run, out / f"learned_embeds-steps-{run.max_steps}.safetensors", run.max_steps)
     if opts.checkpointing_steps and run.max_steps % opts.checkpointing_steps == 0:
         save_checkpoint(run, run.max_steps)
     if opts.validation_prompt:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -141,6 +142,7 @@ IGNORED_FLAGS = {
     "--enable_xformers_memory_efficient_attention": 0, "--allow_tf32": 0,
     "--no_safe_serialization": 0, "--push_to_hub": 0, "--local_rank": 1, "--dataloader_num_workers": 1,
     "--tokenizer_name": 1, "--validation_epochs": 1, "--hub_token": 1, "--hub_model_id": 1,
+    "--use_8bit_adam": 0,  # bitsandbytes' 8-bit Adam: the vectors' optimizer state is a few KB here
 }
 
 
@@ -223,16 +225,36 @@ def load_config_file(path: str) -> dict[str, Any]:
         if name not in known:
             raise UserError(f"config file {p}: unknown option {key!r}")
         typ = _base_type(known[name])
-        if value is not None and typ is not str and not isinstance(value, typ):
-            try:
-                value = typ(value) if typ is not bool else str(value).lower() in ("1", "true", "yes")
-            except (TypeError, ValueError):
-                raise UserError(f"config file {p}: {key} must be {typ.__name__}, got {value!r}") from None
+        if name == "mixed_precision" and value is False:  # YAML reads the example script's `no` as false
+            value = "no"
+        if name == "nproc_per_node" and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # a count, or "auto"
+        if value is not None and not _config_value_fits(value, typ):
+            raise UserError(f"config file {p}: {key} must be {_TYPE_WORDS.get(typ, typ.__name__)}, got {value!r}")
+        if value is not None and typ is float:
+            value = float(value)
         choices = known[name].metadata["choices"]
         if choices and value not in choices:
             raise UserError(f"config file {p}: {key} must be one of {', '.join(choices)}, got {value!r}")
         out[name] = value
     return out
+
+
+_TYPE_WORDS = {str: "text (quoted)", int: "a whole number", float: "a number", bool: "true or false"}
+
+
+def _config_value_fits(value: Any, typ: Any) -> bool:
+    """A config file's value as the option's type holds it, never coerced: 2.7 is not a count, "treu"
+    is not a bool, 2024 is not a token. A whole number may be given for a float option."""
+    if typ is bool:
+        return isinstance(value, bool)
+    if typ is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if typ is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typ is str:
+        return isinstance(value, str)
+    return isinstance(value, typ)
 
 
 # Defaults that `xeontune launch` gives its ranks through the environment. They sit below the config
@@ -293,7 +315,10 @@ def validate(o: TrainOptions) -> TrainOptions:
     o.nproc_per_node = str(o.nproc_per_node).strip().lower()  # a config file may give a number
     if o.mixed_precision == "fp16":
         raise UserError("--mixed-precision fp16 is not supported on CPUs; use bf16 (with AMX) or fp32")
+    finite = math.isfinite
     checks = [
+        (all(isinstance(getattr(o, n), str) for n in ("model", "data_dir", "placeholder_token", "initializer_token")),
+         "--model, --data-dir, --placeholder-token and --initializer-token must be text (quote them in a config file)"),
         (o.num_vectors >= 1, f"--num-vectors must be at least 1, got {o.num_vectors}"),
         (o.resolution > 0 and o.resolution % 8 == 0, f"--resolution must be a positive multiple of 8, got {o.resolution}"),
         (o.train_batch_size >= 1, "--train-batch-size must be at least 1"),
@@ -301,18 +326,26 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.max_train_steps is None or o.max_train_steps >= 1, "--max-train-steps must be at least 1"),
         (o.num_train_epochs >= 1, "--num-train-epochs must be at least 1"),
         (o.repeats >= 1, "--repeats must be at least 1"),
-        (o.learning_rate > 0, "--learning-rate must be positive"),
+        (finite(o.learning_rate) and 0 < o.learning_rate <= 1e3, "--learning-rate must be positive and at most 1000"),
+        (o.lr_warmup_steps >= 0, "--lr-warmup-steps must be >= 0"),
+        (o.lr_num_cycles >= 1, "--lr-num-cycles must be at least 1"),
+        (finite(o.lr_power) and o.lr_power > 0, "--lr-power must be positive"),
+        (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1, "--adam-beta1 and --adam-beta2 must be in [0, 1)"),
+        (finite(o.adam_epsilon) and o.adam_epsilon >= 0, "--adam-epsilon must be >= 0"),
+        (finite(o.adam_weight_decay) and o.adam_weight_decay >= 0, "--adam-weight-decay must be >= 0"),
         (0.0 <= o.flip_p <= 1.0, "--flip-p must be between 0 and 1"),
         (o.num_validation_images >= 1, "--num-validation-images must be at least 1"),
         (o.validation_steps >= 1, "--validation-steps must be at least 1"),
+        (o.validation_inference_steps >= 1, "--validation-inference-steps must be at least 1"),
         (o.save_steps >= 0 and o.checkpointing_steps >= 0, "--save-steps and --checkpointing-steps must be >= 0"),
         (o.checkpoints_total_limit is None or o.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1"),
         (o.max_grad_norm is None or o.max_grad_norm > 0, "--max-grad-norm must be positive"),
-        (o.dist_timeout > 0, "--dist-timeout must be positive"),
+        (finite(o.dist_timeout) and o.dist_timeout > 0, "--dist-timeout must be a positive number of seconds"),
         (o.nproc_per_node == "auto" or (o.nproc_per_node.isdigit() and int(o.nproc_per_node) >= 1),
          f"--nproc-per-node must be a positive number or auto, got {o.nproc_per_node!r}"),
-        (o.dist_wait_timeout > 0, "--dist-wait-timeout must be positive"),
-        (" " not in o.placeholder_token.strip(), "--placeholder-token must not contain spaces"),
+        (finite(o.dist_wait_timeout) and o.dist_wait_timeout > 0, "--dist-wait-timeout must be a positive number of seconds"),
+        (not any(c.isspace() for c in o.placeholder_token), "--placeholder-token must not contain spaces"),
+        (o.validation_prompt is None or isinstance(o.validation_prompt, str), "--validation-prompt must be text"),
     ]
     for ok, message in checks:
         if not ok:
