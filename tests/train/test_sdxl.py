@@ -365,6 +365,8 @@ def test_a_half_precision_variant_trains_as_its_values_in_fp32(xl_args, sdxl_mod
     StableDiffusionXLPipeline.from_pretrained(sdxl_model, torch_dtype=torch.float16).save_pretrained(half, variant="fp16")
     StableDiffusionXLPipeline.from_pretrained(half, variant="fp16", torch_dtype=torch.float32).save_pretrained(rounded)
     assert not [f for f in half.rglob("*.safetensors") if ".fp16." not in f.name]  # only the variant's files
+    with pytest.raises(UserError, match="add --variant fp16"):  # forgotten: the error says what to add
+        train(xl_args + ["--model", str(half), "--output-dir", str(tmp_path / "none")])
 
     fp32 = xl_args + ["--mixed-precision", "fp32", "--max-train-steps", "3"]
     from_half = train(fp32 + ["--model", str(half), "--variant", "fp16", "--output-dir", str(tmp_path / "a")])

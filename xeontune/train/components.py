@@ -123,7 +123,9 @@ def load(
         if missing:
             raise UserError(not_found_message(model, gated=missing == "gated")) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise UserError(f"cannot load a Stable Diffusion pipeline from {model!r}: {first}") from None
+        variants = sorted({f.name.split(".")[1].split("-")[0] for f in local.glob("*/*.*.safetensors")}) if local.is_dir() else []
+        hint = f" (its weights are a variant: add --variant {variants[0]})" if variants and not variant else ""
+        raise UserError(f"cannot load a Stable Diffusion pipeline from {model!r}: {first}{hint}") from None
     for module in (text_encoder, text_encoder_2, vae, unet):
         if module is not None:
             module.requires_grad_(False)
