@@ -53,3 +53,20 @@ def test_teardown_stops_a_detached_job_whose_ranks_run_here(xeontune_home, tiny_
     assert not Path(f"/proc/{job.pid}").exists()
     ranks = subprocess.run(["pgrep", "-f", f"xeontune.train.*{tmp_path / 'out'}"], capture_output=True, text=True)
     assert ranks.stdout.strip() == "", ranks.stdout
+
+
+def test_status_lists_the_other_clusters_past_a_damaged_record(xeontune_home):
+    from xeontune.cluster import state
+
+    for name in ("good", "bad"):
+        assert cli("cluster", "up", "--provider", "localhost", "-n", "1", "--name", name).returncode == 0
+    (state.cluster_dir("bad") / "cluster.json").write_text("{ truncated")
+    try:
+        listed = cli("cluster", "status")
+        assert listed.returncode == 2 and "cluster 'good'" in listed.stdout, listed.stdout + listed.stderr
+        assert "warning:" in listed.stderr and "bad" in listed.stderr
+        alone = cli("cluster", "status", "--name", "bad")  # asked by name: the error itself
+        assert alone.returncode == 2 and alone.stderr.startswith("error:") and alone.stderr.count("\n") == 1
+    finally:
+        for name in ("good", "bad"):
+            cli("teardown", "--name", name, "--provider", "localhost")

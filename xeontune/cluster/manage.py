@@ -155,8 +155,17 @@ def status_command(args: argparse.Namespace) -> int:
     if not names:
         print("no clusters (create one with `xeontune cluster up --provider local -n 3`)")
         return 0
+    failed = 0
     for name in names:
-        record = state.load(name)
+        if not args.name:  # listing all: one damaged record must not hide the others (they may be billing)
+            try:
+                record = state.load(name)
+            except UserError as exc:
+                print(f"warning: {exc}", file=sys.stderr)
+                failed += 1
+                continue
+        else:
+            record = state.load(name)
         provider = providers.get(record.provider)
         statuses = {s.name: s.state for s in provider.query(record)}
         print(f"cluster {record.name!r}: provider {record.provider}, {len(record.nodes)} node(s), "
@@ -172,7 +181,7 @@ def status_command(args: argparse.Namespace) -> int:
 
             print(f"  autostop: after {record.autostop_minutes} min idle, {autostop.watcher_state(record)} "
                   f"(log: {record.head.name}:{_autostop_log(record)})")
-    return 0
+    return 2 if failed else 0
 
 
 def _autostop_log(record: ClusterRecord) -> str:
