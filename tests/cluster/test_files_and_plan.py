@@ -153,6 +153,7 @@ def ranks_options(capsys, monkeypatch, *train_args: str):
 @pytest.mark.parametrize("spelling", ["kebab", "snake", "config"])
 def test_the_users_dist_options_win_over_launchs_in_every_spelling(record, capsys, monkeypatch, tmp_path, spelling):
     required = REQUIRED
+    monkeypatch.setattr(hardware, "ccl_available", lambda: (True, "ok"))  # ccl is checked up front now
     if spelling == "config":
         cfg = tmp_path / "run.yaml"
         cfg.write_text("dist_timeout: 300\ndist_backend: ccl\n")
@@ -181,7 +182,13 @@ def test_ccl_without_bindings_is_a_user_error(record, monkeypatch):
     monkeypatch.setattr(hardware, "ccl_available", lambda: (False, "it does not import"))
     with pytest.raises(UserError, match="oneccl_bindings_for_pytorch"):
         launcher.build_plan(record, 2, 1, "ccl", [])
+    with pytest.raises(UserError, match="oneccl_bindings_for_pytorch"):  # given after --: checked before any rank
+        job_spec.read_request([*REQUIRED, "--dist-backend", "ccl"])
+    with pytest.raises(UserError, match="give one"):
+        job_spec.read_request([*REQUIRED, "--dist_backend", "ccl"], backend="gloo")
     assert launcher.build_plan(record, 2, 1, "auto", []).backend == "gloo"
+    monkeypatch.setattr(hardware, "ccl_available", lambda: (True, "ok"))
+    assert job_spec.read_request([*REQUIRED, "--dist-backend", "gloo"]).backend == "gloo"  # not auto's ccl
 
 
 def test_cloud_plan_runs_on_the_head_over_ssh(xeontune_home):

@@ -124,6 +124,11 @@ def read_request(train_args: list[str], ppn: str = "1", backend: str = "auto", e
     if options.resume_from_checkpoint and fresh_cluster:
         raise UserError("--resume-from-checkpoint: a new cluster holds no checkpoint; resume on the cluster that "
                         "wrote it (`xeontune run --name <it>` or `xeontune launch`)")
+    if "dist_backend" in given:  # given after --: the launch's backend, checked here like launch's own flag
+        if backend not in ("auto", options.dist_backend):
+            raise UserError(f"--dist-backend {backend} and, after --, --dist-backend {options.dist_backend}: "
+                            "give one")
+        backend = options.dist_backend
     return JobRequest(options=options, given=given, ppn=ppn, backend=choose_backend(backend), env=env_vars)
 
 
