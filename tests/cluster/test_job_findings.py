@@ -21,6 +21,7 @@ from xeontune.job import fetch, record, spec, start
 from xeontune.job.record import JobInfo
 
 REQUIRED = ["--model", "org/model", "--placeholder-token", "<t>", "--initializer-token", "toy"]
+DATA = str(Path(__file__).parent)  # a folder that exists: run copies --data-dir from this machine
 
 
 @pytest.fixture
@@ -103,7 +104,7 @@ def test_a_refused_destination_sends_the_outputs_to_a_fresh_folder_beside_it(fak
         write_outputs(dest, b"another run")
 
     fake_start(monkeypatch, tmp_path / "head", someone_fills_dest)
-    assert run_cli("--name", "c1", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(dest)) == 0
+    assert run_cli("--name", "c1", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(dest)) == 0
     out = capsys.readouterr().out
     beside = tmp_path / "out-job1"
     assert (beside / "learned_embeds.safetensors").read_bytes() == b"vectors"
@@ -123,7 +124,7 @@ def test_a_failed_final_fetch_keeps_the_cluster_and_says_how_to_fetch(fake, monk
         raise failure
 
     monkeypatch.setattr(fetch, "fetch", failing_fetch)
-    rc = run_cli("--name", "c2", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(tmp_path / "out"))
+    rc = run_cli("--name", "c2", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(tmp_path / "out"))
     assert rc != 0
     assert terminations(fake) == 0 and state.exists("c2")
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -151,13 +152,13 @@ def test_a_connection_lost_during_the_final_fetch_is_tried_again(fake, monkeypat
     head = FlakyHead(drops=2)
     use_head(monkeypatch, head)
     out = tmp_path / "out"
-    assert run_cli("--name", "c3", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(out)) == 0
+    assert run_cli("--name", "c3", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(out)) == 0
     assert head.drops == 0 and (out / "learned_embeds.safetensors").read_bytes() == b"vectors"
     assert capsys.readouterr().out.count("trying again") == 1
     assert terminations(fake) == 1 and not state.exists("c3")
     monkeypatch.setenv("XEONTUNE_RECONNECT_S", "0")
     use_head(monkeypatch, FlakyHead(drops=10**6))
-    assert run_cli("--name", "c4", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(tmp_path / "o4")) != 0
+    assert run_cli("--name", "c4", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(tmp_path / "o4")) != 0
     assert terminations(fake) == 1 and state.exists("c4")
     assert "xeontune fetch --name c4" in capsys.readouterr().out.strip().splitlines()[-1]
 
@@ -173,7 +174,7 @@ def test_a_run_whose_up_fails_never_deletes_a_cluster_it_did_not_make(fake, monk
         raise UserError(f"cluster {cluster_spec.name!r} already exists")
 
     monkeypatch.setattr(manage, "up", racing_up)
-    assert run_cli("--name", "race", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(tmp_path / "o")) == 2
+    assert run_cli("--name", "race", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(tmp_path / "o")) == 2
     assert "already exists" in capsys.readouterr().err
     assert terminations(fake) == 0 and state.exists("race")
 
@@ -190,6 +191,9 @@ def test_a_run_whose_up_fails_never_deletes_a_cluster_it_did_not_make(fake, monk
     ([], ["--resolution", "33"], "--resolution must be a positive multiple of 8"),
     ([], ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--env", "XT_UNSET_FOR_TESTS"], [], "give KEY=VALUE, or export it"),
+    (["--autostop", "-1"], [], "--autostop takes minutes"),
+    ([], ["--data-dir", "/no-such-data"], "is not a directory on this machine"),
+    ([], ["--dist-backend", "ccl"], "--dist-backend ccl needs oneccl_bindings_for_pytorch"),
 ])
 def test_mistakes_are_refused_before_a_cluster_is_created(fake, monkeypatch, tmp_path, capsys, run_flags,
                                                           train_flags, message):
@@ -198,7 +202,7 @@ def test_mistakes_are_refused_before_a_cluster_is_created(fake, monkeypatch, tmp
     from xeontune import hardware
 
     monkeypatch.setattr(hardware, "ccl_available", lambda: (False, "it does not import"))
-    assert run_cli("--name", "c5", *run_flags, "--", *REQUIRED, "--data-dir", "/data",
+    assert run_cli("--name", "c5", *run_flags, "--", *REQUIRED, "--data-dir", DATA,
                    "--output-dir", str(tmp_path / "o"), *train_flags) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
@@ -388,7 +392,7 @@ def test_run_resumes_on_a_reused_cluster_in_its_last_jobs_output_dir(fake, monke
 
     monkeypatch.setattr(start, "start", started)
     monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: 1)
-    assert run_cli("--name", "c", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(tmp_path / "o"),
+    assert run_cli("--name", "c", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(tmp_path / "o"),
                    "--resume-from-checkpoint", "latest") == 1
     spec_seen = seen[0]
     assert spec_seen.output_dir == "/srv/fake/work/runs/old"
@@ -451,7 +455,7 @@ def test_a_connection_that_does_not_come_back_keeps_the_cluster(fake, monkeypatc
     ended the job and the cluster. Now the job goes on on the head and the cluster stays."""
     fake_start(monkeypatch, tmp_path / "head")
     monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: None)
-    assert run_cli("--name", "gone", "--", *REQUIRED, "--data-dir", "/data",
+    assert run_cli("--name", "gone", "--", *REQUIRED, "--data-dir", DATA,
                    "--output-dir", str(tmp_path / "o")) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "did not come back" in last and "xeontune fetch --name gone" in last and "teardown --name gone" in last
@@ -472,7 +476,7 @@ def test_ctrl_c_while_following_stops_the_job_on_the_head_then_tears_down(fake, 
 
     monkeypatch.setattr(fetch, "follow_job", follow)
     monkeypatch.setattr(fetch, "stop_job", lambda rec, job: calls.append("stop"))
-    assert run_cli("--name", "int", "--", *REQUIRED, "--data-dir", "/data", "--output-dir", str(tmp_path / "o")) == 130
+    assert run_cli("--name", "int", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(tmp_path / "o")) == 130
     assert calls == ["follow", "stop", "follow"]
     out = capsys.readouterr().out
     assert "stopping the job on every rank" in out and out.strip().splitlines()[-1].startswith("deleted cluster 'int'")

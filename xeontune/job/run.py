@@ -172,6 +172,9 @@ def run(opts: RunOptions) -> int:
     dest = request.local_output_dir
     fetch.check_destination(dest, request.options.overwrite)
     data_dir = request.options.data_dir
+    if provider.remote and data_dir and not Path(data_dir).expanduser().is_dir():  # run copies it from here
+        raise UserError(f"--data-dir {data_dir} is not a directory on this machine (run copies it to the nodes)")
+    spec_args = None if reused else manage.spec_from_args(_spec_args(opts, name, data_dir))  # checks --autostop, ...
 
     outcome = Outcome(name=name, provider=opts.provider, region=opts.region, keep=opts.keep, reused=reused)
     try:
@@ -181,7 +184,6 @@ def run(opts: RunOptions) -> int:
                 _say(f"[1/4] reusing cluster {name!r} ({record.provider}, {len(record.nodes)} node(s))")
             else:
                 _say(f"[1/4] creating cluster {name!r} ({opts.provider}, -n {opts.nodes})")
-                spec_args = manage.spec_from_args(_spec_args(opts, name, data_dir))
                 # `up` rolls back what it made when it fails; only a cluster it made is ours to delete
                 # (a `run --name X` racing this one fails here, and must not delete the other's X)
                 record, _ = manage.up(spec_args, opts.provider)
