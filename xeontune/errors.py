@@ -22,8 +22,9 @@ class TrainingError(RuntimeError):
 
 
 def exit_status(command: Callable[[], int | None]) -> int:
-    """Run a command's body as the CLI does: a UserError is one line on stderr and its exit code,
-    a filesystem error on a named path one line and exit 1, Ctrl-C is 130. For modules run with ``python -m`` that must not import the CLI (no import cycle)."""
+    """Run a command's body as the CLI does: a UserError is one line on stderr and its exit code, a
+    filesystem error on a named path one line and exit 1, Ctrl-C is 130. For modules run with
+    ``python -m`` that must not import the CLI (no import cycle)."""
     try:
         return int(command() or 0)
     except UserError as exc:

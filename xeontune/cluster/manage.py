@@ -15,8 +15,10 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from xeontune.cluster import files, providers, state
@@ -269,9 +271,6 @@ def _stop_job_on_this_machine(record: ClusterRecord) -> None:
     """A detached job whose ranks run on this machine (localhost, namespaces) outlives the deletion of
     its cluster: stop it first, as Ctrl-C stops an attached one (SIGINT to its runner, which passes it to
     every rank; a second one stops them hard). Clouds' jobs end with their VMs, Slurm's are cancelled."""
-    import signal
-    import time
-
     from xeontune.job.record import load_job, record_path
 
     provider = providers.get(record.provider)
