@@ -255,6 +255,9 @@ def test_config_file_values_are_not_coerced(capsys, base_args, tmp_path):
     from xeontune.train.options import parse_args
 
     assert parse_args(base_args + ["--config", str(config)]).mixed_precision == "fp32"
+    config.write_text("adam_epsilon: 1e-8\nnum_vectors: '3'\ncenter_crop: 'yes'\n")  # YAML 1.1 reads 1e-8 as text
+    read = parse_args(base_args + ["--config", str(config)])
+    assert (read.adam_epsilon, read.num_vectors, read.center_crop) == (1e-8, 3, True)
 
 
 def test_a_run_whose_vectors_become_non_finite_stops_without_writing_them(capsys, base_args, tmp_path, monkeypatch):

@@ -229,10 +229,12 @@ def load_config_file(path: str) -> dict[str, Any]:
             value = "no"
         if name == "nproc_per_node" and isinstance(value, int) and not isinstance(value, bool):
             value = str(value)  # a count, or "auto"
-        if value is not None and not _config_value_fits(value, typ):
-            raise UserError(f"config file {p}: {key} must be {_TYPE_WORDS.get(typ, typ.__name__)}, got {value!r}")
-        if value is not None and typ is float:
-            value = float(value)
+        if value is not None:
+            try:
+                value = _config_value(value, typ)
+            except ValueError:
+                raise UserError(f"config file {p}: {key} must be {_TYPE_WORDS.get(typ, typ.__name__)}, "
+                                f"got {value!r}") from None
         choices = known[name].metadata["choices"]
         if choices and value not in choices:
             raise UserError(f"config file {p}: {key} must be one of {', '.join(choices)}, got {value!r}")
@@ -241,20 +243,31 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 _TYPE_WORDS = {str: "text (quoted)", int: "a whole number", float: "a number", bool: "true or false"}
+_BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
 
-def _config_value_fits(value: Any, typ: Any) -> bool:
-    """A config file's value as the option's type holds it, never coerced: 2.7 is not a count, "treu"
-    is not a bool, 2024 is not a token. A whole number may be given for a float option."""
+def _config_value(value: Any, typ: Any) -> Any:
+    """A config file's value as the option's type, never guessed: 2.7 is not a count, "treu" is not a
+    bool, 2024 is not a token (ValueError). Numbers written as text are read as numbers: YAML 1.1 reads
+    1e-8 (no dot) as a string."""
     if typ is bool:
-        return isinstance(value, bool)
-    if typ is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if typ is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if typ is str:
-        return isinstance(value, str)
-    return isinstance(value, typ)
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str | int) and str(value).lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[str(value).lower()]
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            return int(value)
+    elif typ is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            return float(value)  # ValueError for text that is not a number
+    elif isinstance(value, typ):
+        return value
+    raise ValueError(value)
 
 
 # Defaults that `xeontune launch` gives its ranks through the environment. They sit below the config
