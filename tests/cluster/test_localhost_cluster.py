@@ -70,3 +70,26 @@ def test_status_lists_the_other_clusters_past_a_damaged_record(xeontune_home):
     finally:
         for name in ("good", "bad"):
             cli("teardown", "--name", name, "--provider", "localhost")
+
+
+def test_logs_follow_ends_on_a_job_whose_status_file_is_not_a_number(xeontune_home, tmp_path):
+    """It waited forever: the runner was gone and its rc file held no number (a damaged disk, a hand edit)."""
+    from xeontune.job import record as job_record
+
+    assert cli("cluster", "up", "--provider", "localhost", "-n", "1", "--name", "odd").returncode == 0
+    try:
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        job_dir = tmp_path / "job"
+        job_dir.mkdir()
+        (job_dir / "log").write_text("step 1/2\n")
+        (job_dir / "pid").write_text(f"{gone.pid}\n")
+        (job_dir / "rc").write_text("garbage\n")
+        job_record.save_job(job_record.JobInfo(id="j1", cluster="odd", output_dir=str(tmp_path / "out"),
+                                               local_output_dir=str(tmp_path / "out"), job_dir=str(job_dir),
+                                               detached=True, pid=gone.pid))
+        follow = cli("logs", "--name", "odd", "-f", timeout=60)
+        assert follow.returncode == 1 and "step 1/2" in follow.stdout, follow.stdout + follow.stderr
+        assert "without an exit status" in follow.stderr
+    finally:
+        cli("teardown", "--name", "odd")

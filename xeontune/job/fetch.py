@@ -416,6 +416,11 @@ def logs_command(name: str, follow: bool) -> int:
         raise HeadError(f"{exc}; the job goes on: follow it again with `xeontune logs --name {name} -f`") from None
 
 
+def _status(rc_text: bytes | None) -> int | None:
+    """A job's exit status from its ``rc`` file; None when there is none or it is not a number."""
+    return int(rc_text) if rc_text is not None and rc_text.strip().lstrip(b"-").isdigit() else None
+
+
 def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | None = None,
             connected: Callable[[], None] | None = None) -> int:
     """Print the log from ``pos[0]`` on (kept there across connections); return the job's status."""
@@ -435,8 +440,7 @@ def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | 
                 out.write(chunk)
                 out.flush()
                 pos[0] += len(chunk)
-            if rc_text is not None and rc_text.strip().lstrip(b"-").isdigit():
-                rc = int(rc_text)
+            if (rc := _status(rc_text)) is not None:
                 if follow:
                     print(f"xeontune: job {job.id} exited with status {rc}", file=sys.stderr, flush=True)
                 return rc
@@ -445,7 +449,7 @@ def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | 
             ended = scheduler.job_ended(record, job) if scheduler else None
             if ended is not None:
                 time.sleep(0.5)  # its script may have written its status just now
-                if head.read(job.rc_path) is None:
+                if _status(head.read(job.rc_path)) is None:
                     print(f"xeontune: job {job.id} ({record.provider} job {job.scheduler_id}) ended {ended} "
                           "without an exit status (cancelled, or killed at its time limit?)", file=sys.stderr)
                     return 1
@@ -453,7 +457,7 @@ def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | 
             pid = (head.read(job.pid_path) or b"").strip()
             if pid.isdigit() and not head.exists(f"/proc/{int(pid)}"):
                 time.sleep(0.5)  # it may have written its status just now
-                if head.read(job.rc_path) is None:
+                if _status(head.read(job.rc_path)) is None:  # none, or not a number: it waited forever on that
                     print(f"xeontune: job {job.id} ended without an exit status (killed?)", file=sys.stderr)
                     return 1
                 continue
