@@ -210,3 +210,12 @@ def test_one_at_a_time_steps_the_baseline_after_the_optimized_variant(tiny_model
     assert len(result["baseline"]["step_times_s"]) == len(result["optimized"]["step_times_s"]) == 2
     assert result["baseline"]["phases"]["latents"] > 0
     assert any("--one-at-a-time" in n for n in result["config"]["backend_notes"])
+
+
+def test_an_unwritable_json_out_is_refused_before_the_bench_runs(tiny_model, tmp_path, capsys):
+    """It ran the whole bench, then failed to write (a folder, or a path under a missing one)."""
+    for target in (tmp_path, tmp_path / "missing" / "out.json"):
+        assert main(["bench", "--model", str(tiny_model), *FAST, "--no-rss", "--json-out", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert "--json-out" in err and "cannot write there" in err, err
+        assert "warm-up" not in err and "step 1" not in err, err  # refused up front: not one step ran

@@ -806,9 +806,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.json_out:  # checked before minutes of benchmarking, not after
         target = Path(args.json_out)
+        if target.is_dir():
+            raise UserError(f"--json-out {target}: cannot write there (a folder)")
         try:
-            if target.is_dir():
-                raise IsADirectoryError(21, "a folder", str(target))
             with tempfile.TemporaryFile(dir=target.parent):  # where atomic_write_text will write
                 pass
         except OSError as exc:

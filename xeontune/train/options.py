@@ -330,8 +330,6 @@ def validate(o: TrainOptions) -> TrainOptions:
         raise UserError("--mixed-precision fp16 is not supported on CPUs; use bf16 (with AMX) or fp32")
     finite = math.isfinite
     checks = [
-        (all(isinstance(getattr(o, n), str) for n in ("model", "data_dir", "placeholder_token", "initializer_token")),
-         "--model, --data-dir, --placeholder-token and --initializer-token must be text (quote them in a config file)"),
         (o.num_vectors >= 1, f"--num-vectors must be at least 1, got {o.num_vectors}"),
         (o.resolution > 0 and o.resolution % 8 == 0, f"--resolution must be a positive multiple of 8, got {o.resolution}"),
         (o.train_batch_size >= 1, "--train-batch-size must be at least 1"),
@@ -358,7 +356,6 @@ def validate(o: TrainOptions) -> TrainOptions:
          f"--nproc-per-node must be a positive number or auto, got {o.nproc_per_node!r}"),
         (finite(o.dist_wait_timeout) and o.dist_wait_timeout > 0, "--dist-wait-timeout must be a positive number of seconds"),
         (not any(c.isspace() for c in o.placeholder_token), "--placeholder-token must not contain spaces"),
-        (o.validation_prompt is None or isinstance(o.validation_prompt, str), "--validation-prompt must be text"),
     ]
     for ok, message in checks:
         if not ok:
