@@ -308,3 +308,4 @@ def test_a_resume_error_on_rank_0_ends_the_job_at_once(local_cluster, tiny, tmp_
     errors = [line for line in (dist.stdout + dist.stderr).splitlines() if "error:" in line]
     assert dist.returncode != 0 and took < 60, (took, dist.stdout[-2000:], dist.stderr[-2000:])
     assert len(errors) == 1 and "no checkpoint in" in errors[0], errors
+    assert "Traceback" not in dist.stdout + dist.stderr, (dist.stdout + dist.stderr)[-3000:]

@@ -228,6 +228,20 @@ def test_a_user_error_in_the_ranks_is_one_line(base_args, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
+def test_an_error_only_rank_0_sees_is_one_line_and_the_others_say_why_they_stopped(base_args, tmp_path):
+    """Rank 0 alone checks the output dir: its error is the one "error:" line; rank 1, whose next
+    collective finds rank 0 gone, says it stopped for that (it printed gloo's traceback before)."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "learned_embeds.safetensors").write_bytes(b"")
+    proc = subprocess.run([sys.executable, "-m", "xeontune.cli", "train", *base_args, "--nproc-per-node", "2",
+                           "--output-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "holds another run" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_bf16_unet_comes_from_a_mapped_copy(tiny_model, tmp_path, monkeypatch):
     """bf16 loads write a bf16 safetensors copy once; that load and every later one memory-map it (shared
     by the ranks of a node: no converted weights held privately) and hold the same weights; a changed

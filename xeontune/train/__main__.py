@@ -12,7 +12,7 @@ from xeontune.quiet import quiet_libraries
 
 
 def _configure_logging() -> None:
-    rank = int(os.environ.get("PMI_RANK", os.environ.get("RANK", "0")))
+    rank = int(_rank())
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format="%(levelname)s %(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s %(message)s",
@@ -95,9 +95,27 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt as exc:
         name = str(exc.args[0]) if exc.args else "SIGINT"
-        rank = os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))
-        print(f"rank {rank} interrupted ({name}): stopped", file=sys.stderr)
+        print(f"rank {_rank()} interrupted ({name}): stopped", file=sys.stderr)
         return 128 + int(getattr(signal, name, signal.SIGINT))
+    except RuntimeError as exc:
+        if not another_rank_ended(exc):
+            raise
+        # Rank 0 alone checks some inputs (the output dir, the checkpoint to resume): it prints the
+        # one-line error and exits, and every other rank's next collective finds its socket closed.
+        print(f"rank {_rank()} stopped: another rank ended first (its message is above)", file=sys.stderr)
+        return 1
+
+
+# What gloo says when the rank at the other end of a collective has exited.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def another_rank_ended(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_GONE)
+
+
+def _rank() -> str:
+    return os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))
 
 
 def _plan_ranks(opts):
