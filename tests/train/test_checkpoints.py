@@ -132,6 +132,14 @@ def test_latest_falls_back_past_an_unreadable_checkpoint(base_args, tmp_path, ca
     assert steps == [1, 2, 3, 4, 5, 6]
     assert result.steps == 6
 
+    # from an older checkpoint, after a crash that cut the last line short: steps 5 and 6 are trained
+    # again and logged once, and the next line does not glue onto the broken one
+    with open(out / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 7, "lo')
+    loop.train(parse_args(common + ["--max-train-steps", "6", "--resume-from-checkpoint", str(out / "checkpoint-4")]))
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
     # nothing complete left: one line naming what was skipped
     for _, path in checkpoint.list_checkpoints(out):
         shutil.rmtree(path)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
-from xeontune.io import atomic_dir, atomic_write_json
+from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text
 from xeontune.train import checkpoint, preempt, tokens, validation
 from xeontune.train.components import (
     Components,
@@ -493,6 +493,24 @@ class TrainResult:
     embeds_path: Path | None
 
 
+def keep_metrics_up_to(path: Path, step: int) -> None:
+    """Drop metrics.jsonl's lines after ``step``, which a resume from that step trains again (each step
+    would be logged twice), and a line a crash cut short (the next append would glue onto it)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+
+    def logged_step(line: str) -> float:
+        try:
+            return float(json.loads(line)["step"]) if line.endswith("\n") else math.inf
+        except (ValueError, KeyError, TypeError):
+            return math.inf
+
+    kept = [line for line in lines if logged_step(line) <= step]
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(kept))
+
+
 StepCallback = Callable[[int, float, dict[str, float], int], None]
 
 
@@ -515,6 +533,8 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             clear_previous_run(out)
         atomic_write_json(out / "train_config.json", {**opts.to_json(), "precision": run.precision,
                                                       "world_size": run.world})
+        if start_step:
+            keep_metrics_up_to(out / "metrics.jsonl", start_step)
         if opts.report_to == "tensorboard":
             writer = _tensorboard_writer(out / opts.logging_dir)
     run.sync.wait()  # rank 0 may have cleared a large previous run
