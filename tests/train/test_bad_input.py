@@ -83,6 +83,19 @@ def test_model_path_not_a_pipeline(capsys, base_args, tmp_path):
     assert_one_line_error(capsys, args, tmp_path / "out", "not a Stable Diffusion pipeline")
 
 
+def test_an_inpainting_model_is_refused_in_one_line(capsys, base_args, tiny_model, tmp_path):
+    """An inpainting (or depth, upscaling, pix2pix) UNet takes more channels than the latents: its first
+    convolution failed inside oneDNN with a traceback."""
+    from diffusers import UNet2DConditionModel
+
+    inpainting = tmp_path / "inpainting"
+    shutil.copytree(tiny_model, inpainting)
+    config = dict(UNet2DConditionModel.load_config(inpainting / "unet"), in_channels=9)
+    UNet2DConditionModel.from_config(config).save_pretrained(inpainting / "unet")
+    args = replace(base_args, "--model", str(inpainting))
+    assert_one_line_error(capsys, args, tmp_path / "out", "takes 9 input channels, not the 4 of its latents")
+
+
 def test_unknown_hub_id_offline(capsys, base_args, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = replace(base_args, "--model", "nobody/no-such-model")
@@ -139,6 +152,12 @@ def test_output_dir_holding_another_run(capsys, base_args, tmp_path):
     assert (tmp_path / "out" / "learned_embeds.safetensors").read_bytes() == before
     assert main(["train", *args, "--overwrite"]) == 0
 
+    # a run that ended before its first step left only its config and an empty log: the same command
+    # runs again without --overwrite (it said "holds another run" for a run that had trained nothing)
+    (tmp_path / "out" / "learned_embeds.safetensors").unlink()
+    (tmp_path / "out" / "metrics.jsonl").write_text("")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["metrics.jsonl", "train_config.json"]
+    assert main(["train", *args]) == 0
 
 def bomb_png(path, width: int, height: int) -> None:
     """A PNG of a few bytes whose header declares ``width`` x ``height`` pixels."""

@@ -62,6 +62,17 @@ def _check_local(path: Path) -> str:
     return family
 
 
+def _check_text_to_image(model: str, unet: Any, vae: Any) -> None:
+    """A one-line error for an inpainting, depth, upscaling or instruct-pix2pix pipeline: its UNet takes
+    the latents stacked with a mask, a depth map or an image, which textual inversion does not give it
+    (its first convolution failed inside oneDNN with a traceback)."""
+    takes, latents = unet.config.in_channels, vae.config.latent_channels
+    if takes != latents:
+        raise UserError(f"{model}'s UNet takes {takes} input channels, not the {latents} of its latents: an "
+                        "inpainting, depth, upscaling or instruct-pix2pix model; textual inversion here trains "
+                        "text-to-image pipelines (SD1.x, SD2.x, SDXL), whose embeddings these models load too")
+
+
 def family_of(model_index: dict) -> str:
     """"sdxl" for an SDXL pipeline (StableDiffusionXLPipeline, or its two text encoders), else "sd"."""
     name = str(model_index.get("_class_name", ""))
@@ -126,6 +137,7 @@ def load(
         variants = sorted({f.name.split(".")[1].split("-")[0] for f in local.glob("*/*.*.safetensors")}) if local.is_dir() else []
         hint = f" (its weights are a variant: add --variant {variants[0]})" if variants and not variant else ""
         raise UserError(f"cannot load a Stable Diffusion pipeline from {model!r}: {first}{hint}") from None
+    _check_text_to_image(model, unet, vae)
     for module in (text_encoder, text_encoder_2, vae, unet):
         if module is not None:
             module.requires_grad_(False)

@@ -318,6 +318,9 @@ def check_output_dir(opts: TrainOptions) -> Path:
     if not out.is_dir():
         raise UserError(f"--output-dir {out} exists and is not a directory")
     previous = sorted(p.name for p in out.iterdir() if RUN_FILE_RE.match(p.name) or checkpoint.CHECKPOINT_RE.match(p.name))
+    metrics = out / "metrics.jsonl"
+    if set(previous) <= {RUN_CONFIG, metrics.name} and (not metrics.is_file() or metrics.stat().st_size == 0):
+        return out  # a run that ended before its first step: nothing to lose, and the same command may retry
     if previous and not opts.overwrite:
         raise UserError(
             f"--output-dir {out} holds another run ({', '.join(previous[:3])}); "
