@@ -383,6 +383,10 @@ def test_a_half_precision_variant_trains_as_its_values_in_fp32(xl_args, sdxl_mod
         assert encoder.dtype == torch.float16
         row = encoder.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("<toy-bot>")]
         assert torch.equal(row, want[0].half())
+    # the UNet and VAE files as the model's hold them too: fp16, not upcast to fp32 (twice the size)
+    stored = {f.parent.name: components.files_dtype(str(out / "pipeline"), f.parent.name, None, None)
+              for f in (out / "pipeline").glob("*/diffusion_pytorch_model.safetensors")}
+    assert stored == {"unet": torch.float16, "vae": torch.float16}
 
 
 @pytest.mark.slow

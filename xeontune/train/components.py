@@ -201,7 +201,8 @@ BF16_CACHE_ENV = "XEONTUNE_CACHE"
 
 
 # Where each part's weights file is in a pipeline, and what its bf16 copy holds (see below).
-WEIGHT_STEMS = {"unet": "diffusion_pytorch_model", "text_encoder": "model", "text_encoder_2": "model"}
+WEIGHT_STEMS = {"unet": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model",
+                "text_encoder_2": "model"}
 TEXT_LINEARS_FILE = "linears.safetensors"
 
 
@@ -233,6 +234,23 @@ def _weights_files(model: str, part: str, revision: str | None, variant: str | N
         return []
     files = [index.parent / shard for shard in shards]
     return [index, *files] if all(f.is_file() for f in files) else []
+
+
+def files_dtype(model: str, part: str, revision: str | None, variant: str | None) -> Any:
+    """The dtype ``part``'s safetensors files hold (torch.float16 for SDXL's `--variant fp16`), read
+    from a header; None when the files are not on disk or not safetensors."""
+    import torch
+    from safetensors import safe_open
+
+    local = Path(model).expanduser()
+    files = _weights_files(str(local) if local.exists() else model, part, revision, variant)
+    first = next((f for f in files if f.suffix == ".safetensors"), None)
+    if first is None:
+        return None
+    with safe_open(first, "pt") as weights:
+        key = next(iter(weights.keys()), None)
+        stored = weights.get_slice(key).get_dtype() if key else None
+    return {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}.get(stored)
 
 
 def bf16_copy_dir(model: str, revision: str | None, variant: str | None, part: str = "unet") -> Path | None:
@@ -388,13 +406,15 @@ def load_text_encoder(model: str, revision: str | None = None, variant: str | No
         str(local) if local.exists() else model, subfolder=part, variant=variant, revision=revision)
 
 
-def load_unet(model: str, revision: str | None = None, variant: str | None = None) -> Any:
-    """The UNet as its files hold it (to save a full pipeline without the training dtype's rounding)."""
-    from diffusers import UNet2DConditionModel
+def load_as_stored(model: str, part: str, revision: str | None = None, variant: str | None = None) -> Any:
+    """The UNet or VAE as its files hold it, in their dtype (diffusers would load fp16 files in fp32):
+    what a saved full pipeline holds, without the training dtype's rounding or a doubled size."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
 
     local = Path(model).expanduser()
-    return UNet2DConditionModel.from_pretrained(
-        str(local) if local.exists() else model, subfolder="unet", variant=variant, revision=revision)
+    cls = AutoencoderKL if part == "vae" else UNet2DConditionModel
+    return cls.from_pretrained(str(local) if local.exists() else model, subfolder=part, variant=variant,
+                               revision=revision, torch_dtype=files_dtype(model, part, revision, variant))
 
 
 def unet_dtype(precision: str) -> Any:

@@ -32,9 +32,10 @@ from xeontune.train import checkpoint, preempt, tokens, validation
 from xeontune.train.components import (
     Components,
     cast_text_encoder_linears,
+    files_dtype,
     load,
+    load_as_stored,
     load_text_encoder,
-    load_unet,
     unet_dtype,
 )
 from xeontune.train.data import (
@@ -682,9 +683,12 @@ def save_pipeline(run: Run, target: Path) -> Path:
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     components, opts = run.components, run.opts
-    unet = components.unet_for_inference
-    if components.unet_cast:  # trained on a bf16 copy: save the UNet as the model's files hold it
-        unet = load_unet(opts.model, opts.revision, opts.variant)
+    unet, vae = components.unet_for_inference, components.vae
+    if components.unet_cast:  # trained on a bf16 copy, or upcast: save the UNet as the model's files hold it
+        unet = load_as_stored(opts.model, "unet", opts.revision, opts.variant)
+    stored = files_dtype(opts.model, "vae", opts.revision, opts.variant)
+    if stored is not None and stored != vae.dtype:  # half-precision files, upcast for training: likewise
+        vae = load_as_stored(opts.model, "vae", opts.revision, opts.variant)
     encoders = {}
     parts = tokens.parts(run.embedding)
     for name, part, placeholder in zip(("text_encoder", "text_encoder_2")[: len(parts)], parts,
@@ -696,7 +700,7 @@ def save_pipeline(run: Run, target: Path) -> Path:
         encoder.set_input_embeddings(tokens.merged_table(part, placeholder, encoder.dtype))
         encoder.config.vocab_size = encoder.get_input_embeddings().weight.shape[0]
     try:
-        common = {"vae": components.vae, "unet": unet, "scheduler": components.noise_scheduler,
+        common = {"vae": vae, "unet": unet, "scheduler": components.noise_scheduler,
                   "tokenizer": components.tokenizer, **{name: e for name, (e, _) in encoders.items()}}
         if components.family == "sdxl":
             pipe = StableDiffusionXLPipeline(**common, tokenizer_2=components.tokenizer_2, add_watermarker=False)
