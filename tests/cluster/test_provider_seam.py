@@ -55,6 +55,25 @@ def test_a_registered_provider_runs_the_whole_flow(fake, capsys):
     assert fake[-1] == ("terminate", "r1") and not state.exists("seam")
 
 
+def test_up_names_where_the_nodes_hold_the_data(fake, capsys, tmp_path, monkeypatch):
+    """A bootstrapped cluster's nodes hold --data-dir at a path of their own (its name and a digest of
+    the path here): `up` says which, and the next command carries it (the docs' guess was wrong)."""
+    from xeontune.cluster import bootstrap
+
+    data = tmp_path / "my-concept"
+    data.mkdir()
+    synced = []
+    monkeypatch.setattr(fake_provider.Fake, "needs_bootstrap", True)
+    monkeypatch.setattr(bootstrap, "run", lambda record, options: synced.append(options.data_dir))
+    assert main(["cluster", "up", "--provider", "fake", "-n", "2", "--name", "data", "--data-dir", str(data)]) == 0
+    out = capsys.readouterr().out
+    node_data = bootstrap.data_target(state.load("data"), str(data))
+    assert synced == [str(data)] and node_data.startswith("/srv/fake/work/data/my-concept-")
+    assert f"is copied to {node_data} on every node" in out
+    assert f"next: xeontune launch -n 2 --name data -- --data-dir {node_data} <train options>" in out
+    assert main(["teardown", "--name", "data"]) == 0
+
+
 def test_an_unregistered_provider_is_refused(fake, capsys):
     providers.unregister("fake")
     with pytest.raises(SystemExit):  # argparse: not among the choices, which come from the registry

@@ -138,7 +138,14 @@ def up_command(args: argparse.Namespace) -> int:
         print(f"estimated cost: ${cost:.2f}/hour")
     if record.autostop_minutes:
         print(f"autostop: the head stops the cluster after {record.autostop_minutes} min idle")
-    print(f"next: xeontune launch -n {provider.slots(record, 1)} --name {record.name} -- <train options>")
+    data = ""
+    if spec.data_dir and provider.needs_bootstrap and not spec.skip_bootstrap:
+        from xeontune.cluster import bootstrap
+
+        node_data = bootstrap.data_target(record, spec.data_dir)  # the ranks read their node's disk
+        print(f"--data-dir {spec.data_dir} is copied to {node_data} on every node")
+        data = f"--data-dir {shlex.quote(node_data)} "
+    print(f"next: xeontune launch -n {provider.slots(record, 1)} --name {record.name} -- {data}<train options>")
     return 0
 
 
