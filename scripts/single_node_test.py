@@ -23,6 +23,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--output-dir", default="textual_inversion_output")
     parser.add_argument("--token", default="<toy-bot>")
+    parser.add_argument("--resolution", type=int, default=0, help="pixels (default: the model's own size)")
     args = parser.parse_args()
 
     from xeontune import models
@@ -35,27 +36,50 @@ def main() -> int:
         print(f"writing sample images to {args.data}")
         models.write_sample_data(args.data)
 
-    resolution = "64" if args.model == "models/tiny" else "512"
+    from xeontune.train.components import pipeline_family
+
+    family = pipeline_family(args.model)
     rc = train_main([
         "--model", args.model, "--data-dir", args.data, "--placeholder-token", args.token,
-        "--initializer-token", "toy", "--resolution", resolution, "--max-train-steps", str(args.steps),
-        "--output-dir", args.output_dir, "--overwrite",
+        "--initializer-token", "toy", "--resolution", str(args.resolution or native_resolution(args.model)),
+        "--max-train-steps", str(args.steps), "--output-dir", args.output_dir, "--overwrite",
     ])
     if rc:
         return rc
 
     import diffusers
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     diffusers.utils.logging.disable_progress_bar()
     embeds = Path(args.output_dir) / "learned_embeds.safetensors"
-    pipe = StableDiffusionPipeline.from_pretrained(args.model, safety_checker=None, requires_safety_checker=False)
-    before = len(pipe.tokenizer)
-    pipe.load_textual_inversion(str(embeds))
+    if family == "sdxl":  # one vector set per text encoder, loaded into each (docs/training.md)
+        from safetensors.torch import load_file
+
+        pipe = StableDiffusionXLPipeline.from_pretrained(args.model, add_watermarker=False)
+        vectors = load_file(embeds)
+        before = len(pipe.tokenizer)
+        pipe.load_textual_inversion(vectors["clip_l"], token=args.token, text_encoder=pipe.text_encoder,
+                                    tokenizer=pipe.tokenizer)
+        pipe.load_textual_inversion(vectors["clip_g"], token=args.token, text_encoder=pipe.text_encoder_2,
+                                    tokenizer=pipe.tokenizer_2)
+    else:
+        pipe = StableDiffusionPipeline.from_pretrained(args.model, safety_checker=None, requires_safety_checker=False)
+        before = len(pipe.tokenizer)
+        pipe.load_textual_inversion(str(embeds))
     added = [t for t in pipe.tokenizer.get_vocab() if t.startswith(args.token)]
     print(f"loaded {embeds} with diffusers' load_textual_inversion: added token(s) {added} "
           f"(vocabulary {before} -> {len(pipe.tokenizer)})")
     return 0 if added else 1
+
+
+def native_resolution(model: str) -> int:
+    """The pixel size the model's UNet was built for (64 for the tiny models, 512 for SD1.5, 1024 for
+    SDXL): its sample size times the VAE's downscaling."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    unet = UNet2DConditionModel.load_config(model, subfolder="unet")  # a folder or a downloaded hub id
+    vae = AutoencoderKL.load_config(model, subfolder="vae")
+    return int(unet["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
 
 
 if __name__ == "__main__":

@@ -400,3 +400,16 @@ def test_a_broken_gradient_path_in_the_second_encoder_stops_the_run(xl_args, mon
     monkeypatch.setattr(tokens.SplicedEmbedding, "forward", cut_in_second)
     with pytest.raises(TrainingError, match="vectors of text encoder 2 received no usable gradient"):
         train(xl_args + ["--mixed-precision", "fp32", "--max-train-steps", "1"])
+
+
+@pytest.mark.slow
+def test_the_single_node_test_takes_an_sdxl_model(sdxl_model, sample_images, tmp_path):
+    """`make single-node-test MODEL=<an SDXL pipeline>` (the README's first command with its documented
+    MODEL=): it trained, then loaded the file as SD1.5's and failed with a traceback."""
+    script = Path(__file__).parents[2] / "scripts" / "single_node_test.py"
+    proc = subprocess.run([sys.executable, str(script), "--model", str(sdxl_model), "--data", str(sample_images),
+                           "--steps", "1", "--output-dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "added token(s) ['<toy-bot>']" in proc.stdout
+    assert json.loads((tmp_path / "out" / "train_config.json").read_text())["resolution"] == 64  # the model's size
