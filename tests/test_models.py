@@ -61,7 +61,11 @@ def test_model_never_replaces_what_is_already_there(capsys, tmp_path):
 
 def test_a_path_that_cannot_be_written_is_one_line(capsys, tmp_path):
     (tmp_path / "file").write_text("")
-    assert main(["sample-data", str(tmp_path / "file" / "images")]) == 1  # under a file: NotADirectoryError
+    for target in (tmp_path / "file", tmp_path / "file" / "images"):  # checked up front: a user mistake
+        assert main(["sample-data", str(target)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "is a file, not a folder" in err and "\n" not in err, err
+    assert main(["model", "tiny", str(tmp_path / "file" / "model")]) == 1  # the file system's own error, one line
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and str(tmp_path / "file") in err and "Traceback" not in err
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from xeontune.errors import UserError
 from xeontune.io import atomic_dir, atomic_path
+from xeontune.quiet import quiet_progress_bars
 
 SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
 # Words the tiny tokenizer knows as single tokens: the prompt templates' words and a few usable
@@ -222,6 +223,7 @@ def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: Pipeline
     import torch
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
+    quiet_progress_bars()
     if kind not in DIMS:
         raise UserError(f"unknown model kind {kind!r} (choose from: {', '.join(DIMS)})")
     dims = dims or DIMS[kind]
@@ -255,6 +257,9 @@ def write_sample_data(out_dir: str | Path, count: int = 6, size: int = 128, seed
     if size < 32:
         raise UserError("--size must be at least 32 pixels")
     out = Path(out_dir)
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise UserError(f"{out} is a file, not a folder" if blocker == out else f"{out}: {blocker} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     files = []

@@ -1,5 +1,7 @@
-"""The one place that silences library chatter (model config notes, deprecation warnings, optional
-image backends): noise on a terminal and in every rank's log. Real errors still show."""
+"""Where library chatter is silenced (model config notes, deprecation warnings, optional image
+backends, per-part progress bars): noise on a terminal and in every rank's log. Real errors still show.
+Two narrow filters stay beside what they concern: the torch elastic agent's logger (train/ranks.py)
+and one IPEX warning (train/backends.py)."""
 
 from __future__ import annotations
 
@@ -22,3 +24,13 @@ def quiet_libraries(*also: str) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+
+def quiet_progress_bars() -> None:
+    """No progress bar per loaded or saved part ("Loading weights", "Writing model shards"): xeontune
+    draws its own bars. Imports the libraries, so call it where they are imported anyway."""
+    import diffusers
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.disable_progress_bar()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import pytest
 import torch
 
 from xeontune.cli import main
+from xeontune.train import components
 
 
 def run_cli(capsys, args):
@@ -92,8 +94,19 @@ def test_an_inpainting_model_is_refused_in_one_line(capsys, base_args, tiny_mode
     shutil.copytree(tiny_model, inpainting)
     config = dict(UNet2DConditionModel.load_config(inpainting / "unet"), in_channels=9)
     UNet2DConditionModel.from_config(config).save_pretrained(inpainting / "unet")
-    args = replace(base_args, "--model", str(inpainting))
-    assert_one_line_error(capsys, args, tmp_path / "out", "takes 9 input channels, not the 4 of its latents")
+    args = replace(base_args, "--model", str(inpainting)) + ["--mixed-precision", "bf16"]
+    os.environ[components.BF16_CACHE_ENV] = str(tmp_path / "cache")
+    try:
+        assert_one_line_error(capsys, args, tmp_path / "out", "takes 9 input channels, not the 4 of its latents")
+    finally:
+        del os.environ[components.BF16_CACHE_ENV]
+    assert not (tmp_path / "cache").exists()  # refused from the configs, before a bf16 copy is written
+
+
+def test_an_output_dir_below_a_file_is_refused_before_the_model_loads(capsys, base_args, tmp_path):
+    (tmp_path / "afile").write_text("")
+    args = replace(base_args, "--output-dir", str(tmp_path / "afile" / "out"))
+    assert_one_line_error(capsys, args, tmp_path / "afile" / "out", f"{tmp_path / 'afile'} is a file, not a folder")
 
 
 def test_unknown_hub_id_offline(capsys, base_args, tmp_path, monkeypatch):

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
         adopt_slurm()
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say(f"error: {exc}")
         return exc.exit_code
     _configure_logging()
     _stop_like_ctrl_c()
@@ -83,27 +83,34 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {result.embeds_path} ({loss} after {result.steps} steps)")
         return 0
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say(f"error: {exc}")
         return exc.exit_code
     except TrainingError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say(f"error: {exc}")
         return 1
     except preempt.Preempted as exc:
-        print(f"checkpoint-{exc.step} written on {exc.signal_name}: stopped, to resume from it", file=sys.stderr)
+        say(f"checkpoint-{exc.step} written on {exc.signal_name}: stopped, to resume from it")
         if exc.signum == signal.SIGUSR1:  # the batch script requeues the job (Slurm itself requeues on SIGTERM)
             preempt.mark()
         return exc.exit_code
     except KeyboardInterrupt as exc:
         name = str(exc.args[0]) if exc.args else "SIGINT"
-        print(f"rank {_rank()} interrupted ({name}): stopped", file=sys.stderr)
+        say(f"rank {_rank()} interrupted ({name}): stopped")
         return 128 + int(getattr(signal, name, signal.SIGINT))
     except RuntimeError as exc:
         if not another_rank_ended(exc):
             raise
         # Rank 0 alone checks some inputs (the output dir, the checkpoint to resume): it prints the
         # one-line error and exits, and every other rank's next collective finds its socket closed.
-        print(f"rank {_rank()} stopped: another rank ended first (its message is above)", file=sys.stderr)
+        say(f"rank {_rank()} stopped: another rank ended first (its message is above)")
         return 1
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: print() writes the text and its newline apart, so the lines of
+    ranks failing at once ran together ("...load tooerror: ...")."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 # What gloo says when the rank at the other end of a collective has exited.

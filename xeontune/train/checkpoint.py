@@ -167,7 +167,7 @@ def resolve(resume_from: str, output_dir: Path) -> tuple[Path, bytes]:
         try:
             data = read(path)
         except UserError as exc:
-            log.warning("--resume-from-checkpoint latest: skipping %s", exc)
+            log.warning("--resume-from-checkpoint latest: skipping %s: %s", path.name, exc)
             skipped.append(path.name)
             continue
         if skipped:

@@ -14,6 +14,7 @@ from typing import Any
 
 from xeontune import hardware
 from xeontune.errors import UserError
+from xeontune.quiet import quiet_progress_bars
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,14 @@ def _check_local(path: Path) -> str:
     return family
 
 
-def _check_text_to_image(model: str, unet: Any, vae: Any) -> None:
-    """A one-line error for an inpainting, depth, upscaling or instruct-pix2pix pipeline: its UNet takes
-    the latents stacked with a mask, a depth map or an image, which textual inversion does not give it
-    (its first convolution failed inside oneDNN with a traceback)."""
-    takes, latents = unet.config.in_channels, vae.config.latent_channels
+def check_text_to_image(model: str, revision: str | None) -> None:
+    """A one-line error, from the configs before any weight loads, for an inpainting, depth, upscaling or
+    instruct-pix2pix pipeline: its UNet takes the latents stacked with a mask, a depth map or an image,
+    which textual inversion does not give it (its first convolution failed inside oneDNN with a traceback)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    takes = UNet2DConditionModel.load_config(model, subfolder="unet", revision=revision).get("in_channels", 4)
+    latents = AutoencoderKL.load_config(model, subfolder="vae", revision=revision).get("latent_channels", 4)
     if takes != latents:
         raise UserError(f"{model}'s UNet takes {takes} input channels, not the {latents} of its latents: an "
                         "inpainting, depth, upscaling or instruct-pix2pix model; textual inversion here trains "
@@ -102,13 +106,10 @@ def load(
     than kept in fp32 and cast again by autocast at every step; that made its forward and backward
     1.24x faster at 256 px on a 2-core AMX Xeon (docs/performance.md) and halves its memory. The VAE
     stays in its files' dtype: it encodes the latent cache outside autocast."""
-    import diffusers
-    import transformers
     from diffusers import AutoencoderKL, DDPMScheduler
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    transformers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.disable_progress_bar()
+    quiet_progress_bars()
 
     local = Path(model).expanduser()
     if local.exists():
@@ -121,6 +122,7 @@ def load(
     tokenizer_2 = text_encoder_2 = None
     try:
         tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", **common)
+        check_text_to_image(model, revision)  # before any weights load
         text_encoder = CLIPTextModel.from_pretrained(model, subfolder="text_encoder", variant=variant, **common)
         if family == "sdxl":
             tokenizer_2 = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer_2", **common)
@@ -137,7 +139,6 @@ def load(
         variants = sorted({f.name.split(".")[1].split("-")[0] for f in local.glob("*/*.*.safetensors")}) if local.is_dir() else []
         hint = f" (its weights are a variant: add --variant {variants[0]})" if variants and not variant else ""
         raise UserError(f"cannot load a Stable Diffusion pipeline from {model!r}: {first}{hint}") from None
-    _check_text_to_image(model, unet, vae)
     for module in (text_encoder, text_encoder_2, vae, unet):
         if module is not None:
             module.requires_grad_(False)
@@ -299,6 +300,10 @@ def ensure_bf16_copies(model: str, revision: str = "", variant: str = "") -> Non
 
     model = str(Path(model).expanduser()) if Path(model).expanduser().exists() else model
     revision_, variant_ = revision or None, variant or None
+    try:
+        check_text_to_image(model, revision_)
+    except UserError:
+        return  # no copy for a model the ranks refuse (in one line) when they load it
     copy = bf16_copy_dir(model, revision_, variant_)
     if copy is None or not (copy / "config.json").is_file():
         _load_unet_in(torch.bfloat16, model, revision_, variant_)

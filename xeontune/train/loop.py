@@ -314,6 +314,9 @@ def make_accelerator(opts: TrainOptions):
 
 def check_output_dir(opts: TrainOptions) -> Path:
     out = Path(opts.output_dir)
+    ancestor = next((p for p in (out, *out.parents) if p.exists()), None)
+    if ancestor is not None and ancestor != out and not ancestor.is_dir():  # found now, not after the model loads
+        raise UserError(f"--output-dir {out}: {ancestor} is a file, not a folder")
     if opts.resume_from_checkpoint or not out.exists():
         return out
     if not out.is_dir():
