@@ -47,6 +47,10 @@ def test_teardown_stops_a_detached_job_whose_ranks_run_here(xeontune_home, tiny_
         while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
             time.sleep(0.5)
         assert metrics.is_file() and Path(f"/proc/{job.pid}").exists()
+        # a second job would share the cores (and MASTER_PORT) with this one: refused, as on the other providers
+        second = cli("launch", "--name", "busy", "--", *train_args(tiny, tmp_path / "out2", 1, 1), env=OFFLINE)
+        assert second.returncode == 2 and "training already" in second.stderr, second.stdout + second.stderr
+        assert not (tmp_path / "out2").exists()
     finally:
         down = cli("teardown", "--name", "busy", timeout=120)
     assert down.returncode == 0 and f"stopping job {job.id}" in down.stderr, down.stdout + down.stderr

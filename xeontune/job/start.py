@@ -348,7 +348,13 @@ def check_no_other_job(record: ClusterRecord) -> None:
     """Refuse a second job while one trains on the cluster: both would use MASTER_PORT, and a
     `run`'s sync and teardown would pull the data and nodes from under the first."""
     provider = providers.get(record.provider)
-    if not provider.uses_ssh:
+    if not provider.uses_ssh:  # localhost: the ranks would share this machine's cores with the running ones
+        from xeontune.cluster.autostop_watch import training_processes
+
+        if found := training_processes():
+            raise UserError(f"cluster {record.name!r} is this machine, which is training already "
+                            f"({'; '.join(found)[:200]}); wait for it (`xeontune logs --name {record.name} -f` "
+                            "for a detached job) or stop it")
         return
     from xeontune.cluster import ssh
 
