@@ -118,7 +118,9 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 
 def another_rank_ended(exc: BaseException) -> bool:
-    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_GONE)
+    from xeontune.train.ranks import inside_a_launch
+
+    return inside_a_launch() and isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_GONE)
 
 
 def _rank() -> str:
