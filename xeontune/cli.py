@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from xeontune import __version__
+from xeontune.cluster import state
 from xeontune.errors import exit_status
 from xeontune.quiet import quiet_libraries
 
@@ -172,7 +173,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     p = csub.add_parser("up", help="create a cluster and write its hosts and SSH files")
     p.add_argument("--provider", required=True, choices=providers.names())
     p.add_argument("-n", "--nodes", type=int, default=2, help="number of nodes (default 2)")
-    p.add_argument("--name", default="default", help="cluster name (default: default)")
+    p.add_argument("--name", default=state.DEFAULT_CLUSTER, help=f"cluster name (default: {state.DEFAULT_CLUSTER})")
     _add_cloud_options(p)
     p.add_argument("--data-dir", help="training data to sync to every node")
     p.add_argument("--skip-bootstrap", action="store_true", help="stop once the nodes and files exist")
@@ -189,7 +190,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = csub.add_parser("ssh", help="open a shell (or run a command) on a node")
     p.add_argument("node", help="node name, e.g. node0")
-    p.add_argument("--name", default="default", help="cluster name")
+    p.add_argument("--name", default=state.DEFAULT_CLUSTER, help="cluster name")
     p.add_argument("remote_command", nargs=argparse.REMAINDER, help="-- then a command to run instead of a shell")
     p.set_defaults(func=_cmd_cluster)
 
@@ -200,7 +201,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ppn", default="1", help="ranks per node, each pinned to its own physical cores: a number, or "
                    "auto (the rule of `xeontune train --nproc-per-node auto`: one rank per 2 cores from 4 cores "
                    "up, as memory allows; docs/performance.md) (default 1)")
-    p.add_argument("--name", default="default", help="cluster name")
+    p.add_argument("--name", default=state.DEFAULT_CLUSTER, help="cluster name")
     p.add_argument("--dist-backend", choices=["auto", "gloo", "ccl"], default="auto")
     p.add_argument("--dry-run", action="store_true", help="print the exact command and exit")
     p.add_argument("--detach", action="store_true",
@@ -216,7 +217,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     _add_run_parsers(sub)
 
     p = sub.add_parser("teardown", help="delete a cluster and everything it created")
-    p.add_argument("--name", default="default", help="cluster name")
+    p.add_argument("--name", default=state.DEFAULT_CLUSTER, help="cluster name")
     p.add_argument("--provider", choices=providers.names(),
                    help="needed only when the state file is lost (find leftovers by tag)")
     p.add_argument("--region", help="cloud region, when the state file is lost")
@@ -271,13 +272,13 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
                        description="Copy the last job's learned_embeds*.safetensors, metrics.jsonl, "
                        "train_config.json, validation images and saved pipeline from the head by SFTP. Each "
                        "file lands under a temporary name and is renamed when whole.")
-    p.add_argument("--name", default="default", help="cluster name")
+    p.add_argument("--name", default=state.DEFAULT_CLUSTER, help="cluster name")
     p.add_argument("--output-dir", help="where to put them (default: the job's --output-dir, on this machine)")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --output-dir")
     p.set_defaults(func=_cmd_fetch)
 
     p = sub.add_parser("logs", help="print (or follow) the log of a job started with `launch --detach`")
-    p.add_argument("--name", default="default", help="cluster name")
+    p.add_argument("--name", default=state.DEFAULT_CLUSTER, help="cluster name")
     p.add_argument("-f", "--follow", action="store_true",
                    help="keep printing until the job ends, then exit with its exit status")
     p.set_defaults(func=_cmd_logs)

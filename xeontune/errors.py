@@ -1,4 +1,5 @@
-"""The one exception type the CLI turns into a one-line message and exit code 2."""
+"""The CLI's errors: ``UserError`` (the user's mistake: one line, exit 2), ``TrainingError`` (the run
+cannot go on: one line, exit 1), and ``exit_status``, which runs a command's body as the CLI does."""
 
 from __future__ import annotations
 

@@ -32,7 +32,6 @@ ISA_FLAGS = (
 # convolutions made the SD1.5 UNet forward 12x slower than stock torch (docs/performance.md).
 IPEX_PREPACK_FLAGS = ("avx512bw", "avx512vl", "avx512dq")
 
-IPEX_LAST_RELEASE = "2.8.0"
 
 
 # --- CPU ---------------------------------------------------------------------------------------
@@ -318,10 +317,15 @@ def rank_threads(physical_cores: int | None = None) -> int:
     return max(cores // max(get_cpu_distributed_information().local_world_size, 1), 1)
 
 
+MPIRUN_ENV = "XEONTUNE_MPIRUN"  # an mpirun to use instead of the one found (also on a cluster's head)
+
+
 def find_mpirun() -> str | None:
-    """The mpirun that `xeontune launch` runs on this machine and `doctor` reports: the one the
-    mpich / impi-rt wheels put into this venv (Hydra needs the same path on every host), else
-    the first on PATH."""
+    """The mpirun that `xeontune launch` runs on this machine and `doctor` reports: $XEONTUNE_MPIRUN,
+    else the one the mpich / impi-rt wheels put into this venv (Hydra needs the same path on every
+    host), else the first on PATH."""
+    if os.environ.get(MPIRUN_ENV):
+        return os.environ[MPIRUN_ENV]
     beside = Path(sys.prefix) / "bin" / "mpirun"
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)

@@ -1,8 +1,12 @@
 """Atomic writers: every file the project writes whole goes through here, so nothing is half-written.
 
 The one file written piecemeal is the trainer's ``metrics.jsonl``: appended a line per step, so a
-crash loses at most the line being written. Throwaway files in a temporary directory (the
-tokenizer files ``models`` reads back at once) need no atomicity either.
+crash loses at most the line being written (a resume drops a line cut short). Throwaway files in a
+temporary directory (the tokenizer files ``models`` reads back at once) need no atomicity either.
+Two writers keep their own rename for a reason: the bf16 weight copies (``components._write_copy``:
+ranks racing to write one, the first rename wins and the others discard theirs), and the job's
+private files on the head (``job.start.put_head_text``: created 0600 before their first byte, written
+before the job that reads them starts).
 """
 
 from __future__ import annotations
@@ -68,11 +72,6 @@ def atomic_path(path: str | os.PathLike[str], mode: int | None = None, durable: 
 def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int | None = None) -> None:
     with atomic_path(path, mode) as tmp:
         tmp.write_text(text)
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int | None = None) -> None:
-    with atomic_path(path, mode) as tmp:
-        tmp.write_bytes(data)
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, mode: int | None = None) -> None:

@@ -285,7 +285,11 @@ def test_fetch_leaves_an_unrelated_pipeline_alone_and_overwrite_leaves_nothing_s
 # --- 11: one-line errors -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("content", ["{not json", '["a list"]', '{"id": "x", "cluster": "c"}', "\xff\xfe"])
+NEWER = ('{"id": "x", "cluster": "c", "output_dir": "/o", "local_output_dir": "/l", "job_dir": "/j", '
+         '"version": 99}')  # complete, but from a newer xeontune
+
+
+@pytest.mark.parametrize("content", ["{not json", '["a list"]', '{"id": "x", "cluster": "c"}', "\xff\xfe", NEWER])
 def test_a_corrupt_or_old_job_record_is_one_line(fake, capsys, content):
     """Finding 11: a corrupt or old job.json gave a traceback in `fetch` and `logs`."""
     fake_record(fake)

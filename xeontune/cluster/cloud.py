@@ -1,6 +1,6 @@
 """What the cloud providers share: the ``up`` skeleton (``CloudProvider``), the record they start
-from, the caller's SSH address, host-key pinning from an authenticated API, and rolling back a
-failed ``up``.
+from, the caller's SSH address and host-key pinning from an authenticated API. Rolling back a
+failed ``up`` is ``cluster.manage``'s, for every provider.
 
 Paths on every cloud node are the same absolute ones (Hydra needs that)::
 

@@ -112,7 +112,7 @@ def pin_host_key(record: ClusterRecord, node: Node, host_key_line: str) -> None:
 # --- connecting ---------------------------------------------------------------------------------
 
 
-def address(record: ClusterRecord, node: Node) -> str:
+def address(node: Node) -> str:
     """The address this machine dials for ``node`` (public if it has one, else private)."""
     return node.public_ip or node.private_ip
 
@@ -154,7 +154,7 @@ def connect(record: ClusterRecord, node: Node, timeout_s: float = 15.0) -> param
     client = _client(record)
     try:
         client.connect(
-            node.private_ip if jump is not None else address(record, node),
+            node.private_ip if jump is not None else address(node),
             port=SSH_PORT,
             username=record.ssh_user,
             key_filename=record.key_path,
@@ -207,7 +207,7 @@ def wait_for_ssh(record: ClusterRecord, node: Node, timeout_s: float = 120.0, in
         remaining = deadline - time.monotonic()
         try:
             if _jump_host(record, node) is None:
-                _banner(address(record, node), SSH_PORT, max(1.0, min(10.0, remaining)))
+                _banner(address(node), SSH_PORT, max(1.0, min(10.0, remaining)))
             rc, _, err = run(record, node, ["true"], timeout_s=max(1.0, min(15.0, remaining)))
             if rc == 0:
                 return
@@ -218,7 +218,7 @@ def wait_for_ssh(record: ClusterRecord, node: Node, timeout_s: float = 120.0, in
             last = f"{type(exc).__name__}: {exc}".strip()
         if time.monotonic() + interval_s > deadline:
             raise UserError(
-                f"node {node.name} ({address(record, node)}) of cluster {record.name!r} did not answer SSH "
+                f"node {node.name} ({address(node)}) of cluster {record.name!r} did not answer SSH "
                 f"within {timeout_s:.0f}s: {last}"
             )
         time.sleep(interval_s)

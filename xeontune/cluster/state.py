@@ -93,9 +93,6 @@ class ClusterRecord:
         if not any(r.kind == kind and r.id == id for r in self.resources):
             self.resources.append(Resource(kind, id, region))
 
-    def remove_resource(self, kind: str, id: str) -> None:
-        self.resources = [r for r in self.resources if not (r.kind == kind and r.id == id)]
-
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -1,7 +1,7 @@
 """The job wing: one job, from the `--` training options to its outputs on this machine.
 
 - ``spec``: the launch spec, read once (the options as a rank reads them, every check made before
-  anything bills); pure.
+  anything bills); it creates nothing.
 - ``start``: one start for `launch`, `launch --detach` and `run` (the mpirun command, preflight).
 - ``process``: the job's processes, attached (signals passed on) or detached on the head.
 - ``record``: ``job.json``, what `fetch` and `logs` read.

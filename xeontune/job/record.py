@@ -83,6 +83,8 @@ def load_job(cluster: str) -> JobInfo:
         raise UserError(f"{unreadable} ({type(exc).__name__}: {str(exc)[:120]}); delete it and launch again") from None
     if not isinstance(data, dict):
         raise UserError(f"{unreadable} (not a JSON object); delete it and launch again")
+    if not isinstance(data.get("version", 0), int) or data.get("version", 0) > RECORD_VERSION:
+        raise UserError(f"{unreadable}: a newer xeontune wrote it (version {data.get('version')!r}); use that one")
     fields = {f.name: f for f in dataclasses.fields(JobInfo)}
     required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
     missing = [n for n in required if not isinstance(data.get(n), str)]

@@ -363,7 +363,7 @@ def _finish(o: Outcome) -> int:
         if o.reused:
             _say(f"cluster {name!r} was there before this run and is kept; delete it with: "
                  f"xeontune teardown --name {name}")
-        elif state.exists(name) and not o.reused:
+        elif state.exists(name):
             _say(f"cluster {name!r} was not created by this run and is kept")
         return rc
     if not state.exists(name):  # the autostop watcher, or another command, removed it

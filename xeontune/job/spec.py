@@ -1,4 +1,5 @@
-"""The launch spec: what a job is, read once, checked before anything bills (no side effects).
+"""The launch spec: what a job is, read once, checked before anything bills (it creates nothing; it
+may read the hub's model_index.json to size ranks).
 
 ``read_request`` reads the ``--`` training options exactly as a rank will (command line, then
 ``--config``, then defaults: ``train.options.read_options``, the trainer's own parser) and checks

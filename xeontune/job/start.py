@@ -79,7 +79,7 @@ class LaunchPlan:
 def mpirun_path(record: ClusterRecord, provider: Provider) -> str:
     """mpirun on the head: $XEONTUNE_MPIRUN, else the nodes' venv's (Hydra needs the same path on
     every host), else, where ranks run on this machine, the one ``doctor`` reports."""
-    override = os.environ.get("XEONTUNE_MPIRUN")
+    override = os.environ.get(hardware.MPIRUN_ENV)
     if override:
         return override
     if provider.remote:
@@ -366,7 +366,7 @@ def check_no_other_job(record: ClusterRecord) -> None:
     rc, out, err = ssh.run(record, record.head, probe, timeout_s=60)
     if rc != 0:
         raise UserError(f"could not check {record.head.name} of cluster {record.name!r} for a running job: "
-                        f"{(err or out).strip().splitlines()[-1:] or ['no output']}")
+                        f"{((err or out).strip().splitlines() or ['no output'])[-1]}")
     if out.strip():
         raise UserError(f"cluster {record.name!r} is running a job already ({out.strip()[:200]}); wait for it "
                         f"(`xeontune logs --name {record.name} -f`) or use another cluster")

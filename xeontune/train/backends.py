@@ -2,17 +2,18 @@
 
 Packed weights (`--pack-weights`, xeontune/train/packed.py): with stock torch, the frozen UNet's
 convolutions and Linear layers run on weights reordered for oneDNN once, instead of at every call.
-`auto` packs in bf16 (the step 1.6x faster on an AMX Xeon, docs/performance.md) and in fp32 on
-AVX-512 CPUs (1.18x), not in fp32 on AVX2-only CPUs (not measured; IPEX's blocked fp32 convolutions
-were 12x slower there), nor when the UNet is compiled. Where packing runs, `--ipex auto` leaves IPEX
-out: packed stock torch beat IPEX 2.8 side by side in bf16 and in fp32.
+`auto` packs wherever oneDNN runs the packed kernels in the training dtype (the rule and its
+measurements: ``packed.auto_choice``; bf16 1.6x on an AMX Xeon, fp32 1.18-1.21x on AVX-512 and
+AVX2-only CPUs), except SDXL in bf16 without AMX, and not when the UNet is compiled. Where packing
+runs, `--ipex auto` leaves IPEX out: packed stock torch beat IPEX 2.8 side by side in bf16 and fp32.
 
 Precision: with bf16 the frozen UNet arrives here already in bf16 (`components.load` loads it so,
 once: no per-step weight cast under autocast, half the memory), and the step runs under bf16
 autocast; `ipex.optimize(dtype=bfloat16)` keeps it so. That is safe because the trainer calls the
-UNet only under autocast when precision is bf16 (the step and validation). The text encoder stays
-in fp32 (it holds the trainable rows) and the VAE is never cast: it encodes the latent cache outside
-autocast.
+UNet only under autocast when precision is bf16 (the step and validation). The text encoders keep
+their token tables and norms in fp32 (the tables hold the trainable rows); in bf16 their Linear
+layers come from a bf16 copy (``components.cast_text_encoder_linears``). The VAE is never cast: it
+encodes the latent cache outside autocast.
 
 IPEX is optional and used with care:
 - only when it imports and matches the installed torch (its last release, 2.8, needs torch 2.8);

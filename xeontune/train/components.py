@@ -30,8 +30,10 @@ class Components:
     unet: Any  # what the training step calls (may be compiled or IPEX-optimized)
     noise_scheduler: Any
     unet_for_inference: Any = None  # the plain UNet, for validation and saving
-    unet_cast: bool = False  # the UNet was loaded in another dtype than its files hold (see load)
-    text_encoder_cast: bool = False  # its Linear layers were cast (see cast_text_encoder_linears)
+    # *_cast: the part differs from its files (a bf16 copy, or half-precision files upcast to fp32),
+    # so a saved full pipeline reloads it as its files hold it (loop.save_pipeline)
+    unet_cast: bool = False
+    text_encoder_cast: bool = False
     family: str = "sd"  # "sd" (SD1.x/SD2) or "sdxl", from model_index.json
     tokenizer_2: Any = None  # SDXL: the second tokenizer and text encoder (with projection)
     text_encoder_2: Any = None

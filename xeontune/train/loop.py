@@ -177,7 +177,7 @@ class Run:
     phases: Phases = field(default_factory=Phases)
     counter: AllReduceCounter | None = None
     gradient_checked: bool = False
-    backend_notes: list[str] = field(default_factory=list)  # what IPEX / torch.compile did to the UNet
+    backend_notes: list[str] = field(default_factory=list)  # what packing, IPEX, compile, checkpointing did
     placeholder_2: tokens.Placeholder | None = None  # SDXL: the token's ids in the second tokenizer
 
     @property

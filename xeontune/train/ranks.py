@@ -46,7 +46,7 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     """Bytes of frozen weights one rank holds: the UNet and the text encoder's Linear layers in the
     training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) the UNet counts twice: its layers are held reordered for the forward and again for the input
     gradient, each rank its own, while the plain weights' pages are handed back once reordered."""
-    root = Path(model)
+    root = Path(model).expanduser()
     if not root.is_dir():  # SD1.5's or SDXL-base's sizes (``family``: where the hub said which)
         unet = (SDXL_UNET_PARAMS if family == "sdxl" else SD15_UNET_PARAMS) * (2 if precision == "bf16" else 4)
         rest = _text_encoder_bytes(SD15_TEXT_ENCODER_BYTES, precision) + SD15_VAE_BYTES
@@ -123,7 +123,7 @@ def prepare_shared_weights(opts: TrainOptions, precision: str) -> None:
         log.warning("could not prepare the bf16 weight copies: %s", (done.stderr.strip().splitlines() or ["?"])[-1])
 
 
-def run_ranks(opts: TrainOptions, argv: list[str], ranks: int) -> int:
+def run_ranks(argv: list[str], ranks: int) -> int:
     """Run `python -m xeontune.train argv` as ``ranks`` pinned ranks; return the job's exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -75,9 +75,11 @@ class Provider:
     """One provider's operations and capabilities. ``name`` is what records store in ``provider``."""
 
     name: str = ""
-    # The nodes are other machines: mpirun runs on the head over SSH, with the nodes' venv
-    # (``record.venv``) and work dir; ranks size their threads by the node's cores. False: every
-    # rank runs on this machine, from this venv, sharing its cores.
+    # The nodes are other machines with their own disks: mpirun runs on the head over SSH, with the
+    # nodes' venv (``record.venv``) and work dir, and local paths must be copied there. False: the
+    # ranks read this machine's paths and run from this venv: they run here (localhost, namespaces,
+    # sharing its cores) or, for Slurm, on nodes that share this filesystem (sized by the
+    # record's ``cores_per_node``).
     remote: bool = True
     # Nodes are reached over SSH (pinned host keys); False: Hydra forks ranks here, no SSH at all.
     uses_ssh: bool = True
