@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-import re
 import shutil
 import signal
 import stat
@@ -39,14 +38,13 @@ from xeontune.errors import UserError
 from xeontune.io import atomic_dir, atomic_path, atomic_write_text
 from xeontune.job import record as job_record
 from xeontune.job.record import JobInfo
+from xeontune.train.outputs import RUN_FILE_RE, VALIDATION_IMAGE_RE
 
 if TYPE_CHECKING:
     import paramiko
 
     from xeontune.cluster.state import ClusterRecord
 
-TOP_FILES = re.compile(r"^(learned_embeds(-steps-\d+)?\.safetensors|metrics\.jsonl|train_config\.json)$")
-VALIDATION_FILES = re.compile(r"^step-\d{6,}-\d+\.png$")  # validation.IMAGE_NAME_RE (without torch)
 FOLLOW_INTERVAL_S = 1.0
 MARKER = ".xeontune-job"  # in a fetch's destination: the id of the job its files came from
 KEEPALIVE_S = 15  # SSH keepalive while fetching or following: a dead link is noticed, not waited on
@@ -253,7 +251,7 @@ def holds_a_run(dest: Path) -> list[str]:
     ``pipeline/`` or non-empty ``validation/``, whatever made them."""
     if not dest.is_dir():
         return []
-    found = sorted(p.name for p in dest.iterdir() if TOP_FILES.match(p.name))
+    found = sorted(p.name for p in dest.iterdir() if RUN_FILE_RE.match(p.name))
     if (dest / "pipeline").exists():
         found.append("pipeline/")
     if (dest / "validation").is_dir() and any((dest / "validation").iterdir()):
@@ -322,7 +320,7 @@ def _fetch_into(record: ClusterRecord, job: JobInfo, dest: Path, report: FetchRe
         top = head.listdir(src)
         if top is None:
             raise HeadError(f"no outputs yet: {src} does not exist on {record.head.name} of cluster {record.name!r}")
-        names = {safe_name(name, src) for name, is_dir in top if not is_dir and TOP_FILES.match(name)}
+        names = {safe_name(name, src) for name, is_dir in top if not is_dir and RUN_FILE_RE.match(name)}
         dirs = {safe_name(name, src) for name, is_dir in top if is_dir}
         dest.mkdir(parents=True, exist_ok=True)
         atomic_write_text(dest / MARKER, job.id + "\n")
@@ -334,7 +332,7 @@ def _fetch_into(record: ClusterRecord, job: JobInfo, dest: Path, report: FetchRe
         if "validation" in dirs:
             where = posixpath.join(src, "validation")
             for name, is_dir in sorted(head.listdir(where) or []):
-                if not is_dir and VALIDATION_FILES.match(safe_name(name, where)):
+                if not is_dir and VALIDATION_IMAGE_RE.match(safe_name(name, where)):
                     _get(head, posixpath.join(where, name), dest / "validation" / name)
                     report.files.append(f"validation/{name}")
                     images.add(name)
@@ -348,11 +346,11 @@ def _fetch_into(record: ClusterRecord, job: JobInfo, dest: Path, report: FetchRe
             head.remove(job.unfetched_path)
     # an older run's files that this run did not write would read as this run's
     for stale in dest.iterdir():
-        if stale.is_file() and TOP_FILES.match(stale.name) and stale.name not in names:
+        if stale.is_file() and RUN_FILE_RE.match(stale.name) and stale.name not in names:
             stale.unlink()
     if (dest / "validation").is_dir():
         for stale in (dest / "validation").iterdir():
-            if stale.is_file() and VALIDATION_FILES.match(stale.name) and stale.name not in images:
+            if stale.is_file() and VALIDATION_IMAGE_RE.match(stale.name) and stale.name not in images:
                 stale.unlink()
 
 

@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -48,13 +47,10 @@ from xeontune.train.data import (
 )
 from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
+from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, TFEVENTS_RE, VALIDATION_IMAGE_RE
 
 log = logging.getLogger("xeontune.train")
 
-RUN_CONFIG = "train_config.json"  # written first by every run: it marks a dir as a run's output dir
-# The files a run writes at the top of --output-dir (its dirs: checkpoint-N, validation, pipeline, logs).
-RUN_FILE_RE = re.compile(r"^(learned_embeds(-steps-\d+)?\.safetensors|metrics\.jsonl|train_config\.json)$")
-TFEVENTS_RE = re.compile(r"^events\.out\.tfevents\.")  # tensorboard's files in --logging-dir
 PHASES = ("data", "latents", "text_encoder_forward", "unet_forward", "backward", "optimizer", "allreduce")
 
 
@@ -322,7 +318,7 @@ def check_output_dir(opts: TrainOptions) -> Path:
     if not out.is_dir():
         raise UserError(f"--output-dir {out} exists and is not a directory")
     previous = sorted(p.name for p in out.iterdir() if RUN_FILE_RE.match(p.name) or checkpoint.CHECKPOINT_RE.match(p.name))
-    metrics = out / "metrics.jsonl"
+    metrics = out / METRICS
     if set(previous) <= {RUN_CONFIG, metrics.name} and (not metrics.is_file() or metrics.stat().st_size == 0):
         return out  # a run that ended before its first step: nothing to lose, and the same command may retry
     if previous and not opts.overwrite:
@@ -355,7 +351,7 @@ def clear_previous_run(out: Path) -> None:
     if (out / "pipeline" / "model_index.json").is_file():
         shutil.rmtree(out / "pipeline")
     # Only the files the run wrote; the dir goes when that leaves it empty.
-    for sub, pattern in ((out / "validation", validation.IMAGE_NAME_RE), (out / logging_dir, TFEVENTS_RE)):
+    for sub, pattern in ((out / "validation", VALIDATION_IMAGE_RE), (out / logging_dir, TFEVENTS_RE)):
         if sub.is_dir():
             for p in sub.iterdir():
                 if pattern.match(p.name) and p.is_file():
@@ -538,14 +534,14 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
         out.mkdir(parents=True, exist_ok=True)
         if opts.overwrite and not opts.resume_from_checkpoint:
             clear_previous_run(out)
-        atomic_write_json(out / "train_config.json", {**opts.to_json(), "precision": run.precision,
+        atomic_write_json(out / RUN_CONFIG, {**opts.to_json(), "precision": run.precision,
                                                       "world_size": run.world})
         if start_step:
-            keep_metrics_up_to(out / "metrics.jsonl", start_step)
+            keep_metrics_up_to(out / METRICS, start_step)
         if opts.report_to == "tensorboard":
             writer = _tensorboard_writer(out / opts.logging_dir)
     run.sync.wait()  # rank 0 may have cleared a large previous run
-    metrics = open(out / "metrics.jsonl", "a") if main else None  # noqa: SIM115 (closed below)
+    metrics = open(out / METRICS, "a") if main else None  # noqa: SIM115 (closed below)
 
     global_batch = opts.train_batch_size * run.world * opts.gradient_accumulation_steps
     # A bar on a terminal; under mpirun or in a log file, one plain line every ~5% of the run.

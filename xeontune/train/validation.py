@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import re
 from pathlib import Path
 
 import torch
@@ -46,9 +45,6 @@ def generate(
     finally:
         for encoder, module in zip(encoders, wrapped, strict=True):
             encoder.set_input_embeddings(module)
-
-
-IMAGE_NAME_RE = re.compile(r"^step-\d{6,}-\d+\.png$")  # what save_images names its files
 
 
 def save_images(images: list, out_dir: Path, step: int) -> list[Path]:
