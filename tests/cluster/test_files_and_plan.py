@@ -418,7 +418,7 @@ def test_ranks_launched_from_a_checkout_import_xeontune_from_it():
     put xeontune's own modules, io.py among them, first on every rank's path)."""
     from xeontune.job import start
 
-    root = start._rank_pythonpath()
+    root = start.rank_pythonpath()
     if root is None:  # installed into the venv, not run from a checkout: nothing to add
         assert Path(sys.prefix).resolve() in Path(start.__file__).resolve().parents
         return

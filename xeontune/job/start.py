@@ -103,7 +103,22 @@ def threads_per_rank(record: ClusterRecord, provider: Provider, world_size: int,
     return max(1, cores // ppn) if cores else None
 
 
-def _rank_pythonpath() -> str | None:
+def every_rank_env(backend: str) -> dict[str, str]:
+    """What every rank gets, however it is started (mpirun here, or a scheduler's srun)."""
+    return {
+        # c10d warns on every rank that namespaces share a hostname; real errors still show.
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+        # Ranks train on CPU only. A GPU they can see makes accelerate's barrier pick
+        # cuda:<local rank> ("invalid device ordinal" on ranks 1..N); --env may still override it.
+        "CUDA_VISIBLE_DEVICES": "",
+        # Launch's choices reach the ranks as defaults, below --config and the command line: appended
+        # flags would override a value given in --config or in another spelling (--dist_timeout).
+        LAUNCH_DEFAULTS_ENV["dist_backend"]: backend,
+        LAUNCH_DEFAULTS_ENV["dist_timeout"]: str(DEFAULT_DIST_TIMEOUT_S),
+    }
+
+
+def rank_pythonpath() -> str | None:
     """The source tree, when xeontune runs from a checkout rather than an installed package."""
     pkg_parent = Path(__file__).resolve().parents[2]  # xeontune/job/start.py -> the checkout
     if Path(sys.prefix).resolve() in pkg_parent.parents:
@@ -136,11 +151,7 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
         "MASTER_ADDR": record.head.private_ip,
         "MASTER_PORT": str(files.MASTER_PORT),
         "GLOO_SOCKET_IFNAME": iface,
-        # c10d warns on every rank that namespaces share a hostname; real errors still show.
-        "TORCH_CPP_LOG_LEVEL": "ERROR",
-        # Ranks train on CPU only. A GPU they can see makes accelerate's barrier pick
-        # cuda:<local rank> ("invalid device ordinal" on ranks 1..N); --env may still override it.
-        "CUDA_VISIBLE_DEVICES": "",
+        **every_rank_env(chosen),
         # No PYTHONUNBUFFERED: unbuffered print() writes text and newline separately, and Hydra's
         # -prepend-rank then glues lines of different ranks together.
     }
@@ -158,7 +169,7 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
         env["HOME"] = os.environ.get("HOME", "/root")
         if "XEONTUNE_CACHE" in os.environ:  # where the bf16 weight copies live (this machine's path)
             env["XEONTUNE_CACHE"] = os.environ["XEONTUNE_CACHE"]
-        pythonpath = _rank_pythonpath()
+        pythonpath = rank_pythonpath()
         if pythonpath:
             env["PYTHONPATH"] = pythonpath
     if not remote and "LD_PRELOAD" not in os.environ:
@@ -172,10 +183,6 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
             env[key] = os.environ[key]
     if chosen == "ccl":
         env.update({"CCL_ATL_TRANSPORT": "ofi", "CCL_WORKER_COUNT": "1"})
-    # Launch's choices reach the ranks as defaults, below --config and the command line: appended
-    # flags would override a value given in --config or in another spelling (--dist_timeout).
-    env[LAUNCH_DEFAULTS_ENV["dist_backend"]] = chosen
-    env[LAUNCH_DEFAULTS_ENV["dist_timeout"]] = str(DEFAULT_DIST_TIMEOUT_S)
     cost = provider.cost_per_hour(record)
     if cost is not None:  # rank 0's forecast turns the time left into money (train/forecast.py)
         env[forecast.COST_ENV] = f"{cost:.4f}"
@@ -360,7 +367,7 @@ def check_no_other_job(record: ClusterRecord) -> None:
 
     probe = [python_path(record, provider), "-c",
              "from xeontune.cluster.autostop_watch import training_processes as t; print('; '.join(t()))"]
-    pythonpath = None if provider.remote else _rank_pythonpath()
+    pythonpath = None if provider.remote else rank_pythonpath()
     if pythonpath:
         probe = ["env", f"PYTHONPATH={pythonpath}", *probe]
     rc, out, err = ssh.run(record, record.head, probe, timeout_s=60)
@@ -380,7 +387,7 @@ def start_detached(record: ClusterRecord, plan: LaunchPlan, job: JobInfo) -> Non
     if provider.uses_ssh:
         # the runner runs on the head, in its login: it starts the unwrapped mpirun command there
         runner = process.detach_argv(python_path(record, provider), job.job_dir, plan.inner)
-        pythonpath = None if provider.remote else _rank_pythonpath()
+        pythonpath = None if provider.remote else rank_pythonpath()
         if pythonpath:
             runner = ["env", f"PYTHONPATH={pythonpath}", *runner]
         rc, out, err = ssh.run(record, record.head, runner, timeout_s=60)

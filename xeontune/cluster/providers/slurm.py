@@ -222,21 +222,17 @@ class Slurm(Provider):
     def submission(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> tuple[list[str], str]:
         import sys
 
+        from xeontune.job.start import every_rank_env, rank_pythonpath
         from xeontune.train import forecast, preempt
-        from xeontune.train.options import LAUNCH_DEFAULTS_ENV
 
         nodes, per_node, cpus_per_task = self.layout(record, spec.ranks, spec.ppn)
         env = {
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(cpus_per_task),
-            LAUNCH_DEFAULTS_ENV["dist_backend"]: spec.backend,
-            LAUNCH_DEFAULTS_ENV["dist_timeout"]: "30",
-            "CUDA_VISIBLE_DEVICES": "",  # ranks train on CPU (accelerate's barrier picks a visible GPU)
-            "TORCH_CPP_LOG_LEVEL": "ERROR",
+            **every_rank_env(spec.backend),
             preempt.ENV: "1",  # SIGUSR1 (--signal) or SIGTERM (preemption): checkpoint, stop, requeue, resume
         }
-        checkout = Path(__file__).resolve().parents[3]
-        if (checkout / "xeontune" / "__init__.py").is_file() and Path(sys.prefix).resolve() not in checkout.parents:
-            env["PYTHONPATH"] = str(checkout)  # xeontune from a checkout, not installed in the venv
+        if pythonpath := rank_pythonpath():  # xeontune from a checkout, not installed in the venv
+            env["PYTHONPATH"] = pythonpath
         shape = [f"--nodes={nodes}", f"--ntasks={spec.ranks}", f"--ntasks-per-node={per_node}",
                  f"--cpus-per-task={cpus_per_task}"]
         rank = [sys.executable, "-m", "xeontune.train", *spec.rank_args]
