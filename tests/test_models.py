@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
+
 from xeontune import models
 from xeontune.cli import main
 
@@ -65,9 +67,10 @@ def test_a_path_that_cannot_be_written_is_one_line(capsys, tmp_path):
         assert main(["sample-data", str(target)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "is a file, not a folder" in err and "\n" not in err, err
-    assert main(["model", "tiny", str(tmp_path / "file" / "model")]) == 1  # the file system's own error, one line
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and str(tmp_path / "file") in err and "Traceback" not in err
+    for target in (tmp_path / "file", tmp_path / "file" / "model"):  # an empty file too: not "not empty"
+        assert main(["model", "tiny", str(target)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "is a file, not a folder" in err and "\n" not in err, err
 
 
 def test_sdxl_arch_has_sdxl_base_dimensions_without_allocating_them():
@@ -102,3 +105,23 @@ def test_sdxl_and_sd2_tiny_build_offline_and_load_in_their_diffusers_pipelines(t
     sd2 = StableDiffusionPipeline.from_pretrained(str(tmp_path / "sd2"), safety_checker=None)
     assert sd2.scheduler.config.prediction_type == "v_prediction"
     assert sd2.text_encoder.config.hidden_act == "gelu" and sd2.unet.config.use_linear_projection
+
+
+def test_a_file_system_error_on_a_named_path_is_one_line(capsys, tmp_path):
+    """What the commands do not check up front (a read-only folder, a full disk): the CLI's
+    exit_status turns an OSError that names a file into one line and exit 1; one that names none (a
+    socket, a library's own I/O) keeps its traceback."""
+    from xeontune.errors import exit_status
+
+    def write_into_a_file():
+        (tmp_path / "file").write_text("")
+        (tmp_path / "file" / "x").write_text("")
+
+    assert exit_status(write_into_a_file) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and str(tmp_path / "file" / "x") in err and "\n" not in err
+    def lose_a_connection():
+        raise ConnectionResetError("peer gone")
+
+    with pytest.raises(ConnectionResetError):
+        exit_status(lose_a_connection)

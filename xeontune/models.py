@@ -215,6 +215,15 @@ def build_modules(dims: PipelineDims, tokenizer) -> dict:
     return modules
 
 
+def _no_file_in_the_way(folder: Path) -> None:
+    """A one-line error when ``folder`` or a folder above it is a file (mkdir failed on it, exit 1)."""
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocker == folder:
+        raise UserError(f"{folder} is a file, not a folder")
+    if blocker is not None:
+        raise UserError(f"{folder}: {blocker} is a file, not a folder")
+
+
 def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: PipelineDims | None = None) -> Path:
     """Write a Stable Diffusion (or SDXL) pipeline with random weights to ``out_dir`` (atomically).
 
@@ -230,7 +239,8 @@ def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: Pipeline
     out = Path(out_dir)
     if out.name in ("", ".", ".."):
         raise UserError(f"model folder {str(out_dir)!r}: name a new folder, e.g. models/{kind}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # the pipeline would replace it whole
+    _no_file_in_the_way(out)
+    if out.exists() and any(out.iterdir()):  # the pipeline would replace it whole
         raise UserError(f"{out} already exists and is not empty: name a new or empty folder")
     torch.manual_seed(seed)
     modules = build_modules(dims, build_tokenizer(dims))
@@ -257,9 +267,7 @@ def write_sample_data(out_dir: str | Path, count: int = 6, size: int = 128, seed
     if size < 32:
         raise UserError("--size must be at least 32 pixels")
     out = Path(out_dir)
-    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise UserError(f"{out} is a file, not a folder" if blocker == out else f"{out}: {blocker} is a file, not a folder")
+    _no_file_in_the_way(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     files = []
