@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from xeontune.errors import TrainingError, UserError
 from xeontune.quiet import quiet_libraries
@@ -103,7 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         # Rank 0 alone checks some inputs (the output dir, the checkpoint to resume): it prints the
         # one-line error and exits, and every other rank's next collective finds its socket closed.
         say(f"rank {_rank()} stopped: another rank ended first (its message is above)")
-        return 1
+        sys.stdout.flush()
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            # --nproc-per-node: torch's agent reports the first rank to exit; be stopped by it once it
+            # has seen that rank's exit, so the job's exit code is that rank's (2 for a user error).
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_DFL)
+            time.sleep(PEER_GONE_WAIT_S)
+        # Without the interpreter's shutdown: tearing down a process group whose peer is gone could
+        # block there, and the whole job with it (1 launch in 6 hung so on a 3-node cluster).
+        os._exit(1)
 
 
 def say(line: str) -> None:
@@ -113,6 +123,7 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
+PEER_GONE_WAIT_S = 20.0  # how long a rank whose peer is gone waits to be stopped before it exits
 # What gloo says when the rank at the other end of a collective has exited.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 

@@ -139,10 +139,12 @@ def run_ranks(argv: list[str], ranks: int) -> int:
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "xeontune.train", *argv)
     except ChildFailedError as exc:
-        _, failure = exc.get_first_failure()
-        code = failure.exitcode if failure.exitcode > 0 else 1  # a signal shows as a negative code
-        if code != 2:  # 2: the rank already printed its one-line user error
-            print(f"error: rank {failure.rank} of {ranks} failed (exit code {failure.exitcode}); "
-                  "the other ranks were stopped", file=sys.stderr)
-        return code
+        # A rank's user error (exit 2) is the cause even when another rank, which then found it gone,
+        # exited first: that rank printed its one-line error, and 2 is the job's exit code.
+        if any(failure.exitcode == 2 for failure in exc.failures.values()):
+            return 2
+        rank, failure = exc.get_first_failure()
+        print(f"error: rank {rank} of {ranks} failed (exit code {failure.exitcode}); "
+              "the other ranks were stopped", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1  # a signal shows as a negative code
     return 0
