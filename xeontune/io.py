@@ -43,6 +43,13 @@ def _fsync_tree(root: Path) -> None:
         fsync_path(dirpath)
 
 
+def file_in_the_way(folder: str | os.PathLike[str]) -> Path | None:
+    """``folder`` itself or the nearest folder above it that exists as a file: creating ``folder``
+    would fail there (NotADirectoryError / FileExistsError), so callers refuse it up front."""
+    path = Path(folder)
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str], mode: int | None = None, durable: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it over ``path`` only if the block succeeds.

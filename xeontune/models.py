@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xeontune.errors import UserError
-from xeontune.io import atomic_dir, atomic_path
+from xeontune.io import atomic_dir, atomic_path, file_in_the_way
 from xeontune.quiet import quiet_progress_bars
 
 SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
@@ -217,7 +217,7 @@ def build_modules(dims: PipelineDims, tokenizer) -> dict:
 
 def _no_file_in_the_way(folder: Path) -> None:
     """A one-line error when ``folder`` or a folder above it is a file (mkdir failed on it, exit 1)."""
-    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    blocker = file_in_the_way(folder)
     if blocker == folder:
         raise UserError(f"{folder} is a file, not a folder")
     if blocker is not None:

@@ -79,10 +79,7 @@ class LaunchPlan:
 def mpirun_path(record: ClusterRecord, provider: Provider) -> str:
     """mpirun on the head: $XEONTUNE_MPIRUN, else the nodes' venv's (Hydra needs the same path on
     every host), else, where ranks run on this machine, the one ``doctor`` reports."""
-    override = os.environ.get(hardware.MPIRUN_ENV)
-    if override:
-        return override
-    if provider.remote:
+    if provider.remote and not os.environ.get(hardware.MPIRUN_ENV):
         return f"{record.venv or sys.prefix}/bin/mpirun"
     return hardware.find_mpirun() or str(Path(sys.prefix) / "bin" / "mpirun")
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
-from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text
+from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text, file_in_the_way
 from xeontune.train import checkpoint, preempt, tokens, validation
 from xeontune.train.components import (
     Components,
@@ -310,9 +310,9 @@ def make_accelerator(opts: TrainOptions):
 
 def check_output_dir(opts: TrainOptions) -> Path:
     out = Path(opts.output_dir)
-    ancestor = next((p for p in (out, *out.parents) if p.exists()), None)
-    if ancestor is not None and ancestor != out and not ancestor.is_dir():  # found now, not after the model loads
-        raise UserError(f"--output-dir {out}: {ancestor} is a file, not a folder")
+    blocker = file_in_the_way(out)
+    if blocker is not None and blocker != out:  # found now, not after the model loads
+        raise UserError(f"--output-dir {out}: {blocker} is a file, not a folder")
     if opts.resume_from_checkpoint or not out.exists():
         return out
     if not out.is_dir():
@@ -685,8 +685,9 @@ def save_pipeline(run: Run, target: Path) -> Path:
     unet, vae = components.unet_for_inference, components.vae
     if components.unet_cast:  # trained on a bf16 copy, or upcast: save the UNet as the model's files hold it
         unet = load_as_stored(opts.model, "unet", opts.revision, opts.variant)
+    # diffusers itself loads a VAE's half-precision files in fp32: only their header tells
     stored = files_dtype(opts.model, "vae", opts.revision, opts.variant)
-    if stored is not None and stored != vae.dtype:  # half-precision files, upcast for training: likewise
+    if stored is not None and stored != vae.dtype:
         vae = load_as_stored(opts.model, "vae", opts.revision, opts.variant)
     encoders = {}
     parts = tokens.parts(run.embedding)
