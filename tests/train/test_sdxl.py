@@ -369,7 +369,8 @@ def test_a_half_precision_variant_trains_as_its_values_in_fp32(xl_args, sdxl_mod
         train(xl_args + ["--model", str(half), "--output-dir", str(tmp_path / "none")])
 
     fp32 = xl_args + ["--mixed-precision", "fp32", "--max-train-steps", "3"]
-    from_half = train(fp32 + ["--model", str(half), "--variant", "fp16", "--output-dir", str(tmp_path / "a")])
+    from_half = train(fp32 + ["--model", str(half), "--variant", "fp16", "--output-dir", str(tmp_path / "a"),
+                              "--save-as-full-pipeline"])
     from_rounded = train(fp32 + ["--model", str(rounded), "--output-dir", str(tmp_path / "b")])
     assert torch.equal(from_half.vectors, from_rounded.vectors)
 
@@ -384,9 +385,10 @@ def test_a_half_precision_variant_trains_as_its_values_in_fp32(xl_args, sdxl_mod
         row = encoder.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("<toy-bot>")]
         assert torch.equal(row, want[0].half())
     # the UNet and VAE files as the model's hold them too: fp16, not upcast to fp32 (twice the size)
-    stored = {f.parent.name: components.files_dtype(str(out / "pipeline"), f.parent.name, None, None)
-              for f in (out / "pipeline").glob("*/diffusion_pytorch_model.safetensors")}
-    assert stored == {"unet": torch.float16, "vae": torch.float16}
+    for saved_by in (out, tmp_path / "a"):  # a bf16 run and an fp32 one
+        stored = {f.parent.name: components.files_dtype(str(saved_by / "pipeline"), f.parent.name, None, None)
+                  for f in (saved_by / "pipeline").glob("*/diffusion_pytorch_model.safetensors")}
+        assert stored == {"unet": torch.float16, "vae": torch.float16}, saved_by
 
 
 @pytest.mark.slow

@@ -682,13 +682,17 @@ def save_pipeline(run: Run, target: Path) -> Path:
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     components, opts = run.components, run.opts
-    unet, vae = components.unet_for_inference, components.vae
-    if components.unet_cast:  # trained on a bf16 copy, or upcast: save the UNet as the model's files hold it
-        unet = load_as_stored(opts.model, "unet", opts.revision, opts.variant)
-    # diffusers itself loads a VAE's half-precision files in fp32: only their header tells
-    stored = files_dtype(opts.model, "vae", opts.revision, opts.variant)
-    if stored is not None and stored != vae.dtype:
-        vae = load_as_stored(opts.model, "vae", opts.revision, opts.variant)
+
+    def as_stored(part: str, module: Any, cast: bool) -> Any:
+        """The part as the model's files hold it: reloaded when trained on a bf16 copy (``cast``) or
+        when the files hold another dtype (diffusers loads half-precision files in fp32 itself)."""
+        stored = files_dtype(opts.model, part, opts.revision, opts.variant)
+        if cast or (stored is not None and stored != module.dtype):
+            return load_as_stored(opts.model, part, opts.revision, opts.variant)
+        return module
+
+    unet = as_stored("unet", components.unet_for_inference, components.unet_cast)
+    vae = as_stored("vae", components.vae, False)
     encoders = {}
     parts = tokens.parts(run.embedding)
     for name, part, placeholder in zip(("text_encoder", "text_encoder_2")[: len(parts)], parts,
