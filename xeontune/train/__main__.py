@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         from xeontune.train.loop import train
 
         result = train(opts)
-        if result.embeds_path:
+        if result.result_path:
             loss = "no step left to train" if result.final_loss is None else f"loss {result.final_loss:.4f}"
-            print(f"wrote {result.embeds_path} ({loss} after {result.steps} steps)")
+            print(f"wrote {result.result_path} ({loss} after {result.steps} steps)")
         return 0
     except UserError as exc:
         say(f"error: {exc}")

@@ -1,4 +1,4 @@
-"""Exact save/resume: vectors, optimizer, scheduler, RNG states and the data position.
+"""Exact save/resume: what the method learned, optimizer, scheduler, RNG states and the data position.
 
 The data path is a function of (seed, sample position), so the step number is the whole data
 position; RNG states are saved as well so that anything else drawing random numbers (validation)
@@ -43,11 +43,13 @@ COMPLETE_FILE = "complete.json"
 @dataclass
 class TrainState:
     step: int
-    vectors: torch.Tensor
     optimizer: dict[str, Any]
     lr_scheduler: dict[str, Any]
-    placeholder_tokens: list[str]
     rng: dict[str, Any]
+    method: str = "textual_inversion"  # what trained (train/methods); its fields below
+    vectors: torch.Tensor | None = None  # textual inversion
+    placeholder_tokens: list[str] | None = None
+    learned: dict[str, Any] | None = None  # other methods: their own tensors and settings
 
 
 def rng_state() -> dict[str, Any]:

@@ -144,6 +144,7 @@ class Batch:
     latent_eps: torch.Tensor  # (B, 4, h, w): draw from the VAE latent distribution
     noise: torch.Tensor  # (B, 4, h, w)
     timesteps: torch.Tensor  # (B,)
+    prompt_index: torch.Tensor | None = None  # (B,): each sample's row of the plan's prompts
 
 
 class SamplePlan:
@@ -200,6 +201,7 @@ class SamplePlan:
             latent_eps=torch.stack(eps),
             noise=torch.stack(noise),
             timesteps=torch.tensor(timesteps, dtype=torch.long),
+            prompt_index=torch.tensor(template, dtype=torch.long),
         )
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text, file_in_the_way
-from xeontune.train import checkpoint, preempt, tokens, validation
+from xeontune.train import checkpoint, methods, preempt, validation
 from xeontune.train.components import (
     Components,
     cast_text_encoder_linears,
@@ -43,7 +43,6 @@ from xeontune.train.data import (
     SamplePlan,
     image_set_digest,
     load_images_with_crops,
-    templates_for,
 )
 from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
@@ -152,16 +151,34 @@ class AllReduceCounter:
         return count
 
 
+class TextCache:
+    """The frozen text encoders' outputs for each prompt of the sample plan, computed once: with the
+    encoders frozen they depend on the prompt alone (``Run.encode_text`` then only looks them up)."""
+
+    def __init__(self, run: Run) -> None:
+        plan = run.plan
+        with torch.no_grad(), run.autocast():
+            rows = [run.encode_prompts(plan.prompt_ids[i : i + 1],
+                                       None if plan.prompt_ids_2 is None else plan.prompt_ids_2[i : i + 1])
+                    for i in range(len(plan.prompt_ids))]
+        self.hidden = torch.cat([hidden for hidden, _ in rows])
+        self.pooled = None if rows[0][1] is None else torch.cat([pooled for _, pooled in rows])
+
+    def lookup(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        index = batch.prompt_index
+        return self.hidden[index], None if self.pooled is None else self.pooled[index]
+
+
 @dataclass
 class Run:
-    """Everything the step needs, built once by ``setup``."""
+    """Everything the step needs, built once by ``setup``. What the method holds (a textual inversion's
+    ``embedding`` and ``placeholder``, say) reads as the run's own attributes too."""
 
     opts: TrainOptions
     accelerator: Any
     components: Components
-    placeholder: tokens.Placeholder
-    embedding: torch.nn.Module  # SplicedEmbedding (or the baseline's FullTableEmbedding); SDXL: an EncoderPair
-    ddp_embeddings: list[torch.nn.Module]  # each encoder's part, wrapped by DDP when there are several ranks
+    method: methods.Method
+    ddp_modules: list[torch.nn.Module]  # the method's modules that DDP wraps when there are several ranks
     plan: SamplePlan
     latents: Latents
     optimizer: torch.optim.Optimizer
@@ -174,7 +191,13 @@ class Run:
     counter: AllReduceCounter | None = None
     gradient_checked: bool = False
     backend_notes: list[str] = field(default_factory=list)  # what packing, IPEX, compile, checkpointing did
-    placeholder_2: tokens.Placeholder | None = None  # SDXL: the token's ids in the second tokenizer
+    text_cache: TextCache | None = None  # the frozen encoders' outputs per prompt
+    reduced: list[torch.nn.Parameter] = field(default_factory=list)  # trainable, outside DDP: all-reduced here
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "method":  # copy/pickle probes; a method not set yet
+            raise AttributeError(name)
+        return getattr(self.method, name)
 
     @property
     def rank(self) -> int:
@@ -199,14 +222,23 @@ class Run:
         SD1.x/SD2: the text encoder's last hidden states (SD2's config already drops its last layer).
         SDXL: both encoders' penultimate hidden states side by side (768 + 1280), the second's pooled
         projection as text_embeds, and the six size/crop time_ids of each sample's image."""
+        if self.text_cache is not None:
+            hidden, pooled = self.text_cache.lookup(batch)
+        else:
+            hidden, pooled = self.encode_prompts(batch.input_ids, batch.input_ids_2)
+        if pooled is None:
+            return hidden, None
+        return hidden, {"text_embeds": pooled, "time_ids": self.latents.time_ids(batch, self.opts.resolution)}
+
+    def encode_prompts(self, input_ids: torch.Tensor,
+                       input_ids_2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states, SDXL's pooled projection or None) of tokenized prompts."""
         c = self.components
         if c.family != "sdxl":
-            return c.text_encoder(batch.input_ids)[0], None
-        first = c.text_encoder(batch.input_ids, output_hidden_states=True).hidden_states[-2]
-        second = c.text_encoder_2(batch.input_ids_2, output_hidden_states=True)
-        hidden = torch.cat([first, second.hidden_states[-2].to(first.dtype)], dim=-1)
-        return hidden, {"text_embeds": second.text_embeds,
-                        "time_ids": self.latents.time_ids(batch, self.opts.resolution)}
+            return c.text_encoder(input_ids)[0], None
+        first = c.text_encoder(input_ids, output_hidden_states=True).hidden_states[-2]
+        second = c.text_encoder_2(input_ids_2, output_hidden_states=True)
+        return torch.cat([first, second.hidden_states[-2].to(first.dtype)], dim=-1), second.text_embeds
 
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         kind = self.components.noise_scheduler.config.prediction_type
@@ -215,20 +247,26 @@ class Run:
         return noise
 
     def check_gradient_once(self) -> None:
-        """Stop at the first step if no finite, non-zero gradient reached every new vector (of both
-        text encoders for SDXL)."""
+        """Stop at the first step if the method's trainable parts got no usable gradient."""
         if self.gradient_checked:
             return
         self.gradient_checked = True
-        for index, part in enumerate(tokens.parts(self.embedding)):
-            grad = part.new_rows_grad()
-            if grad is None or not torch.isfinite(grad).all() or (grad.abs().sum(dim=-1) == 0).any():
-                which = f" of text encoder {index + 1}" if len(self.components.text_encoders) > 1 else ""
-                raise TrainingError(
-                    f"the placeholder vectors{which} received no usable gradient after the first backward pass "
-                    f"({'none' if grad is None else 'non-finite or zero'}); a backend broke the gradient path "
-                    "(e.g. IPEX weight prepacking of Linear layers). Try --ipex off."
-                )
+        self.method.check_gradient()
+
+    def reduce_gradients(self) -> None:
+        """Average the gradients DDP does not sync (a LoRA's) over the ranks: one flat all-reduce."""
+        grads = [p.grad for p in self.reduced if p.grad is not None]
+        if self.world <= 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.counter is not None:
+            self.counter.bytes += flat.numel() * flat.element_size()
+        torch.distributed.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def precision_autocast(precision: str) -> contextlib.AbstractContextManager:
@@ -244,7 +282,7 @@ def train_step(run: Run, step: int) -> torch.Tensor:
     phase, unet = run.phases, run.components.unet
     losses = []
     for micro in range(run.opts.gradient_accumulation_steps):
-        with run.accelerator.accumulate(*run.ddp_embeddings):
+        with run.accelerator.accumulate(*run.ddp_modules):
             with phase("data"):
                 batch = run.plan.batch(run.positions(step, micro))
             with phase("latents"):
@@ -259,14 +297,16 @@ def train_step(run: Run, step: int) -> torch.Tensor:
             with phase("backward"):
                 run.accelerator.backward(loss)  # divides by the accumulation steps; DDP all-reduces
             losses.append(loss.detach())
+    with phase("allreduce"):
+        run.reduce_gradients()
     with phase("optimizer"):
         run.check_gradient_once()
         if run.opts.max_grad_norm:
-            run.accelerator.clip_grad_norm_(run.embedding.parameters(), run.opts.max_grad_norm)
+            run.accelerator.clip_grad_norm_(run.method.parameters(), run.opts.max_grad_norm)
         run.optimizer.step()
         run.lr_scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
-        run.embedding.after_step()
+        run.method.after_step()
     return torch.stack(losses).mean()
 
 
@@ -393,13 +433,17 @@ def setup(
         components = load(opts.model, opts.revision, opts.variant, unet_dtype=unet_dtype(precision))
         for part in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
             cast_text_encoder_linears(components, unet_dtype(precision), opts.model, opts.revision, opts.variant, part)
-    placeholder, *more = [tokens.add_placeholder_tokens(t, opts.placeholder_token, opts.num_vectors,
-                                                        opts.initializer_token) for t in components.tokenizers]
-    placeholder_2 = more[0] if more else None
+    method = methods.create(opts)
+    method.install(components)  # before packing: the packed layers are the frozen ones beside what trains
     notes: list[str] = []
+    ipex = opts.ipex
+    if not method.uses_ipex:
+        if ipex == "on":
+            raise UserError(f"--ipex on: --method {opts.method} does not run on IPEX; use --ipex off")
+        ipex = "off"
     if not shared:
         components.unet, components.vae, notes = prepare_frozen_models(
-            components.unet, components.vae, precision=precision, ipex=opts.ipex, compile=opts.compile,
+            components.unet, components.vae, precision=precision, ipex=ipex, compile=opts.compile,
             pack=opts.pack_weights, checkpointing=opts.gradient_checkpointing,
             step_bytes=placement.rank_memory_bytes(
                 sum(module_bytes(m) for m in (*components.text_encoders, components.vae)), opts.resolution,
@@ -409,14 +453,10 @@ def setup(
     if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
 
-    embedding = tokens.install(components.text_encoder, placeholder, full_table=opts.train_full_table)
-    if placeholder_2 is not None:  # SDXL: the token trains in both encoders
-        embedding = tokens.EncoderPair(embedding, tokens.install(
-            components.text_encoder_2, placeholder_2, full_table=opts.train_full_table))
     latents = Latents(components.vae, images, cached=opts.cache_latents, crops=crops)
     if opts.cache_latents and not shared:
         release_vae_parts(components, latents, opts)
-    prompts = [t.format(placeholder.prompt_text) for t in templates_for(opts.learnable_property)]
+    prompts = method.prompts()
     prompt_ids, *more_ids = [t(prompts, padding="max_length", truncation=True, max_length=t.model_max_length,
                                return_tensors="pt").input_ids for t in components.tokenizers]
     plan = SamplePlan(
@@ -430,7 +470,7 @@ def setup(
     max_steps = opts.max_train_steps or math.ceil(opts.num_train_epochs * plan.epoch_len / global_batch)
     lr = opts.learning_rate * (global_batch if opts.scale_lr else 1)
     optimizer = torch.optim.AdamW(
-        [p for p in embedding.parameters() if p.requires_grad], lr=lr,
+        method.parameters(), lr=lr,
         betas=(opts.adam_beta1, opts.adam_beta2), weight_decay=opts.adam_weight_decay, eps=opts.adam_epsilon,
     )
     lr_scheduler = get_scheduler(
@@ -438,36 +478,48 @@ def setup(
         num_training_steps=max_steps, num_cycles=opts.lr_num_cycles, power=opts.lr_power,
     )
 
+    ddp_modules = method.ddp_modules()
+    under_ddp = {id(p) for m in ddp_modules for p in m.parameters()}
     run = Run(
-        opts=opts, accelerator=accelerator, components=components, placeholder=placeholder,
-        embedding=embedding, ddp_embeddings=tokens.parts(embedding), plan=plan, latents=latents,
-        optimizer=optimizer, lr_scheduler=lr_scheduler, precision=precision, max_steps=max_steps,
-        output_dir=output_dir, sync=sync, backend_notes=notes, placeholder_2=placeholder_2,
+        opts=opts, accelerator=accelerator, components=components, method=method, ddp_modules=ddp_modules,
+        plan=plan, latents=latents, optimizer=optimizer, lr_scheduler=lr_scheduler, precision=precision,
+        max_steps=max_steps, output_dir=output_dir, sync=sync, backend_notes=notes,
+        reduced=[p for p in method.parameters() if id(p) not in under_ddp],
     )
+    if not method.trains_text_encoders and opts.cache_text:
+        run.text_cache = TextCache(run)
+        if not shared:
+            release_text_encoders(components, opts)
     sync.wait()  # every rank has its models (each node loads at its own pace) before the first collective
     if world > 1:
-        # Only the embedding modules are wrapped (SDXL: one DDP per encoder, each called once a
-        # forward): DDP then syncs just the trainable rows.
+        # Only the method's small modules are wrapped (textual inversion: one DDP per encoder's rows,
+        # each called once a forward), so DDP syncs just what trains; the rest is all-reduced flat.
         run.counter = AllReduceCounter(run.phases)
-        run.ddp_embeddings = [accelerator.prepare_model(part) for part in tokens.parts(embedding)]
-        for encoder, ddp in zip(components.text_encoders, run.ddp_embeddings, strict=True):
+        run.ddp_modules = [accelerator.prepare_model(module) for module in ddp_modules]
+        for ddp in run.ddp_modules:
             ddp.register_comm_hook(None, run.counter.hook)
-            encoder.set_input_embeddings(ddp)
+        method.use_ddp(run.ddp_modules)
 
     state = None
     if opts.resume_from_checkpoint:
         where = resume_path or "rank 0's checkpoint"
         state = checkpoint.decode(checkpoint.share(resume_data, main, sync.group), where)
-        if state.placeholder_tokens != placeholder.tokens or state.vectors.shape != embedding.learned().shape:
-            raise UserError(
-                f"checkpoint {where} was trained for {state.placeholder_tokens} with vectors "
-                f"{tuple(state.vectors.shape)}; this run has {placeholder.tokens} {tuple(embedding.learned().shape)}"
-            )
-        embedding.load_learned(state.vectors)
+        if state.method != method.name:
+            raise UserError(f"checkpoint {where} was trained with --method {state.method}, not {method.name}")
+        method.load_state(state, str(where))
         optimizer.load_state_dict(state.optimizer)
         lr_scheduler.load_state_dict(state.lr_scheduler)
         checkpoint.restore_rng(state.rng)
     return run, state
+
+
+def release_text_encoders(components: Components, opts: TrainOptions) -> None:
+    """With the frozen encoders' outputs cached, free them unless sample images or a saved pipeline
+    need them again (SDXL's two are 1.6 GB in fp32)."""
+    if opts.save_as_full_pipeline or opts.validation_prompt:
+        return
+    components.text_encoder = components.text_encoder_2 = None
+    hardware.release_freed_memory()
 
 
 def release_vae_parts(components: Components, latents: Latents, opts: TrainOptions) -> None:
@@ -491,9 +543,13 @@ def release_vae_parts(components: Components, latents: Latents, opts: TrainOptio
 class TrainResult:
     output_dir: Path
     steps: int
-    vectors: torch.Tensor
+    learned: Any  # the method's learned(): a textual inversion's vectors, a LoRA's {name: tensor}
     final_loss: float | None
-    embeds_path: Path | None
+    result_path: Path | None  # the method's result file (rank 0)
+
+    @property
+    def vectors(self) -> Any:
+        return self.learned
 
 
 def keep_metrics_up_to(path: Path, step: int) -> None:
@@ -562,8 +618,9 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             loss_value = float(loss)
             if not math.isfinite(loss_value):
                 raise TrainingError(f"loss became {loss_value} at step {step + 1}; lower --learning-rate")
-            if not torch.isfinite(run.embedding.learned()).all():  # a few KB; the loss shows it one step late
-                raise TrainingError(f"the vectors became non-finite at step {step + 1}; lower --learning-rate")
+            if not run.method.finite():  # small; the loss shows it one step late
+                what = "vectors" if run.opts.method == "textual_inversion" else "trained weights"
+                raise TrainingError(f"the {what} became non-finite at step {step + 1}; lower --learning-rate")
             sent = (run.counter.take() + loss.numel() * loss.element_size()) if run.counter else 0
             phases = run.phases.take()
             done = step + 1
@@ -608,7 +665,7 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
         if writer:
             writer.close()
     run.sync.wait()
-    return TrainResult(out, run.max_steps, run.embedding.learned(), loss_value, result_path)
+    return TrainResult(out, run.max_steps, run.method.learned(), loss_value, result_path)
 
 
 def outputs_due(opts: TrainOptions, step: int, max_steps: int) -> bool:
@@ -624,24 +681,17 @@ def _between_steps(run: Run, step: int, writer) -> None:
     opts, out = run.opts, run.output_dir
     pause_for_tests("alone", run.rank)
     if opts.save_steps and step % opts.save_steps == 0:
-        save_embeds(run, out / f"learned_embeds-steps-{step}.safetensors", step)
+        run.method.save(out, step, final=False)
     if opts.checkpointing_steps and step % opts.checkpointing_steps == 0:
         save_checkpoint(run, step)
     if opts.validation_prompt and step % opts.validation_steps == 0:
         run_validation(run, step, writer)
 
 
-def save_embeds(run: Run, path: Path, step: int) -> Path:
-    """learned_embeds in --save-format; SDXL's in the clip_l / clip_g layout whatever the format."""
-    return tokens.save_learned_embeds(path, run.placeholder, run.embedding.learned(), run.opts.save_format, step,
-                                      split_dim=getattr(run.embedding, "split_dim", None))
-
-
 def save_checkpoint(run: Run, step: int) -> Path:
     state = checkpoint.TrainState(
-        step=step, vectors=run.embedding.learned(), optimizer=run.optimizer.state_dict(),
-        lr_scheduler=run.lr_scheduler.state_dict(), placeholder_tokens=run.placeholder.tokens,
-        rng=checkpoint.rng_state(),
+        step=step, optimizer=run.optimizer.state_dict(), lr_scheduler=run.lr_scheduler.state_dict(),
+        rng=checkpoint.rng_state(), method=run.method.name, **run.method.state(),
     )
     return checkpoint.save(run.output_dir, state, run.opts.checkpoints_total_limit)
 
@@ -649,7 +699,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
 def run_validation(run: Run, step: int, writer) -> list[Path]:
     opts = run.opts
     images = validation.generate(
-        run.components, tokens.parts(run.embedding), opts.validation_prompt,
+        run.components, run.method, opts.validation_prompt,
         num_images=opts.num_validation_images, steps=opts.validation_inference_steps,
         resolution=opts.resolution, seed=opts.seed, autocast=run.autocast,
     )
@@ -666,9 +716,9 @@ def run_validation(run: Run, step: int, writer) -> list[Path]:
 def _finish(run: Run, writer) -> Path:
     opts, out = run.opts, run.output_dir
     pause_for_tests("alone", run.rank)
-    path = save_embeds(run, out / "learned_embeds.safetensors", run.max_steps)
+    path = run.method.save(out, run.max_steps, final=True)
     if opts.save_steps and run.max_steps % opts.save_steps == 0:  # as every other N-th step has one
-        save_embeds(run, out / f"learned_embeds-steps-{run.max_steps}.safetensors", run.max_steps)
+        run.method.save(out, run.max_steps, final=False)
     if opts.checkpointing_steps and run.max_steps % opts.checkpointing_steps == 0:
         save_checkpoint(run, run.max_steps)
     if opts.validation_prompt:
@@ -691,31 +741,24 @@ def save_pipeline(run: Run, target: Path) -> Path:
             return load_as_stored(opts.model, part, opts.revision, opts.variant)
         return module
 
-    unet = as_stored("unet", components.unet_for_inference, components.unet_cast)
+    modified = run.method.modified_parts  # changed in place by the method: reloaded as stored, then merged
+    unet = as_stored("unet", components.unet_for_inference, components.unet_cast or "unet" in modified)
     vae = as_stored("vae", components.vae, False)
     encoders = {}
-    parts = tokens.parts(run.embedding)
-    for name, part, placeholder in zip(("text_encoder", "text_encoder_2")[: len(parts)], parts,
-                                       (run.placeholder, run.placeholder_2)[: len(parts)], strict=True):
+    for name in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
         encoder = getattr(components, name)
-        if getattr(components, f"{name}_cast"):  # likewise its Linear layers
+        if getattr(components, f"{name}_cast") or name in modified:  # likewise its Linear layers
             encoder = load_text_encoder(opts.model, opts.revision, opts.variant, name)
-        encoders[name] = (encoder, encoder.get_input_embeddings())
-        encoder.set_input_embeddings(tokens.merged_table(part, placeholder, encoder.dtype))
-        encoder.config.vocab_size = encoder.get_input_embeddings().weight.shape[0]
-    try:
-        common = {"vae": vae, "unet": unet, "scheduler": components.noise_scheduler,
-                  "tokenizer": components.tokenizer, **{name: e for name, (e, _) in encoders.items()}}
-        if components.family == "sdxl":
-            pipe = StableDiffusionXLPipeline(**common, tokenizer_2=components.tokenizer_2, add_watermarker=False)
-        else:
-            pipe = StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
-                                           requires_safety_checker=False)
-        with atomic_dir(target) as tmp:
-            pipe.save_pretrained(tmp)
-    finally:
-        for encoder, wrapped in encoders.values():
-            encoder.set_input_embeddings(wrapped)
+        encoders[name] = encoder
+    common = {"vae": vae, "unet": unet, "scheduler": components.noise_scheduler,
+              "tokenizer": components.tokenizer, **encoders}
+    if components.family == "sdxl":
+        pipe = StableDiffusionXLPipeline(**common, tokenizer_2=components.tokenizer_2, add_watermarker=False)
+    else:
+        pipe = StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+    with run.method.merged_into(pipe), atomic_dir(target) as tmp:
+        pipe.save_pretrained(tmp)
     return target
 
 

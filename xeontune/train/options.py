@@ -22,6 +22,7 @@ from xeontune.errors import UserError
 
 log = logging.getLogger(__name__)
 
+METHOD_NAMES = ("textual_inversion", "lora")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
 
@@ -33,6 +34,9 @@ def opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tupl
 
 @dataclass
 class TrainOptions:
+    method: str = opt("textual_inversion", "what trains: textual_inversion (a new token's vectors; the models stay "
+                      "frozen) or lora (low-rank adapters on the UNet's attention, and on the text encoders with "
+                      "--train-text-encoder); see docs/training.md", choices=METHOD_NAMES, group="method")
     # model and data
     model: str | None = opt(None, "hub id or local path of a Stable Diffusion 1.x/2.x or SDXL pipeline (required)",
                             aliases=("--pretrained_model_name_or_path",), group="model and data")
@@ -41,12 +45,23 @@ class TrainOptions:
     data_dir: str | None = opt(None, "folder of training images (required)", aliases=("--train_data_dir",),
                                group="model and data")
     placeholder_token: str | None = opt(None, "the new token to learn, e.g. '<cat-toy>' (required)",
-                                        group="model and data")
+                                        group="textual inversion")
     initializer_token: str | None = opt(None, "one existing token to start from, e.g. 'toy' (required)",
-                                        group="model and data")
+                                        group="textual inversion")
     learnable_property: str = opt("object", "what the token captures; picks the prompt templates",
-                                  choices=("object", "style"), group="model and data")
-    num_vectors: int = opt(1, "vectors per placeholder (<tok>, <tok>_1, ...)", group="model and data")
+                                  choices=("object", "style"), group="textual inversion")
+    num_vectors: int = opt(1, "vectors per placeholder (<tok>, <tok>_1, ...)", group="textual inversion")
+    # LoRA
+    instance_prompt: str | None = opt(None, "the prompt of every training image, e.g. 'a photo of sks toy' (required)",
+                                      group="lora")
+    rank: int = opt(4, "the adapters' rank", aliases=("--lora-rank",), group="lora")
+    lora_alpha: float | None = opt(None, "the adapters' alpha: their output is scaled by alpha / rank "
+                                   "(default: the rank, so 1)", group="lora")
+    lora_targets: str = opt("to_q,to_k,to_v,to_out.0", "the UNet's modules that get adapters, comma-separated "
+                            "(names as they end in the UNet)", group="lora")
+    lora_dropout: float = opt(0.0, "dropout on the adapters' input while training", group="lora")
+    train_text_encoder: bool = opt(False, "also put adapters on the text encoder(s)' q_proj, k_proj, v_proj and "
+                                   "out_proj (else their outputs are computed once per prompt)", group="lora")
     repeats: int = opt(100, "times each image appears per epoch", group="model and data")
     resolution: int = opt(512, "training image side in pixels (a multiple of 8)", group="model and data")
     center_crop: bool = opt(False, "crop images to a centered square before resizing", group="model and data")
@@ -58,7 +73,8 @@ class TrainOptions:
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
     max_train_steps: int | None = opt(None, "optimizer steps (overrides --num-train-epochs)")
     num_train_epochs: int = opt(1, "epochs, when --max-train-steps is not given")
-    learning_rate: float = opt(5e-4, "peak learning rate")
+    learning_rate: float | None = opt(None, "peak learning rate (default: 5e-4 for textual_inversion, 1e-4 for "
+                                      "lora)")
     scale_lr: bool = opt(False, "multiply --learning-rate by the global batch (per-rank batch x accumulation x "
                          "ranks), so more ranks take proportionally larger steps")
     lr_scheduler: str = opt("constant", "learning-rate schedule", choices=SCHEDULERS)
@@ -100,7 +116,8 @@ class TrainOptions:
     dist_wait_timeout: float = opt(3600.0, "seconds ranks wait while one works alone (model loading, checkpoints, "
                                    "validation, saving the pipeline) before the job fails", group="hardware")
     # outputs
-    output_dir: str = opt("textual_inversion_output", "where embeddings, checkpoints and logs go", group="outputs")
+    output_dir: str = opt(None, "where the learned files, checkpoints and logs go (default: textual_inversion_output, "
+                          "or lora_output for --method lora)", group="outputs")  # type: ignore[assignment]
     overwrite: bool = opt(False, "replace the outputs of a previous run in --output-dir", group="outputs")
     save_format: str = opt("diffusers", "learned_embeds format: diffusers ({token: vectors}) or a1111 (emb_params)",
                            choices=("diffusers", "a1111"), group="outputs")
@@ -122,6 +139,7 @@ class TrainOptions:
     logging_dir: str = opt("logs", "tensorboard dir, relative to --output-dir", group="outputs")
     # benchmark switches: the example script's approach, for `xeontune bench`'s baseline
     cache_latents: bool = opt(True, argparse.SUPPRESS, group="benchmark")
+    cache_text: bool = opt(True, argparse.SUPPRESS, group="benchmark")  # frozen encoders: outputs once per prompt
     train_full_table: bool = opt(False, argparse.SUPPRESS, group="benchmark")
 
     # the --config file these options were read from, if any (set by parse_args, not a flag itself)
@@ -131,6 +149,10 @@ class TrainOptions:
     def placeholder_tokens(self) -> list[str]:
         assert self.placeholder_token is not None
         return [self.placeholder_token] + [f"{self.placeholder_token}_{i}" for i in range(1, self.num_vectors)]
+
+    @property
+    def lora_target_names(self) -> list[str]:
+        return [t.strip() for t in self.lora_targets.split(",") if t.strip()]
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -161,8 +183,9 @@ def _base_type(f: dataclasses.Field) -> type:
 def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Learn a new token for a Stable Diffusion pipeline from a few images (textual inversion). "
-        "Only the new token's vectors train; the UNet, VAE and text encoder stay frozen.",
+        description="Fine-tune a Stable Diffusion pipeline on a few images. --method textual_inversion (the "
+        "default) learns a new token's vectors, everything else frozen; --method lora learns low-rank adapters "
+        "on the UNet's attention (and the text encoders' with --train-text-encoder) beside the frozen weights.",
         argument_default=argparse.SUPPRESS,
         epilog="Every flag also accepts its snake_case spelling and the example script's names "
         "(--pretrained_model_name_or_path, --train_data_dir, ...). Values may come from --config FILE "
@@ -317,12 +340,44 @@ def read_options(argv: list[str]) -> tuple[TrainOptions, set[str]]:
     return _parse(argv, parser)
 
 
+# Each method's own options (the options group of its name in --help), those it requires, and the
+# defaults that differ by method. An option of another method set to anything but its default is a
+# one-line error: it would be silently ignored.
+METHOD_GROUPS = {"textual_inversion": "textual inversion", "lora": "lora"}
+METHOD_ONLY = {"save_format": "textual_inversion", "train_full_table": "textual_inversion"}
+METHOD_REQUIRED = {"textual_inversion": ("placeholder_token", "initializer_token"), "lora": ("instance_prompt",)}
+METHOD_DEFAULTS = {
+    "textual_inversion": {"learning_rate": 5e-4, "output_dir": "textual_inversion_output"},
+    "lora": {"learning_rate": 1e-4, "output_dir": "lora_output"},
+}
+
+
+def method_of_option(f: dataclasses.Field) -> str | None:
+    """The method an option belongs to, or None for an option of every method."""
+    by_group = {group: method for method, group in METHOD_GROUPS.items()}
+    return METHOD_ONLY.get(f.name) or by_group.get(f.metadata["group"])
+
+
+def _check_method_options(o: TrainOptions) -> None:
+    for f in _fields():
+        owner = method_of_option(f)
+        if owner not in (None, o.method) and getattr(o, f.name) != f.default:
+            flag = "--" + f.name.replace("_", "-")
+            raise UserError(f"{flag} is an option of --method {owner}, not of --method {o.method}")
+    for name, value in METHOD_DEFAULTS[o.method].items():
+        if getattr(o, name) is None:
+            setattr(o, name, value)
+
+
 def validate(o: TrainOptions) -> TrainOptions:
     """Check what can be checked without loading anything; raise UserError with one line."""
-    missing = [f"--{n.replace('_', '-')}" for n in ("model", "data_dir", "placeholder_token", "initializer_token")
+    if o.method not in METHOD_NAMES:
+        raise UserError(f"--method must be one of {', '.join(METHOD_NAMES)}, got {o.method!r}")
+    missing = [f"--{n.replace('_', '-')}" for n in ("model", "data_dir", *METHOD_REQUIRED[o.method])
                if getattr(o, n) in (None, "")]
     if missing:
         raise UserError(f"missing required option(s): {', '.join(missing)}")
+    _check_method_options(o)
     if o.mixed_precision == "no":
         o.mixed_precision = "fp32"
     o.nproc_per_node = str(o.nproc_per_node).strip().lower()  # a config file may give a number
@@ -355,7 +410,12 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.nproc_per_node == "auto" or (o.nproc_per_node.isdigit() and int(o.nproc_per_node) >= 1),
          f"--nproc-per-node must be a positive number or auto, got {o.nproc_per_node!r}"),
         (finite(o.dist_wait_timeout) and o.dist_wait_timeout > 0, "--dist-wait-timeout must be a positive number of seconds"),
-        (not any(c.isspace() for c in o.placeholder_token), "--placeholder-token must not contain spaces"),
+        (o.placeholder_token is None or not any(c.isspace() for c in o.placeholder_token),
+         "--placeholder-token must not contain spaces"),
+        (o.rank >= 1, f"--rank must be at least 1, got {o.rank}"),
+        (o.lora_alpha is None or (finite(o.lora_alpha) and o.lora_alpha > 0), "--lora-alpha must be positive"),
+        (0.0 <= o.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)"),
+        (bool(o.lora_target_names), "--lora-targets must name at least one module"),
     ]
     for ok, message in checks:
         if not ok:

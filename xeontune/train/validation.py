@@ -1,4 +1,4 @@
-"""Sample images with the placeholder in the prompt, saved as PNG (and logged to tensorboard)."""
+"""Sample images with what the run learned applied, saved as PNG (and logged to tensorboard)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,13 @@ from xeontune.io import atomic_path
 
 @torch.no_grad()
 def generate(
-    components, embeddings: list, prompt: str, *, num_images: int, steps: int, resolution: int, seed: int,
-    autocast
+    components, method, prompt: str, *, num_images: int, steps: int, resolution: int, seed: int, autocast
 ) -> list:
-    """Run the pipeline (SDXL's for an SDXL model) on the frozen models with the learned vectors;
-    ``embeddings``: each text encoder's embedding module (tokens.parts). Return PIL images."""
+    """Run the pipeline (SDXL's for an SDXL model) on the frozen models with what ``method`` learned
+    applied (train/methods: ``inference``). Return PIL images."""
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 
-    encoders = components.text_encoders
-    wrapped = [e.get_input_embeddings() for e in encoders]
-    for encoder, embedding in zip(encoders, embeddings, strict=True):
-        encoder.set_input_embeddings(embedding)  # the bare module: no DDP hooks on one rank
-    try:
+    with method.inference(components):
         common = {"vae": components.vae, "text_encoder": components.text_encoder, "tokenizer": components.tokenizer,
                   "unet": components.unet_for_inference,
                   "scheduler": DPMSolverMultistepScheduler.from_config(components.noise_scheduler.config)}
@@ -42,9 +37,6 @@ def generate(
                            width=resolution)
                 images.append(out.images[0])
         return images
-    finally:
-        for encoder, module in zip(encoders, wrapped, strict=True):
-            encoder.set_input_embeddings(module)
 
 
 def save_images(images: list, out_dir: Path, step: int) -> list[Path]:

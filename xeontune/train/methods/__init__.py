@@ -1,0 +1,113 @@
+"""Training methods as plug-ins: what trains, and what the run writes for it.
+
+The loop (train/loop.py) knows a method only by this contract; each method is one module:
+
+- ``textual_inversion``: a new token's vectors in the text encoder(s), all models frozen;
+- ``lora``: peft's low-rank adapters beside the frozen (packed, bf16-copy) UNet, and the text
+  encoders' when asked.
+
+A method is made from the options (``create``) and then, in this order, asked to ``install`` itself
+into the loaded models, for the ``prompts`` the samples draw from, for its trainable ``parameters``
+(the optimizer's) and the modules DDP wraps (``ddp_modules`` / ``use_ddp``; parameters outside them
+are all-reduced by the loop), once for ``check_gradient`` after the first backward, after every
+optimizer step (``after_step``, ``finite``), for its checkpoint ``state`` / ``load_state``, to
+``save`` its learned files, to apply itself for sample images (``inference``) and to merge itself into
+a pipeline being saved (``merged_into``). Its options are its own group of TrainOptions
+(options.METHOD_GROUPS); its file names are declared in train/outputs.py (torch-free, for `fetch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from xeontune.train.components import Components
+    from xeontune.train.options import TrainOptions
+
+# name -> "module:Class", imported on use (LoRA needs peft, which a textual-inversion run never loads)
+REGISTRY = {
+    "textual_inversion": "xeontune.train.methods.textual_inversion:TextualInversion",
+    "lora": "xeontune.train.methods.lora:Lora",
+}
+
+
+class Method:
+    """The contract; see the module's docstring for when the loop calls what."""
+
+    name: ClassVar[str]
+    trains_unet: ClassVar[bool] = False
+    uses_ipex: ClassVar[bool] = True  # False: `--ipex auto` leaves IPEX out, `--ipex on` is an error
+
+    def __init__(self, opts: TrainOptions) -> None:
+        self.opts = opts
+
+    @property
+    def trains_text_encoders(self) -> bool:
+        """Whether gradients flow into the text encoders; when not, their outputs depend on the prompt
+        alone and the loop computes them once per prompt."""
+        return True
+
+    @property
+    def modified_parts(self) -> set[str]:
+        """Pipeline parts whose modules the method changed in place (``save_pipeline`` reloads them
+        as stored before ``merged_into``)."""
+        return set()
+
+    def install(self, components: Components) -> None:
+        raise NotImplementedError
+
+    def prompts(self) -> list[str]:
+        raise NotImplementedError
+
+    def parameters(self) -> list[nn.Parameter]:
+        raise NotImplementedError
+
+    def ddp_modules(self) -> list[nn.Module]:
+        return []
+
+    def use_ddp(self, wrapped: list[nn.Module]) -> None:
+        """Put the DDP wrappers of ``ddp_modules()`` (same order) where the models call them."""
+
+    def check_gradient(self) -> None:
+        """After the first backward: raise TrainingError unless every trainable part got a usable gradient."""
+
+    def after_step(self) -> None:
+        """After each optimizer step."""
+
+    def finite(self) -> bool:
+        return all(bool(p.detach().isfinite().all()) for p in self.parameters())
+
+    def state(self) -> dict[str, Any]:
+        """The checkpoint fields of checkpoint.TrainState that hold what the method learned."""
+        raise NotImplementedError
+
+    def load_state(self, state: Any, where: str) -> None:
+        """Load a checkpoint's learned state (UserError in one line when it was trained otherwise)."""
+        raise NotImplementedError
+
+    def save(self, output_dir: Path, step: int, final: bool) -> Path:
+        """Write the learned files (atomically): the final ones, or the copies of ``step``; return the
+        result file's path."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def inference(self, components: Components) -> Iterator[None]:
+        """The models as a pipeline should run them for sample images, the learned part applied."""
+        yield
+
+    @contextlib.contextmanager
+    def merged_into(self, pipeline: Any) -> Iterator[None]:
+        """The learned part merged into ``pipeline`` (built from the frozen parts and, for
+        ``modified_parts``, fresh copies as stored) while it is saved."""
+        yield
+
+
+def create(opts: TrainOptions) -> Method:
+    module, _, cls = REGISTRY[opts.method].partition(":")
+    return getattr(importlib.import_module(module), cls)(opts)

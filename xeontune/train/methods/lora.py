@@ -1,0 +1,203 @@
+"""LoRA: peft's low-rank adapters beside the frozen UNet's (and, with --train-text-encoder, the text
+encoders') attention layers, as diffusers' DreamBooth-LoRA examples add them.
+
+The base layers stay as the trainer prepared them (bf16 copies, packed for oneDNN): peft wraps each
+target Linear, whose frozen forward and input gradient then run packed, and adds the adapter's two
+small Linear layers beside it. The adapters and their optimizer state are fp32 whatever the precision
+(autocast runs their matmuls in bf16 where the run is bf16). Their initial values come from --seed,
+so every rank starts from the same adapters without a broadcast.
+
+Files: ``pytorch_lora_weights.safetensors`` in diffusers' layout (``pipeline.load_lora_weights``), the
+same weights in kohya's layout (``pytorch_lora_weights_kohya.safetensors``: ``lora_unet_...``,
+``lora_te_`` / ``lora_te1_`` / ``lora_te2_`` and ``.alpha``), which A1111 and ComfyUI read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from xeontune.errors import TrainingError, UserError
+from xeontune.io import atomic_path
+from xeontune.train.methods import Method
+from xeontune.train.outputs import METHOD_FILES, learned_file
+
+DIFFUSERS_STEM, KOHYA_STEM = METHOD_FILES["lora"]
+TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIP's attention, as diffusers' examples
+ENCODER_NAMES = ("text_encoder", "text_encoder_2")
+
+
+class Lora(Method):
+    name = "lora"
+    trains_unet = True
+    uses_ipex = False  # IPEX 2.8 prepacks Linear layers whose gradients the adapters need; packed stock torch is used
+
+    models: dict[str, nn.Module]  # "unet", "text_encoder", "text_encoder_2": the models holding adapters
+
+    @property
+    def alpha(self) -> float:
+        return float(self.opts.lora_alpha or self.opts.rank)
+
+    @property
+    def trains_text_encoders(self) -> bool:
+        return self.opts.train_text_encoder
+
+    @property
+    def modified_parts(self) -> set[str]:
+        return set(self.models)
+
+    def config(self, targets: list[str] | tuple[str, ...]) -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.opts.rank, lora_alpha=self.alpha, lora_dropout=self.opts.lora_dropout,
+                          init_lora_weights="gaussian", target_modules=list(targets))
+
+    def install(self, components: Any) -> None:
+        opts = self.opts
+        self.family = components.family
+        self.models = {"unet": components.unet}
+        if opts.train_text_encoder:
+            self.models.update(zip(ENCODER_NAMES, components.text_encoders, strict=False))
+        # Seeded apart from every other random stream: each rank makes the same adapters.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(opts.seed)
+            for name, model in self.models.items():
+                targets = opts.lora_target_names if name == "unet" else TEXT_ENCODER_TARGETS
+                try:
+                    model.add_adapter(self.config(targets))
+                except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+                    raise UserError(f"--lora-targets {opts.lora_targets}: {str(exc).splitlines()[0]}") from None
+        for model in self.models.values():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+        # Loaded models are in eval mode, which would switch the adapters' dropout off while training.
+        self.dropouts = [m for model in self.models.values() for name, m in model.named_modules()
+                         if ".lora_dropout." in name and isinstance(m, nn.Dropout)]
+        for dropout in self.dropouts:
+            dropout.train()
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(f"{model_name}.{name}", p) for model_name, model in self.models.items()
+                for name, p in model.named_parameters() if p.requires_grad]
+
+    def prompts(self) -> list[str]:
+        return [self.opts.instance_prompt]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def check_gradient(self) -> None:
+        """The adapters' up weights (zero at the start) must get a finite gradient, not zero for a whole model."""
+        for model_name in self.models:
+            grads = [p.grad for name, p in self.named_parameters() if name.startswith(model_name + ".")
+                     and ".lora_B." in name]
+            if any(g is None or not torch.isfinite(g).all() for g in grads) or \
+                    not any(bool(g.abs().sum() > 0) for g in grads if g is not None):
+                raise TrainingError(f"the LoRA adapters of the {model_name} received no usable gradient after the "
+                                    "first backward pass; a backend broke the gradient path")
+
+    def learned(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.named_parameters()}
+
+    def state(self) -> dict[str, Any]:
+        return {"learned": {"tensors": self.learned(), "rank": self.opts.rank, "alpha": self.alpha,
+                            "targets": list(self.opts.lora_target_names), "models": list(self.models)}}
+
+    def load_state(self, state: Any, where: str) -> None:
+        saved = state.learned or {}
+        mine = self.state()["learned"]
+        settings = ("rank", "alpha", "targets", "models")
+        if any(saved.get(k) != mine[k] for k in settings) or \
+                {k: v.shape for k, v in saved.get("tensors", {}).items()} != {k: v.shape for k, v in mine["tensors"].items()}:
+            have = ", ".join(f"{k} {saved.get(k)}" for k in settings)
+            want = ", ".join(f"{k} {mine[k]}" for k in settings)
+            raise UserError(f"checkpoint {where} holds other adapters ({have}) than this run makes ({want})")
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(saved["tensors"][name])
+
+    # --- files -------------------------------------------------------------------------------------
+
+    def peft_state_dicts(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Each model's adapters as peft names them (``...to_q.lora_A.weight``), fp32."""
+        from peft.utils import get_peft_model_state_dict
+
+        return {name: {k: v.detach().float().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+                for name, model in self.models.items()}
+
+    def save(self, output_dir: Path, step: int, final: bool) -> Path:
+        from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+        from diffusers.utils import convert_state_dict_to_diffusers
+
+        layers = self.peft_state_dicts()
+        path = output_dir / learned_file(DIFFUSERS_STEM, None if final else step)
+        pipeline = StableDiffusionXLPipeline if self.family == "sdxl" else StableDiffusionPipeline
+        kwargs: dict[str, Any] = {f"{name}_lora_layers": convert_state_dict_to_diffusers(sd)
+                                  for name, sd in layers.items()}
+        # the adapters' settings (alpha above all) travel in the file's metadata, as diffusers writes them
+        kwargs.update({f"{name}_lora_adapter_metadata": self.config(self.targets_of(name)).to_dict()
+                       for name in layers})
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=output_dir, prefix=".lora-") as tmp:
+            pipeline.save_lora_weights(tmp, weight_name=path.name, **kwargs)
+            with atomic_path(path, durable=True) as final:  # its mode, fsync and rename, as every file's
+                os.replace(Path(tmp) / path.name, final)
+        self.save_kohya(layers, output_dir / learned_file(KOHYA_STEM, None if final else step), step)
+        if final:
+            self.final_path = path
+        return path
+
+    def targets_of(self, model_name: str) -> list[str]:
+        return list(self.opts.lora_target_names) if model_name == "unet" else list(TEXT_ENCODER_TARGETS)
+
+    def save_kohya(self, layers: dict[str, dict[str, torch.Tensor]], path: Path, step: int) -> Path:
+        """kohya's layout: ``lora_unet_<module path with _>.lora_down.weight`` / ``.lora_up.weight`` /
+        ``.alpha``; the text encoder's ``lora_te_`` for SD1.x/SD2, ``lora_te1_`` and ``lora_te2_`` for SDXL."""
+        from diffusers.utils import convert_state_dict_to_kohya
+        from safetensors.torch import save_file
+
+        prefixed = {f"{name}.{k}": v for name, sd in layers.items() for k, v in sd.items()}
+        kohya = {}
+        for key, value in convert_state_dict_to_kohya(prefixed).items():
+            if key.endswith(".alpha"):  # diffusers writes alpha = rank there; ours may differ
+                value = torch.tensor(self.alpha)
+            if self.family != "sdxl" and key.startswith("lora_te1_"):
+                key = "lora_te_" + key.removeprefix("lora_te1_")
+            kohya[key] = value.contiguous()
+        metadata = {"ss_network_module": "networks.lora", "ss_network_dim": str(self.opts.rank),
+                    "ss_network_alpha": str(self.alpha), "ss_steps": str(step),
+                    "ss_base_model_version": "sdxl_base_v1-0" if self.family == "sdxl" else "sd_v1"}
+        with atomic_path(path, durable=True) as tmp:
+            save_file(kohya, str(tmp), metadata=metadata)
+        return path
+
+    # --- using what was learned --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def inference(self, components: Any) -> Iterator[None]:
+        """The adapters stay in the models; only their dropout is off."""
+        for dropout in self.dropouts:
+            dropout.eval()
+        try:
+            yield
+        finally:
+            for dropout in self.dropouts:
+                dropout.train()
+
+    @contextlib.contextmanager
+    def merged_into(self, pipeline: Any) -> Iterator[None]:
+        """The final file loaded into the pipeline's fresh parts by diffusers itself, fused into their
+        weights, and the adapters' modules dropped: a plain pipeline, the LoRA in its weights."""
+        path: Path = self.final_path
+        pipeline.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name="xeontune")
+        pipeline.fuse_lora(components=list(self.models), lora_scale=1.0)
+        pipeline.unload_lora_weights()
+        yield
