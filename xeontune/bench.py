@@ -56,8 +56,18 @@ TARGETS = {"speedup_min": 1.6, "auto_ranks_speedup_min": 1.8, "overhead_max": 1.
 SDXL_TARGETS = {"speedup_min": 2.0, "rss_ratio_max": {"bf16": 0.6, "fp32": 0.9}}
 
 
-def targets_for(family: str, precision: str) -> dict[str, float]:
-    """The targets this run is judged against: SD1.x/SD2's, or SDXL's where it has its own."""
+# Issue 28's for LoRA against diffusers' train_dreambooth_lora*.py: >= 1.5x its steps/s at 512 px in bf16
+# (1.8x on an AVX2-only CPU in fp32 at 256 px), peak RSS <= 0.6x its own.
+LORA_TARGETS = {"speedup_min": {"bf16": 1.5, "fp32": 1.8}, "rss_ratio_max": 0.6}
+INSTANCE_PROMPT = "a photo of sks toy"
+
+
+def targets_for(family: str, precision: str, method: str = "textual_inversion") -> dict[str, float]:
+    """The targets this run is judged against: SD1.x/SD2's, or SDXL's where it has its own; LoRA's."""
+    if method == "lora":
+        speedup = LORA_TARGETS["speedup_min"]
+        assert isinstance(speedup, dict)
+        return {**TARGETS, "speedup_min": speedup[precision], "rss_ratio_max": float(LORA_TARGETS["rss_ratio_max"])}
     if family != "sdxl":
         return dict(TARGETS)
     rss = SDXL_TARGETS["rss_ratio_max"]
@@ -120,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time this trainer's optimized step against the example script's approach (baseline), "
         "(in its own process) alternating step by step, with per-phase times, FLOPs, MFU and ranks per node.",
     )
+    p.add_argument("--method", default="textual_inversion", choices=("textual_inversion", "lora"),
+                   help="what trains (default textual_inversion); lora's baseline is diffusers' "
+                   "train_dreambooth_lora(_sdxl).py: instance prompt, rank --rank, VAE and text encoder every step")
+    p.add_argument("--rank", type=int, default=4, help="--method lora: the adapters' rank (default 4)")
     p.add_argument("--model", default="tiny", help=f"{', '.join(BUILT_IN)} (built once and cached), "
                    "or a pipeline path (SD1.x, SD2 or SDXL)")
     p.add_argument("--models-dir", default="models", help="where the built-in models are cached (default: models)")
@@ -158,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("steps", "batch_size", "matmul_size"):
+    for name in ("steps", "batch_size", "matmul_size", "rank"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
@@ -255,24 +269,31 @@ def resolve_model(model: str, models_dir: str) -> Path:
 
 
 def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace, variant: str):
-    """The trainer's options for one variant: the baseline differs only in the two benchmark switches."""
+    """The trainer's options for one variant: the baseline differs only in the benchmark switches (and
+    never packs): VAE every step, and textual inversion's whole token table or LoRA's text encoder every step."""
     from xeontune.train.options import TrainOptions, validate
 
+    method = getattr(args, "method", "textual_inversion")
+    own = ({"placeholder_token": TOKEN, "initializer_token": "toy", "train_full_table": variant == "baseline"}
+           if method == "textual_inversion" else
+           {"instance_prompt": INSTANCE_PROMPT, "rank": args.rank, "cache_text": variant != "baseline"})
     return validate(TrainOptions(
-        model=str(model), data_dir=str(data), placeholder_token=TOKEN, initializer_token="toy",
+        method=method, model=str(model), data_dir=str(data), **own,
         resolution=args.resolution, train_batch_size=args.batch_size, max_train_steps=args.warmup + args.steps,
         output_dir=str(out), mixed_precision=args.mixed_precision, ipex=args.ipex, compile=args.compile,
         pack_weights=args.pack_weights if variant != "baseline" else "off", report_to="none",
-        cache_latents=variant != "baseline", train_full_table=variant == "baseline",
+        cache_latents=variant != "baseline",
         gradient_checkpointing=getattr(args, "gradient_checkpointing", False) and variant != "baseline",
     ))
 
 
-def example_components(model: Path, precision: str):
+def example_components(model: Path, precision: str, method: str = "textual_inversion"):
     """The frozen models as the example scripts hold them: with bf16, the UNet and the VAE cast to
     bf16 once (they then encode every step in bf16); the text encoder, which they train, in fp32.
     SDXL's script also casts its second text encoder to bf16 whole, after handing its token table to
-    the optimizer: that table then trains in bf16 (``tokens.install`` copies the table's dtype)."""
+    the optimizer: that table then trains in bf16 (``tokens.install`` copies the table's dtype).
+    The LoRA examples cast every frozen model, text encoders included, and then the adapters they
+    add to the UNet back to fp32 (as the LoRA method does)."""
     import torch
 
     from xeontune.train.components import load, unet_dtype
@@ -283,7 +304,11 @@ def example_components(model: Path, precision: str):
         components.unet_cast = True
     if precision == "bf16":
         components.vae.to(torch.bfloat16)
-        if components.text_encoder_2 is not None:
+        if method == "lora":
+            for name in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
+                getattr(components, name).to(torch.bfloat16)
+                setattr(components, f"{name}_cast", True)
+        elif components.text_encoder_2 is not None:
             components.text_encoder_2.to(torch.bfloat16)
             components.text_encoder_2_cast = True
     return components
@@ -434,6 +459,7 @@ class BaselineWorker:
             "--resolution", str(args.resolution), "--batch-size", str(args.batch_size),
             "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--mixed-precision", args.mixed_precision, "--allocator", "none",  # inherits ours via the env
+            "--method", args.method, "--rank", str(args.rank),
         ]
         self.log_path = tmp / "baseline-worker.log"
         self._log = self.log_path.open("w")
@@ -495,7 +521,8 @@ def baseline_worker(args: argparse.Namespace) -> int:
         models.write_sample_data(data, count=4, size=args.resolution)
         opts = variant_options(model, data, Path(tmp) / "out", args, "baseline")
         run, _ = loop.setup(opts, loop.make_accelerator(opts),
-                            components=example_components(model, choose_precision(opts.mixed_precision)[0]))
+                            components=example_components(model, choose_precision(opts.mixed_precision)[0],
+                                                          opts.method))
         ipex = "intel_extension_for_pytorch" in sys.modules
         note = "own process, stock torch" + (" (IPEX imported: autocast kernels not stock)" if ipex else "")
         replies.write(json.dumps({"gflop": count_gflop(run, 10**6), "note": note}) + "\n")
@@ -665,7 +692,8 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             "gradient_checkpointing": args.gradient_checkpointing,
             "threads": torch.get_num_threads(),
             "allocator": loaded_allocator(), "torch": torch.__version__, "cpu": _cpu_model(),
-            "backend_notes": notes, "family": family, "targets": targets_for(family, precision),
+            "backend_notes": notes, "family": family, "targets": targets_for(family, precision, args.method),
+            "method": args.method, **({"rank": args.rank} if args.method == "lora" else {}),
         },
         model_compute_times_s=[round(t, 4) for t in times["compute"]],
         core_peak_gflops=core_peak,
@@ -694,7 +722,7 @@ def rss_in_child(args: argparse.Namespace, variant: str, model: Path) -> dict[st
         "--resolution", str(args.resolution), "--batch-size", str(args.batch_size),
         "--steps", str(min(args.steps, 2)), "--warmup", str(min(args.warmup, 1)),
         "--mixed-precision", args.mixed_precision, "--ipex", args.ipex, "--pack-weights", args.pack_weights,
-        "--allocator", "none",
+        "--allocator", "none", "--method", args.method, "--rank", str(args.rank),
         *(["--compile"] if args.compile else []),
         *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
     ]
@@ -718,7 +746,7 @@ def rss_child(args: argparse.Namespace) -> int:
         if args.rss_child == "baseline":  # the example script's models, not the trainer's
             from xeontune.hardware import choose_precision
 
-            example = example_components(model, choose_precision(opts.mixed_precision)[0])
+            example = example_components(model, choose_precision(opts.mixed_precision)[0], opts.method)
             run, _ = loop.setup(opts, accelerator, components=example)
             del example
         else:  # the trainer exactly as `xeontune train` runs it
@@ -743,7 +771,8 @@ def render_table(r: BenchResult) -> str:
     c = r.config
     cols = [("optimized", r.optimized)] + ([("baseline", r.baseline)] if r.baseline else [])
     lines = [
-        f"xeontune bench: {c['model']} ({c['family']}), {c['resolution']} px, batch {c['batch_size']}, {c['steps']} steps after "
+        f"xeontune bench: {c.get('method', 'textual_inversion')}"
+        + (f" rank {c['rank']}" if c.get("rank") else "") + f", {c['model']} ({c['family']}), {c['resolution']} px, batch {c['batch_size']}, {c['steps']} steps after "
         f"{c['warmup']} warm-up, {c['precision']}, {c['threads']} threads, {c['allocator']}",
         f"{'':<24}" + "".join(f"{name:>12}" for name, _ in cols),
         f"{'s/step (' + c['statistic'] + ')':<24}" + "".join(f"{v.s_per_step:>12.3f}" for _, v in cols),

@@ -42,16 +42,19 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*") if p.name.endswith(WEIGHT_SUFFIXES)) if folder.is_dir() else 0
 
 
-def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str = "sd") -> int:
+def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str = "sd",
+                        text_encoders: bool = True) -> int:
     """Bytes of frozen weights one rank holds: the UNet and the text encoder's Linear layers in the
     training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) the UNet counts twice: its layers are held reordered for the forward and again for the input
-    gradient, each rank its own, while the plain weights' pages are handed back once reordered."""
+    gradient, each rank its own, while the plain weights' pages are handed back once reordered.
+    ``text_encoders``: False where the run frees them once their outputs are cached (``uses_text_encoders``)."""
     root = Path(model).expanduser()
     if not root.is_dir():  # SD1.5's or SDXL-base's sizes (``family``: where the hub said which)
         unet = (SDXL_UNET_PARAMS if family == "sdxl" else SD15_UNET_PARAMS) * (2 if precision == "bf16" else 4)
-        rest = _text_encoder_bytes(SD15_TEXT_ENCODER_BYTES, precision) + SD15_VAE_BYTES
+        encoders = _text_encoder_bytes(SD15_TEXT_ENCODER_BYTES, precision)
         if family == "sdxl":
-            rest += _text_encoder_bytes(SDXL_TEXT_ENCODER_2_BYTES, precision, TEXT_ENCODER_2_LINEAR_SHARE)
+            encoders += _text_encoder_bytes(SDXL_TEXT_ENCODER_2_BYTES, precision, TEXT_ENCODER_2_LINEAR_SHARE)
+        rest = SD15_VAE_BYTES + (encoders if text_encoders else 0)
     else:
         unet = _folder_bytes(root / "unet")
         # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
@@ -59,9 +62,10 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
             unet //= 2
         if precision == "bf16":
             unet //= 2  # cast once at load (stored in fp32 in the common pipelines)
-        rest = _text_encoder_bytes(_folder_bytes(root / "text_encoder"), precision) + _folder_bytes(root / "vae")
+        encoders = _text_encoder_bytes(_folder_bytes(root / "text_encoder"), precision)
         # SDXL's second text encoder (695 M parameters): nearly all Linear layers, held like the first's
-        rest += _text_encoder_bytes(_folder_bytes(root / "text_encoder_2"), precision, TEXT_ENCODER_2_LINEAR_SHARE)
+        encoders += _text_encoder_bytes(_folder_bytes(root / "text_encoder_2"), precision, TEXT_ENCODER_2_LINEAR_SHARE)
+        rest = _folder_bytes(root / "vae") + (encoders if text_encoders else 0)
     return int(unet * (2 if packed else 1) + rest)
 
 
@@ -91,9 +95,19 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True) -> int:
     from xeontune.train.components import pipeline_family
 
     family = pipeline_family(str(opts.model), opts.revision)
-    weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family)
+    weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family,
+                                  text_encoders=uses_text_encoders(opts))
     return placement.rank_memory_bytes(weights, opts.resolution, opts.train_batch_size, family,
                                        opts.gradient_checkpointing, precision)
+
+
+def uses_text_encoders(opts: TrainOptions) -> bool:
+    """Whether a rank keeps the text encoders through the steps: not a LoRA whose frozen encoders'
+    outputs are computed once (loop.TextCache) and that makes no sample image and saves no pipeline.
+    (A LoRA's own adapters and their optimizer state are a few to ~100 MB: within the activations' margin.)"""
+    if opts.method != "lora" or opts.train_text_encoder or not opts.cache_text:
+        return True
+    return bool(opts.validation_prompt or opts.save_as_full_pipeline)
 
 
 def plan_ranks(opts: TrainOptions, precision: str) -> placement.RankPlan:
