@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from xeontune.train.options import TrainOptions
 
 # name -> "module:Class", imported on use (LoRA needs peft, which a textual-inversion run never loads)
-REGISTRY = {
+REGISTRY: dict[str, str | type[Method]] = {
     "textual_inversion": "xeontune.train.methods.textual_inversion:TextualInversion",
     "lora": "xeontune.train.methods.lora:Lora",
 }
@@ -109,5 +109,8 @@ class Method:
 
 
 def create(opts: TrainOptions) -> Method:
-    module, _, cls = REGISTRY[opts.method].partition(":")
-    return getattr(importlib.import_module(module), cls)(opts)
+    entry = REGISTRY[opts.method]
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        entry = getattr(importlib.import_module(module), name)
+    return entry(opts)
