@@ -17,12 +17,13 @@ from xeontune.errors import exit_status
 from xeontune.quiet import quiet_libraries
 
 DESCRIPTION = """\
-Fine-tune Stable Diffusion with textual inversion on Xeon CPUs, on one machine or a small cluster.
+Fine-tune Stable Diffusion (textual inversion or LoRA) on Xeon CPUs, on one machine or a small cluster.
 
   xeontune model tiny models/tiny          build the embedded tiny pipeline (offline)
   xeontune sample-data data/sample         write the sample concept images
   xeontune train --model ... --data-dir ... --placeholder-token '<cat-toy>' --initializer-token toy
-  xeontune run --provider aws -n 3 -- <train options>   up, train, fetch the embedding, tear down
+  xeontune train --method lora --model ... --data-dir ... --instance-prompt 'a photo of sks toy'
+  xeontune run --provider aws -n 3 -- <train options>   up, train, fetch the results, tear down
   xeontune cluster up --provider local -n 3
   xeontune launch -n 3 -- <train options>
   xeontune teardown
@@ -233,7 +234,8 @@ Everything checkable (the train options, as a rank reads them with --config; --p
 local --model, --resume-from-checkpoint, the destination) is checked before anything bills.
 --data-dir is copied to every node of a cloud cluster and the ranks read that copy; the job runs
 detached on the head (a lost connection here loses nothing: run reconnects and follows its log)
-and its outputs (learned_embeds*.safetensors, metrics.jsonl, validation images, the pipeline if
+and its outputs (learned_embeds*.safetensors or a LoRA's pytorch_lora_weights*.safetensors,
+metrics.jsonl, validation images, the pipeline if
 saved) are copied into --output-dir, which must not hold another run (train's --overwrite allows
 it), or, if it refuses at the end, into a fresh folder beside it. The cluster is torn down when
 training ends and its outputs are here, when it fails, and on Ctrl-C, SIGTERM or SIGHUP; it is
@@ -269,7 +271,8 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("fetch", help="copy a job's outputs from the cluster's head (also while it runs)",
-                       description="Copy the last job's learned_embeds*.safetensors, metrics.jsonl, "
+                       description="Copy the last job's learned files (learned_embeds*.safetensors, "
+                       "pytorch_lora_weights*.safetensors), metrics.jsonl, "
                        "train_config.json, validation images and saved pipeline from the head by SFTP. Each "
                        "file lands under a temporary name and is renamed when whole.")
     p.add_argument("--name", default=state.DEFAULT_CLUSTER, help="cluster name")
