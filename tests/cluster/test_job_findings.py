@@ -70,16 +70,17 @@ def write_outputs(where: Path, tag: bytes = b"vectors", pipeline: bool = False) 
         (where / "pipeline" / "unet" / "w.bin").write_bytes(b"w")
 
 
-def fake_start(monkeypatch, head_dir: Path, before_end=None, rc: int = 0) -> None:
-    """`start.start` that "trains" by writing outputs into ``head_dir`` (the head's output dir), and
-    a job that ends with ``rc`` as `run` follows it."""
+def fake_start(monkeypatch, head_dir: Path, before_end=None, rc: int = 0, write: bool = True) -> None:
+    """`start.start` that "trains" by writing outputs into ``head_dir`` (the head's output dir; with
+    ``write`` False, nothing), and a job that ends with ``rc`` as `run` follows it."""
     monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: rc)
 
     def started(rec, launch_spec, detached, local_output_dir=None, say=print, hold_for_fetch=False):
         job = JobInfo(id="job1", cluster=rec.name, output_dir=str(head_dir), local_output_dir=str(local_output_dir),
                       job_dir="/srv/fake/work/jobs/job1")
         record.save_job(job)
-        write_outputs(head_dir)
+        if write:
+            write_outputs(head_dir)
         if before_end:
             before_end()
         return job, rc
@@ -161,6 +162,120 @@ def test_a_connection_lost_during_the_final_fetch_is_tried_again(fake, monkeypat
     assert run_cli("--name", "c4", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(tmp_path / "o4")) != 0
     assert terminations(fake) == 1 and state.exists("c4")
     assert "xeontune fetch --name c4" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+# --- issue 29: what a failed or interrupted job wrote is fetched before anything is deleted ------
+
+
+def test_a_failed_jobs_outputs_are_fetched_before_the_teardown(fake, monkeypatch, tmp_path, capsys):
+    """Issue 29 (HIGH): a job that failed after writing its embedding (a rank killed in the final
+    validation) had nothing fetched, and the cluster was deleted with it. Now what it wrote comes
+    here first; the exit code stays the job's, and the messages say that training failed and where
+    its outputs went."""
+    fake_start(monkeypatch, tmp_path / "head", rc=3)
+    use_head(monkeypatch, FolderHead())
+    out = tmp_path / "out"
+    assert run_cli("--name", "f1", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(out)) == 3
+    text = capsys.readouterr().out
+    assert (out / "learned_embeds.safetensors").read_bytes() == b"vectors"
+    assert f"training failed (exit 3); fetched what it wrote into {out}: learned_embeds.safetensors" in text, text
+    assert terminations(fake) == 1 and text.strip().splitlines()[-1].startswith("deleted cluster 'f1'")
+
+
+def test_a_failed_job_that_wrote_nothing_tears_down_with_its_exit_code(fake, monkeypatch, tmp_path, capsys):
+    """Issue 29: the fetch of a failed job that wrote nothing (its output dir was never made) is no
+    reason to keep the cluster: it goes, nothing is created here, and the exit code is the job's."""
+    fake_start(monkeypatch, tmp_path / "head", rc=2, write=False)
+    use_head(monkeypatch, FolderHead())
+    out = tmp_path / "out"
+    assert run_cli("--name", "f2", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(out)) == 2
+    text = capsys.readouterr().out
+    assert "training failed (exit 2); the job wrote no outputs: nothing to fetch" in text, text
+    assert not out.exists()
+    assert terminations(fake) == 1 and text.strip().splitlines()[-1].startswith("deleted cluster 'f2'")
+
+
+@pytest.mark.parametrize("failure", [fetch.HeadError("node0 refused to read /x: Permission denied"),
+                                     KeyboardInterrupt()])
+def test_a_failed_job_whose_outputs_cannot_be_fetched_keeps_the_cluster(fake, monkeypatch, tmp_path, capsys,
+                                                                        failure):
+    """Issue 29: where what the failed job wrote cannot be fetched (the head refuses, Ctrl-C during
+    that fetch), the cluster stays; the last line says that training failed and how to fetch and tear
+    down, and the exit code is the job's (130 for the Ctrl-C)."""
+    fake_start(monkeypatch, tmp_path / "head", rc=3)
+
+    def failing_fetch(*_args, **_kwargs):
+        raise failure
+
+    monkeypatch.setattr(fetch, "fetch", failing_fetch)
+    rc = run_cli("--name", "f3", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(tmp_path / "out"))
+    assert rc == (130 if isinstance(failure, KeyboardInterrupt) else 3)
+    assert terminations(fake) == 0 and state.exists("f3")
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("kept cluster 'f3': training failed (exit 3)"), last
+    assert "xeontune fetch --name f3" in last and "xeontune teardown --name f3" in last, last
+
+
+def test_fetch_brings_the_final_embedding_first_and_the_latest_checkpoint_durably(fake, monkeypatch, tmp_path):
+    """Issue 29: the final embedding comes before the step copies, and these newest first (a fetch cut
+    short keeps the newest vectors); the latest complete checkpoint comes too once the job has ended
+    (not a peek's: the trainer may prune it meanwhile); every fetched file is fsynced before its
+    rename and the folders after, so that `run` deletes the cluster only once they are on disk."""
+    from xeontune import io
+
+    rec = fake_record(fake)
+    head_dir = tmp_path / "head"
+    write_outputs(head_dir)
+    (head_dir / "train_config.json").write_text("{}")
+    for step in (2, 4, 10):
+        (head_dir / f"learned_embeds-steps-{step}.safetensors").write_bytes(b"s%d" % step)
+
+    def checkpoint(step: int, complete: bool = True) -> None:
+        (head_dir / f"checkpoint-{step}").mkdir()
+        (head_dir / f"checkpoint-{step}" / "state.pt").write_bytes(b"state %d" % step)
+        if complete:
+            (head_dir / f"checkpoint-{step}" / "complete.json").write_text("{}")
+
+    checkpoint(2)
+    checkpoint(4)
+    checkpoint(6, complete=False)  # an older xeontune's, or cut short: not one to resume from
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    job = JobInfo(id="j", cluster="c", output_dir=str(head_dir), local_output_dir="", job_dir=str(jobs))
+    got: list[str] = []
+
+    class Recording(FolderHead):
+        def get(self, path: str, local: Path) -> None:
+            got.append(Path(path).relative_to(head_dir).as_posix())
+            super().get(path, local)
+
+    use_head(monkeypatch, Recording())
+    peek = tmp_path / "peek"
+    fetch.fetch(rec, job, peek)  # the job runs still: no checkpoint
+    assert not list(peek.glob("checkpoint-*"))
+
+    (jobs / "rc").write_text("1\n")  # now it has ended (failed)
+    got.clear()
+    synced: list[Path] = []
+    real_fsync = io.fsync_path
+    monkeypatch.setattr(io, "fsync_path", lambda path: (synced.append(Path(path)), real_fsync(path))[1])
+    dest = tmp_path / "dest"
+    report = fetch.fetch(rec, job, dest)
+    assert [g for g in got if "/" not in g] == [
+        "learned_embeds.safetensors", "learned_embeds-steps-10.safetensors", "learned_embeds-steps-4.safetensors",
+        "learned_embeds-steps-2.safetensors", "train_config.json", "metrics.jsonl"]
+    assert sorted(p.name for p in dest.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert (dest / "checkpoint-4" / "state.pt").read_bytes() == b"state 4"
+    assert "checkpoint-4/" in report.files
+    for name in ("learned_embeds.safetensors", "metrics.jsonl", "validation/step-000001-0.png"):
+        where = (dest / name).parent
+        assert any(p.parent == where and p.name.startswith(f".{Path(name).name}.") for p in synced), (name, synced)
+    assert dest in synced and dest / "validation" in synced
+    assert any(p.name == "state.pt" and p.parent.name.startswith(".checkpoint-4.") for p in synced), synced
+
+    checkpoint(8)  # fetched again later: the newer checkpoint replaces the older one
+    fetch.fetch(rec, job, dest)
+    assert sorted(p.name for p in dest.glob("checkpoint-*")) == ["checkpoint-8"]
 
 
 # --- 2: `created` only once `up` returned -------------------------------------------------------
@@ -396,6 +511,7 @@ def test_run_resumes_on_a_reused_cluster_in_its_last_jobs_output_dir(fake, monke
 
     monkeypatch.setattr(start, "start", started)
     monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: 1)
+    use_head(monkeypatch, FolderHead())  # the failed job's fetch finds nothing written
     assert run_cli("--name", "c", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(tmp_path / "o"),
                    "--resume-from-checkpoint", "latest") == 1
     spec_seen = seen[0]
@@ -468,8 +584,10 @@ def test_a_connection_that_does_not_come_back_keeps_the_cluster(fake, monkeypatc
 
 def test_ctrl_c_while_following_stops_the_job_on_the_head_then_tears_down(fake, monkeypatch, tmp_path, capsys):
     """Ctrl-C during a detached run's job reaches the ranks (SIGINT to the runner on the head), the
-    log is followed to the job's end, then the cluster this run made is deleted; exit 130."""
+    log is followed to the job's end, what the job wrote is fetched (issue 29), then the cluster
+    this run made is deleted; exit 130."""
     fake_start(monkeypatch, tmp_path / "head")
+    use_head(monkeypatch, FolderHead())
     calls: list[str] = []
 
     def follow(rec, job, reconnect_s, say):
@@ -484,7 +602,8 @@ def test_ctrl_c_while_following_stops_the_job_on_the_head_then_tears_down(fake, 
     assert calls == ["follow", "stop", "follow"]
     out = capsys.readouterr().out
     assert "stopping the job on every rank" in out and out.strip().splitlines()[-1].startswith("deleted cluster 'int'")
-    assert terminations(fake) == 1 and not (tmp_path / "o").exists()
+    assert f"fetched what it wrote into {tmp_path / 'o'}" in out, out
+    assert terminations(fake) == 1 and (tmp_path / "o" / "learned_embeds.safetensors").read_bytes() == b"vectors"
 
 
 # --- 10: nothing waits for every node, and the teardown can be abandoned ----------------------------

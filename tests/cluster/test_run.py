@@ -71,6 +71,24 @@ def wait_for_steps(proc: subprocess.Popen, name: str, log: Path, steps: int = 2,
     raise AssertionError(f"training did not get under way (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
 
 
+def wait_for_head_file(proc: subprocess.Popen, name: str, log: Path, pattern: str, timeout: float = 180) -> Path:
+    """Until the job's output dir on the head holds a file matching ``pattern`` (a glob below it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = sorted((state.cluster_dir(name) / "work" / "runs").glob(f"*/{pattern}"))
+        if found:
+            return found[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"no {pattern} on the head (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
+
+
+def assert_checkpoint_fetched(out: Path) -> None:
+    """A complete checkpoint (and a step copy) made it here: the trained steps are not lost."""
+    fetched = sorted(out.glob("checkpoint-*"))
+    assert len(fetched) == 1 and {p.name for p in fetched[0].iterdir()} == {"state.pt", "complete.json"}, fetched
+    assert list(out.glob("learned_embeds-steps-*.safetensors")) and (out / "train_config.json").is_file()
+
+
 def kill_if_running(proc: subprocess.Popen) -> None:
     """A test's way out: its `run` never outlives it."""
     if proc.poll() is None:
@@ -134,15 +152,20 @@ def test_autostop_is_on_by_default_only_where_a_cloud_head_can_stop_itself():
 
 def _start_long_run(name: str, tiny, tmp_path) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / "run.log"
-    proc = subprocess.Popen(run_argv(name, "-n", "3", "--", *train_args(tiny, tmp_path / "out", 1, 100_000)),
-                            cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
+    argv = run_argv(name, "-n", "3", "--", *train_args(tiny, tmp_path / "out", 1, 100_000, "--checkpointing-steps",
+                                                       "2", "--save-steps", "2"))
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **OFFLINE})
     return proc, log
 
 
-def test_a_rank_killed_mid_run_fails_the_run_and_deletes_the_cluster(root_home, cluster_name, tiny, tmp_path):
+def test_a_rank_killed_mid_run_fails_the_run_fetches_its_checkpoint_and_deletes_the_cluster(
+        root_home, cluster_name, tiny, tmp_path):
+    """Issue 29: a failure at step 9,000 of 10,000 deleted every step copy and checkpoint with the
+    cluster. The run still fails (the job's exit code), but what the job wrote is fetched first."""
     proc, log = _start_long_run(cluster_name, tiny, tmp_path)
     try:
-        wait_for_steps(proc, cluster_name, log)
+        wait_for_head_file(proc, cluster_name, log, "checkpoint-*/complete.json")
         victims = trainer_pids(f"xeontune-{cluster_name}-node1")
         assert victims, "no training process in node1's namespace"
         for pid in victims:
@@ -153,15 +176,58 @@ def test_a_rank_killed_mid_run_fails_the_run_and_deletes_the_cluster(root_home, 
     text = log.read_text()
     assert rc != 0, text[-3000:]
     assert "training failed" in text and text.strip().splitlines()[-1].startswith("deleted cluster"), text[-2000:]
-    assert not (tmp_path / "out").exists()  # nothing fetched from a failed run
+    assert f"fetched what it wrote into {tmp_path / 'out'}" in text, text[-2000:]
+    assert_checkpoint_fetched(tmp_path / "out")
     assert_nothing_left(cluster_name)
 
 
-def test_sigint_stops_every_rank_through_its_grace_path_and_deletes_the_cluster(root_home, cluster_name, tiny,
-                                                                                 tmp_path):
+def test_a_rank_killed_after_the_final_embedding_still_gets_it_fetched(root_home, cluster_name, tiny, tmp_path):
+    """Issue 29 (HIGH), as it was reproduced: the trainer writes learned_embeds.safetensors, then runs
+    the final validation, where rank 0 dies (as the OOM killer would end it). `run` exits with the
+    job's failure, yet the embedding, the step copies and the latest checkpoint are fetched before
+    the cluster is deleted."""
+    out = tmp_path / "out"
+    log = tmp_path / "run.log"
+    argv = run_argv(cluster_name, "-n", "3", "--", *train_args(
+        tiny, out, 1, 4, "--mixed-precision", "fp32", "--save-steps", "2", "--checkpointing-steps", "2",
+        "--validation-prompt", "a <cat-toy>", "--validation-steps", "1000", "--num-validation-images", "1",
+        "--validation-inference-steps", "100"))  # a final validation of some seconds, to die in
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **OFFLINE})
+    try:
+        final = wait_for_head_file(proc, cluster_name, log, "learned_embeds.safetensors")
+        written = final.read_bytes()  # whole: the trainer writes it by rename
+        # rank 0's processes alone: the head's namespace holds the job's runner and mpiexec too, whose
+        # command lines also name xeontune.train
+        victims = [pid for pid in trainer_pids(f"xeontune-{cluster_name}-node0")
+                   if not any(word in Path(f"/proc/{pid}/cmdline").read_bytes()
+                              for word in (b"xeontune.job.process", b"mpiexec", b"hydra"))]
+        assert victims, "no rank in the head's namespace"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+    finally:
+        kill_if_running(proc)
+    text = log.read_text()
+    assert rc != 0 and f"training failed (exit {rc})" in text, text[-3000:]  # run's exit code: the job's
+    assert not list(out.glob("validation/*.png")), "the rank was killed after its validation: no failure tested"
+    assert (out / "learned_embeds.safetensors").read_bytes() == written
+    assert sorted(p.name for p in out.glob("learned_embeds-steps-*")) == [
+        "learned_embeds-steps-2.safetensors", "learned_embeds-steps-4.safetensors"]
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-4"]
+    assert_checkpoint_fetched(out)
+    assert f"fetched what it wrote into {out}: learned_embeds.safetensors" in text, text[-3000:]
+    assert text.strip().splitlines()[-1].startswith(f"deleted cluster {cluster_name!r}"), text[-2000:]
+    assert_nothing_left(cluster_name)
+
+
+def test_sigint_stops_every_rank_fetches_what_they_wrote_and_deletes_the_cluster(root_home, cluster_name, tiny,
+                                                                                  tmp_path):
+    """Ctrl-C after the first checkpoint: every rank stops through its own KeyboardInterrupt, and
+    (issue 29) the checkpoint and step copies are fetched before the cluster is deleted."""
     proc, log = _start_long_run(cluster_name, tiny, tmp_path)
     try:
-        wait_for_steps(proc, cluster_name, log)
+        wait_for_head_file(proc, cluster_name, log, "checkpoint-*/complete.json")
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=90)
@@ -174,8 +240,10 @@ def test_sigint_stops_every_rank_through_its_grace_path_and_deletes_the_cluster(
     assert sorted(line.split()[0] for line in text.splitlines() if "interrupted (SIGINT): stopped" in line) == \
         ["[0]", "[1]", "[2]"], text[-3000:]
     assert text.strip().splitlines()[-1].startswith(f"deleted cluster {cluster_name!r}")
+    assert f"fetched what it wrote into {tmp_path / 'out'}" in text, text[-2000:]
+    assert_checkpoint_fetched(tmp_path / "out")
     assert_nothing_left(cluster_name)
-    print(f"SIGINT to `xeontune run`: every rank stopped and the cluster deleted in {took:.1f} s")
+    print(f"SIGINT to `xeontune run`: every rank stopped, outputs fetched, the cluster deleted in {took:.1f} s")
 
 
 def test_keep_leaves_the_cluster_for_a_later_teardown(root_home, cluster_name, tiny, tmp_path):

@@ -5,11 +5,16 @@ connection), also for the local provider, whose head is a namespace reached by S
 node. The localhost provider has no SSH: its files are on this disk and are read in place.
 
 What ``fetch`` copies from the job's --output-dir: ``learned_embeds*.safetensors``,
-``metrics.jsonl``, ``train_config.json``, ``validation/step-*.png`` and ``pipeline/`` when one
-was saved; not checkpoints (resume on the cluster). Every file lands through a temporary name and
-a rename (``io.atomic_path``; the pipeline as a whole directory, ``io.atomic_dir``), so a file in
-the destination is whole. A name from the head that is not a plain file name (``../x``, ``/x``)
-is refused: a compromised head cannot write outside the destination.
+``metrics.jsonl``, ``train_config.json``, ``validation/step-*.png``, ``pipeline/`` when one was
+saved and, once the job has ended (or when `run` asks, before it deletes the cluster), its latest
+complete ``checkpoint-N/``; a running job's checkpoint is left on the head, where the trainer may
+be pruning it. The final embedding comes first and the step copies newest first, so a fetch cut
+short keeps the newest vectors. Every file lands through a temporary name and a rename
+(``io.atomic_path``; the pipeline and the checkpoint as whole directories, ``io.atomic_dir``), so a
+file in the destination is whole, and is fsynced with its folder: once ``fetch`` returns, the
+outputs survive a crash of this machine, and `run` may delete the cluster. A name from the head
+that is not a plain file name (``../x``, ``/x``) is refused: a compromised head cannot write
+outside the destination.
 
 A destination that holds another run (its files, a ``pipeline/`` or ``validation/`` of any
 origin) is left alone without ``--overwrite``; with it, nothing of the older run stays (stale
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import re
 import shutil
 import signal
 import stat
@@ -35,10 +41,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from xeontune.errors import UserError
-from xeontune.io import atomic_dir, atomic_path, atomic_write_text
+from xeontune.io import atomic_dir, atomic_path, atomic_write_text, fsync_path
 from xeontune.job import record as job_record
 from xeontune.job.record import JobInfo
-from xeontune.train.outputs import RUN_FILE_RE, VALIDATION_IMAGE_RE
+from xeontune.train.outputs import METRICS, RUN_FILE_RE, VALIDATION_IMAGE_RE
 
 if TYPE_CHECKING:
     import paramiko
@@ -50,6 +56,11 @@ MARKER = ".xeontune-job"  # in a fetch's destination: the id of the job its file
 KEEPALIVE_S = 15  # SSH keepalive while fetching or following: a dead link is noticed, not waited on
 SFTP_TIMEOUT_S = 60.0  # one SFTP request that gets no answer this long fails the fetch
 RECONNECT_INTERVAL_S = 5.0  # `run` following its job: how often a lost connection is tried again
+FINAL_EMBEDDING = "learned_embeds.safetensors"
+STEP_COPY_RE = re.compile(r"^learned_embeds-steps-(\d+)\.safetensors$")
+# train/checkpoint.py's names, here because that module imports torch (fetch must start fast)
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_COMPLETE = "complete.json"  # written last into a checkpoint: without it, none to resume from
 
 
 class HeadError(UserError):
@@ -58,6 +69,10 @@ class HeadError(UserError):
 
 class ConnectionLost(HeadError):
     """The head could not be reached, or the connection to it broke: worth trying again."""
+
+
+class NoOutputs(HeadError):
+    """The job's output dir on the head does not exist or holds nothing of a run yet."""
 
 
 class DestinationError(UserError):
@@ -247,11 +262,12 @@ class FetchReport:
 
 
 def holds_a_run(dest: Path) -> list[str]:
-    """What of a run is already in ``dest`` (what --overwrite would replace): its files, and any
-    ``pipeline/`` or non-empty ``validation/``, whatever made them."""
+    """What of a run is already in ``dest`` (what --overwrite would replace): its files and
+    checkpoints, and any ``pipeline/`` or non-empty ``validation/``, whatever made them."""
     if not dest.is_dir():
         return []
     found = sorted(p.name for p in dest.iterdir() if RUN_FILE_RE.match(p.name))
+    found += sorted(f"{p.name}/" for p in dest.iterdir() if CHECKPOINT_RE.match(p.name) and p.is_dir())
     if (dest / "pipeline").exists():
         found.append("pipeline/")
     if (dest / "validation").is_dir() and any((dest / "validation").iterdir()):
@@ -295,8 +311,10 @@ def _same_dir(a: str, b: Path) -> bool:
         return os.path.normpath(a) == os.path.normpath(os.fspath(b))
 
 
-def fetch(record: ClusterRecord, job: JobInfo, dest: Path, overwrite: bool = False) -> FetchReport:
-    """Copy the job's outputs from the head into ``dest`` (module docstring)."""
+def fetch(record: ClusterRecord, job: JobInfo, dest: Path, overwrite: bool = False,
+          checkpoint: bool | None = None) -> FetchReport:
+    """Copy the job's outputs from the head into ``dest`` (module docstring). ``checkpoint``: its
+    latest complete checkpoint too (None: once the job has ended). NoOutputs when it wrote nothing."""
     from xeontune.cluster import providers
 
     dest = dest.expanduser().absolute()
@@ -306,7 +324,7 @@ def fetch(record: ClusterRecord, job: JobInfo, dest: Path, overwrite: bool = Fal
         return report
     check_destination(dest, overwrite, job.id)
     try:
-        _fetch_into(record, job, dest, report)
+        _fetch_into(record, job, dest, report, checkpoint)
     except UserError:
         raise
     except OSError as exc:  # this disk: mkdir, rename, unlink (the head's errors are HeadErrors)
@@ -314,20 +332,45 @@ def fetch(record: ClusterRecord, job: JobInfo, dest: Path, overwrite: bool = Fal
     return report
 
 
-def _fetch_into(record: ClusterRecord, job: JobInfo, dest: Path, report: FetchReport) -> None:
+def fetch_order(name: str) -> tuple[int, int]:
+    """The final embedding first, then the step copies newest first: a fetch cut short (a lost link,
+    a full disk) keeps the newest vectors. metrics.jsonl last: a running job appends to it."""
+    if name == FINAL_EMBEDDING:
+        return (0, 0)
+    if m := STEP_COPY_RE.match(name):
+        return (1, -int(m.group(1)))
+    return (3, 0) if name == METRICS else (2, 0)
+
+
+def latest_checkpoint(head: HeadFiles, src: str, dirs: set[str]) -> str | None:
+    """The newest ``checkpoint-N`` in ``src`` that is complete (its marker written)."""
+    steps = sorted(((int(m.group(1)), name) for name in dirs if (m := CHECKPOINT_RE.match(name))), reverse=True)
+    return next((name for _, name in steps if head.exists(posixpath.join(src, name, CHECKPOINT_COMPLETE))), None)
+
+
+def _fetch_into(record: ClusterRecord, job: JobInfo, dest: Path, report: FetchReport,
+                checkpoint: bool | None) -> None:
     src = job.output_dir
+    earlier = fetched_job(dest)
     with head_files(record) as head:
         top = head.listdir(src)
         if top is None:
-            raise HeadError(f"no outputs yet: {src} does not exist on {record.head.name} of cluster {record.name!r}")
+            raise NoOutputs(f"no outputs yet: {src} does not exist on {record.head.name} of cluster {record.name!r}")
         names = {safe_name(name, src) for name, is_dir in top if not is_dir and RUN_FILE_RE.match(name)}
         dirs = {safe_name(name, src) for name, is_dir in top if is_dir}
+        ended = head.exists(job.rc_path)
+        latest = latest_checkpoint(head, src, dirs) if (ended if checkpoint is None else checkpoint) else None
+        if not names and latest is None:  # every run writes train_config.json first
+            raise NoOutputs(f"no outputs yet: {src} on {record.head.name} of cluster {record.name!r} holds none")
         dest.mkdir(parents=True, exist_ok=True)
         atomic_write_text(dest / MARKER, job.id + "\n")
-        # metrics.jsonl last among the files: a running job appends to it, so it is as new as can be
-        for name in sorted(names, key=lambda n: n == "metrics.jsonl"):
+        for name in sorted(names, key=fetch_order):
             _get(head, posixpath.join(src, name), dest / name)
             report.files.append(name)
+        if latest is not None:
+            with atomic_dir(dest / latest, durable=True) as tmp:
+                _get_tree(head, posixpath.join(src, latest), tmp)
+            report.files.append(f"{latest}/")
         images: set[str] = set()
         if "validation" in dirs:
             where = posixpath.join(src, "validation")
@@ -337,25 +380,33 @@ def _fetch_into(record: ClusterRecord, job: JobInfo, dest: Path, report: FetchRe
                     report.files.append(f"validation/{name}")
                     images.add(name)
         if "pipeline" in dirs and head.exists(posixpath.join(src, "pipeline", "model_index.json")):
-            with atomic_dir(dest / "pipeline") as tmp:
+            with atomic_dir(dest / "pipeline", durable=True) as tmp:
                 count = _get_tree(head, posixpath.join(src, "pipeline"), tmp)
             report.files.append(f"pipeline/ ({count} files)")
         elif (dest / "pipeline").exists():  # an older run's (check_destination let it go: --overwrite)
             shutil.rmtree(dest / "pipeline") if (dest / "pipeline").is_dir() else (dest / "pipeline").unlink()
-        if head.exists(job.rc_path):  # the job has ended and its outputs are here: autostop need not wait
+        if ended:  # the job has ended and its outputs are here: autostop need not wait
             head.remove(job.unfetched_path)
     # an older run's files that this run did not write would read as this run's
     for stale in dest.iterdir():
         if stale.is_file() and RUN_FILE_RE.match(stale.name) and stale.name not in names:
             stale.unlink()
+        # older checkpoints: superseded by the one fetched now, or another run's (--overwrite)
+        elif (stale.is_dir() and CHECKPOINT_RE.match(stale.name) and stale.name != latest
+              and (latest is not None or earlier != job.id)):
+            shutil.rmtree(stale)
     if (dest / "validation").is_dir():
         for stale in (dest / "validation").iterdir():
             if stale.is_file() and VALIDATION_IMAGE_RE.match(stale.name) and stale.name not in images:
                 stale.unlink()
+        fsync_path(dest / "validation")
+    # the renames and deletions above, and dest's own entry (a fresh dest was made just now)
+    fsync_path(dest)
+    fsync_path(dest.parent)
 
 
 def _get(head: HeadFiles, remote: str, local: Path) -> None:
-    with atomic_path(local) as tmp:
+    with atomic_path(local, durable=True) as tmp:  # on disk before `run` may delete the head's copy
         head.get(remote, tmp)
 
 
@@ -378,11 +429,21 @@ def print_report(record: ClusterRecord, report: FetchReport) -> None:
         return
     if report.moved_from is not None:
         print(f"{report.moved_from} refused the outputs; they went to {report.dest} instead")
-    weights = [f for f in report.files if f.startswith("learned_embeds")]
-    print(f"fetched {len(report.files)} item(s) from {record.head.name} of cluster {record.name!r} into {report.dest}"
-          + (f": {', '.join(weights[:3])}{' ...' if len(weights) > 3 else ''}" if weights else ""))
-    if "learned_embeds.safetensors" not in report.files:
-        print("no learned_embeds.safetensors yet: the job has not finished (or did not get that far)")
+    print(f"fetched {len(report.files)} item(s) from {record.head.name} of cluster {record.name!r} into {report.dest}: "
+          f"{highlights(report.files)}")
+    if FINAL_EMBEDDING not in report.files:
+        print(f"no {FINAL_EMBEDDING} yet: the job has not finished (or did not get that far)")
+
+
+def highlights(files: list[str]) -> str:
+    """What counts among fetched ``files`` (in fetch order): the final embedding, the step copies,
+    the checkpoint; the first few names when there is none of those."""
+    steps = [f for f in files if STEP_COPY_RE.match(f)]
+    shown = [f for f in files if f == FINAL_EMBEDDING]
+    if steps:
+        shown.append(f"{len(steps)} step cop{'y' if len(steps) == 1 else 'ies'} (newest: {steps[0]})")
+    shown += [f for f in files if CHECKPOINT_RE.match(f.rstrip("/"))]
+    return ", ".join(shown or files[:3]) or "nothing"
 
 
 def fetch_command(name: str, output_dir: str | None, overwrite: bool) -> int:

@@ -11,16 +11,21 @@
    job runs detached there (``launch --detach``'s runner) and `run` follows its log over SFTP: a
    lost connection loses nothing, it is tried again for ``$XEONTUNE_RECONNECT_S`` (600 s) and the
    log goes on where it stopped; on localhost the job is attached;
-5. the outputs: `xeontune fetch` into the local --output-dir; if it refuses (it holds another
-   run, it cannot be written), into a fresh folder beside it.
+5. the outputs: `xeontune fetch` into the local --output-dir (with the job's latest checkpoint);
+   if it refuses (it holds another run, it cannot be written), into a fresh folder beside it.
+   Whatever the job's end: a job that failed (a rank killed during the final validation, after
+   the embedding was written) or was stopped by a signal gets what it wrote fetched all the same,
+   before anything is deleted; `run` then exits with the job's status (128 + N for signal N).
 
 Then a cluster this command created is torn down, unless --keep; a reused one never is. Teardown
 also runs when training fails, and on Ctrl-C, SIGTERM or SIGHUP during the job (the job is first
 stopped on every rank through the runner on the head, or ``process.run_attached`` here; a second
-signal stops it hard); a signal does not interrupt the teardown. The cluster is kept, and the
-last line says how to fetch and tear down, whenever the outputs may still be only on the head:
-the final fetch failed or was interrupted, or the connection to the head did not come back.
-Otherwise the last line says what was deleted.
+signal stops it hard), each time after that fetch; a signal does not interrupt the teardown. The
+cluster is kept, and the last line says how to fetch and tear down, whenever the outputs may
+still be only on the head: from the job's start until a fetch brought them here (or found that
+the job wrote nothing), so a fetch that failed or was interrupted, a signal just as the job
+ended, or a connection to the head that did not come back all keep it. Otherwise the last line
+says what was deleted.
 
 On the localhost provider nothing is copied: the ranks write straight into --output-dir.
 """
@@ -203,22 +208,31 @@ def run(opts: RunOptions) -> int:
             head_out = resume_in or (posixpath.join(record.work_dir, "runs", run_id) if provider.uses_ssh else None)
             spec = launch_spec(record, request, data_dir=target, output_dir=head_out)
             _say(f"[3/4] training: {spec.ranks} rank(s) on cluster {name!r}")
+            stopped_by: str | None = None  # the signal that stopped the job, if one did
+            lost = False
             if provider.uses_ssh:  # detached on the head: a lost connection here loses nothing there
                 job, _ = start.start(record, spec, detached=True, local_output_dir=dest, say=_say, hold_for_fetch=True)
+                # From now until a fetch brought them here, the outputs may be only on the head: any
+                # way out (a signal as the job ends, a failed fetch) keeps the cluster.
+                outcome.keep_because = ON_HEAD
                 _say(f"the job runs detached on {record.head.name} (job {job.id}); following its log")
-                followed = follow_detached(record, job)
-                if followed is None:
+                try:
+                    followed = follow_detached(record, job)
+                except KeyboardInterrupt as exc:  # the job was stopped: what it wrote is fetched below
+                    stopped_by, followed = signal_name(exc), interrupt_status(exc)
+                lost = followed is None
+                if lost:
                     outcome.keep_because = (f"the connection to {record.head.name} was lost and did not come back; "
                                             f"the job goes on there (follow it: xeontune logs --name {name} -f)")
                 rc = 1 if followed is None else followed
             else:
                 job, rc = start.start(record, spec, detached=False, local_output_dir=dest, say=_say)
             outcome.rc = rc
-            if outcome.keep_because is None and rc != 0:
-                _say(f"training failed (exit {rc})")
-            elif outcome.keep_because is None:
+            if lost:
+                pass
+            elif rc == 0 and stopped_by is None:
                 _say(f"[4/4] fetching outputs into {dest}")
-                outcome.keep_because = "the outputs are still only on the head"  # until the fetch succeeds
+                outcome.keep_because = ON_HEAD  # until the fetch succeeds
                 try:
                     report = fetch_or_beside(record, job, dest, request.options.overwrite)
                 except UserError:
@@ -227,13 +241,16 @@ def run(opts: RunOptions) -> int:
                     raise UserError(f"the final fetch failed: {type(exc).__name__}: {exc}") from None
                 fetch.print_report(record, report)
                 outcome.keep_because = None
+            else:
+                why = f"interrupted ({stopped_by})" if stopped_by else f"training failed (exit {rc})"
+                outcome.keep_because = fetch_after_failure(record, job, dest, request.options.overwrite, why, outcome)
     except UserError as exc:  # said here, so that the teardown's line stays the last one
         with contextlib.suppress(OSError):
             print(f"error: {exc}", file=sys.stderr, flush=True)
         outcome.rc = exc.exit_code
     except KeyboardInterrupt as exc:
-        _say(f"interrupted ({exc.args[0] if exc.args else 'SIGINT'})")
-        outcome.rc = 130 if not exc.args else 128 + int(getattr(signal, str(exc.args[0]), signal.SIGINT))
+        _say(f"interrupted ({signal_name(exc)})")
+        outcome.rc = interrupt_status(exc)
     except BaseException:
         outcome.rc = 1
         if outcome.keep_because is None and outcome.created:
@@ -244,12 +261,55 @@ def run(opts: RunOptions) -> int:
 
 
 RECONNECT_ENV = "XEONTUNE_RECONNECT_S"  # how long `run` tries to get a lost connection back (default 600)
+ON_HEAD = "the outputs may still be only on the head"
+
+
+def signal_name(exc: KeyboardInterrupt) -> str:
+    """The signal a KeyboardInterrupt stands for (``signals_interrupt`` names SIGTERM and SIGHUP)."""
+    return str(exc.args[0]) if exc.args else "SIGINT"
+
+
+def interrupt_status(exc: KeyboardInterrupt) -> int:
+    """The exit status for a stop by that signal: 128 + its number, as a shell reports it."""
+    return 128 + int(getattr(signal, signal_name(exc), signal.SIGINT))
+
+
+def fetch_after_failure(record: ClusterRecord, job: JobInfo, dest: Path, overwrite: bool, why: str,
+                        outcome: Outcome) -> str | None:
+    """What a failed or stopped job wrote (its embedding if it got that far, the step copies, the
+    latest checkpoint), fetched before anything is deleted. Returns why the cluster must stay (the
+    fetch failed), or None. ``outcome.rc`` stays the job's status; a signal during this fetch keeps
+    the cluster (``outcome.keep_because`` says why meanwhile)."""
+    from xeontune.job import fetch
+
+    _say(f"{why}: fetching what the job wrote into {dest} before anything is deleted")
+    outcome.keep_because = f"{why} and what the job wrote may be only on the head"
+    try:
+        report = fetch_or_beside(record, job, dest, overwrite)
+    except fetch.NoOutputs:
+        _say(f"{why}; the job wrote no outputs: nothing to fetch")
+        return None
+    except Exception as exc:  # UserErrors included: the exit status stays the job's, the cluster stays
+        reason = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(OSError):
+            print(f"error: fetching what the job wrote failed: {reason}", file=sys.stderr, flush=True)
+        return f"{why} and what the job wrote could not be fetched"
+    if report.moved_from is not None:
+        _say(f"{report.moved_from} refused the outputs; they went to {report.dest} instead")
+    if report.already_here:  # the ranks wrote into --output-dir themselves (localhost, Slurm)
+        held = fetch.holds_a_run(report.dest)
+        _say(f"{why}; what the job wrote is in {report.dest}: {', '.join(held[:4])}" if held
+             else f"{why}; the job wrote no outputs")
+    else:
+        _say(f"{why}; fetched what it wrote into {report.dest}: {fetch.highlights(report.files)}")
+    return None
 
 
 def follow_detached(record: ClusterRecord, job: JobInfo) -> int | None:
     """Follow the job's log until it ends (``fetch.follow_job``); its exit status, or None when the
     connection was lost for good. Ctrl-C, SIGTERM or SIGHUP stop the job on every rank first (a
-    second one: hard), then come out as KeyboardInterrupt, which tears the cluster down."""
+    second one: hard), then come out as KeyboardInterrupt, once the job has ended: `run` fetches
+    what it wrote, then tears the cluster down."""
     from xeontune.job import fetch
 
     reconnect_s = float(os.environ.get(RECONNECT_ENV) or 600)
@@ -284,9 +344,10 @@ def resume_dir(name: str, provider: providers.Provider, resume: str | None) -> s
 
 
 def fetch_or_beside(record: ClusterRecord, job: JobInfo, dest: Path, overwrite: bool) -> FetchReport:
-    """The final fetch: into ``dest``, or, when ``dest`` refuses, into a fresh folder beside it. A lost
-    connection is tried again as following the job does (a fetch of the same job again refreshes the
-    files it landed; the head keeps them meanwhile)."""
+    """The final fetch, with the job's latest checkpoint (the cluster goes next): into ``dest``, or,
+    when ``dest`` refuses, into a fresh folder beside it. A lost connection is tried again as
+    following the job does (a fetch of the same job again refreshes the files it landed; the head
+    keeps them meanwhile)."""
     from xeontune.job import fetch
 
     reconnect_s = float(os.environ.get(RECONNECT_ENV) or 600)
@@ -308,11 +369,11 @@ def _fetch_or_beside(record: ClusterRecord, job: JobInfo, dest: Path, overwrite:
     from xeontune.job import fetch
 
     try:
-        return fetch.fetch(record, job, dest, overwrite=overwrite)
+        return fetch.fetch(record, job, dest, overwrite=overwrite, checkpoint=True)
     except fetch.DestinationError as exc:
         other = fetch.beside(dest, job.id)
         _say(f"{exc}; fetching into {other} instead")
-        report = fetch.fetch(record, job, other)
+        report = fetch.fetch(record, job, other, checkpoint=True)
         report.moved_from = dest
         return report
 
