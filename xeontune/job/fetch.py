@@ -4,12 +4,13 @@ The head is read by SFTP through ``cluster/ssh.py`` (pinned known_hosts, like ev
 connection), also for the local provider, whose head is a namespace reached by SSH like a cloud
 node. The localhost provider has no SSH: its files are on this disk and are read in place.
 
-What ``fetch`` copies from the job's --output-dir: ``learned_embeds*.safetensors``,
+What ``fetch`` copies from the job's --output-dir: the learned files (``learned_embeds*.safetensors``,
+a LoRA's ``pytorch_lora_weights*.safetensors``: train/outputs.py names them),
 ``metrics.jsonl``, ``train_config.json``, ``validation/step-*.png``, ``pipeline/`` when one was
 saved and, once the job has ended (or when `run` asks, before it deletes the cluster), its latest
 complete ``checkpoint-N/``; a running job's checkpoint is left on the head, where the trainer may
-be pruning it. The final embedding comes first and the step copies newest first, so a fetch cut
-short keeps the newest vectors. Every file lands through a temporary name and a rename
+be pruning it. The final result comes first and the step copies newest first, so a fetch cut
+short keeps the newest learned weights. Every file lands through a temporary name and a rename
 (``io.atomic_path``; the pipeline and the checkpoint as whole directories, ``io.atomic_dir``), so a
 file in the destination is whole, and is fsynced with its folder: once ``fetch`` returns, the
 outputs survive a crash of this machine, and `run` may delete the cluster. A name from the head
@@ -29,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-import re
 import shutil
 import signal
 import stat
@@ -44,7 +44,15 @@ from xeontune.errors import UserError
 from xeontune.io import atomic_dir, atomic_path, atomic_write_text, fsync_path
 from xeontune.job import record as job_record
 from xeontune.job.record import JobInfo
-from xeontune.train.outputs import METRICS, RUN_FILE_RE, VALIDATION_IMAGE_RE
+from xeontune.train.outputs import (
+    CHECKPOINT_COMPLETE,
+    CHECKPOINT_RE,
+    LEARNED_FILE_RE,
+    METRICS,
+    RESULT_FILES,
+    RUN_FILE_RE,
+    VALIDATION_IMAGE_RE,
+)
 
 if TYPE_CHECKING:
     import paramiko
@@ -56,11 +64,7 @@ MARKER = ".xeontune-job"  # in a fetch's destination: the id of the job its file
 KEEPALIVE_S = 15  # SSH keepalive while fetching or following: a dead link is noticed, not waited on
 SFTP_TIMEOUT_S = 60.0  # one SFTP request that gets no answer this long fails the fetch
 RECONNECT_INTERVAL_S = 5.0  # `run` following its job: how often a lost connection is tried again
-FINAL_EMBEDDING = "learned_embeds.safetensors"
-STEP_COPY_RE = re.compile(r"^learned_embeds-steps-(\d+)\.safetensors$")
-# train/checkpoint.py's names, here because that module imports torch (fetch must start fast)
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-CHECKPOINT_COMPLETE = "complete.json"  # written last into a checkpoint: without it, none to resume from
+RESULTS = set(RESULT_FILES.values())  # each method's final result: learned_embeds, pytorch_lora_weights
 
 
 class HeadError(UserError):
@@ -333,12 +337,11 @@ def fetch(record: ClusterRecord, job: JobInfo, dest: Path, overwrite: bool = Fal
 
 
 def fetch_order(name: str) -> tuple[int, int]:
-    """The final embedding first, then the step copies newest first: a fetch cut short (a lost link,
-    a full disk) keeps the newest vectors. metrics.jsonl last: a running job appends to it."""
-    if name == FINAL_EMBEDDING:
-        return (0, 0)
-    if m := STEP_COPY_RE.match(name):
-        return (1, -int(m.group(1)))
+    """The final result first (the embedding, or a LoRA's diffusers file and then its kohya twin), then
+    the step copies newest first: a fetch cut short (a lost link, a full disk) keeps the newest
+    learned weights. metrics.jsonl last: a running job appends to it."""
+    if m := LEARNED_FILE_RE.match(name):
+        return (0, 0 if name in RESULTS else 1) if m.group(2) is None else (1, -int(m.group(2)))
     return (3, 0) if name == METRICS else (2, 0)
 
 
@@ -431,15 +434,15 @@ def print_report(record: ClusterRecord, report: FetchReport) -> None:
         print(f"{report.moved_from} refused the outputs; they went to {report.dest} instead")
     print(f"fetched {len(report.files)} item(s) from {record.head.name} of cluster {record.name!r} into {report.dest}: "
           f"{highlights(report.files)}")
-    if FINAL_EMBEDDING not in report.files:
-        print(f"no {FINAL_EMBEDDING} yet: the job has not finished (or did not get that far)")
+    if not RESULTS & set(report.files):
+        print(f"no {' or '.join(sorted(RESULTS))} yet: the job has not finished (or did not get that far)")
 
 
 def highlights(files: list[str]) -> str:
-    """What counts among fetched ``files`` (in fetch order): the final embedding, the step copies,
-    the checkpoint; the first few names when there is none of those."""
-    steps = [f for f in files if STEP_COPY_RE.match(f)]
-    shown = [f for f in files if f == FINAL_EMBEDDING]
+    """What counts among fetched ``files`` (in fetch order): the final result, the step copies, the
+    checkpoint; the first few names when there is none of those."""
+    steps = [f for f in files if (m := LEARNED_FILE_RE.match(f)) and m.group(2) is not None]
+    shown = [f for f in files if f in RESULTS]
     if steps:
         shown.append(f"{len(steps)} step cop{'y' if len(steps) == 1 else 'ies'} (newest: {steps[0]})")
     shown += [f for f in files if CHECKPOINT_RE.match(f.rstrip("/"))]

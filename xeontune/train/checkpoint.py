@@ -21,7 +21,6 @@ import json
 import logging
 import pickle
 import random
-import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,12 +31,12 @@ import torch
 
 from xeontune.errors import UserError
 from xeontune.io import atomic_dir
+from xeontune.train.outputs import CHECKPOINT_COMPLETE, CHECKPOINT_RE
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "state.pt"
-COMPLETE_FILE = "complete.json"
+COMPLETE_FILE = CHECKPOINT_COMPLETE
 
 
 @dataclass

@@ -25,8 +25,12 @@ def learned_file(stem: str, step: int | None = None) -> str:
 
 
 _STEMS = "|".join(sorted({re.escape(s) for stems in METHOD_FILES.values() for s in stems}, key=len, reverse=True))
-LEARNED_FILE_RE = re.compile(rf"^({_STEMS})(-steps-\d+)?\.safetensors$")
+# groups: the stem, and the step of a step copy (None for a final file)
+LEARNED_FILE_RE = re.compile(rf"^({_STEMS})(?:-steps-(\d+))?\.safetensors$")
 # The files a run writes at the top of --output-dir (its dirs: checkpoint-N, validation, pipeline, logs).
 RUN_FILE_RE = re.compile(rf"^(({_STEMS})(-steps-\d+)?\.safetensors|metrics\.jsonl|train_config\.json)$")
+# checkpoint-N dirs (train/checkpoint.py); complete.json is written last into one: without it, none to resume from
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_COMPLETE = "complete.json"
 VALIDATION_IMAGE_RE = re.compile(r"^step-\d{6,}-\d+\.png$")  # validation.save_images's names
 TFEVENTS_RE = re.compile(r"^events\.out\.tfevents\.")  # tensorboard's files in --logging-dir
