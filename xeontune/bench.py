@@ -130,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time this trainer's optimized step against the example script's approach (baseline), "
         "(in its own process) alternating step by step, with per-phase times, FLOPs, MFU and ranks per node.",
     )
-    p.add_argument("--method", default="textual_inversion", choices=("textual_inversion", "lora"),
+    from xeontune.train.options import METHOD_NAMES
+
+    p.add_argument("--method", default="textual_inversion", choices=METHOD_NAMES,
                    help="what trains (default textual_inversion); lora's baseline is diffusers' "
                    "train_dreambooth_lora(_sdxl).py: instance prompt, rank --rank, VAE and text encoder every step")
     p.add_argument("--rank", type=int, default=4, help="--method lora: the adapters' rank (default 4)")

@@ -515,7 +515,7 @@ def setup(
 
 def release_text_encoders(components: Components, opts: TrainOptions) -> None:
     """With the frozen encoders' outputs cached, free them unless sample images or a saved pipeline
-    need them again (SDXL's two are 1.6 GB in fp32)."""
+    need them again (SDXL's two are about 3.3 GB in fp32)."""
     if opts.save_as_full_pipeline or opts.validation_prompt:
         return
     components.text_encoder = components.text_encoder_2 = None
@@ -619,8 +619,8 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             if not math.isfinite(loss_value):
                 raise TrainingError(f"loss became {loss_value} at step {step + 1}; lower --learning-rate")
             if not run.method.finite():  # small; the loss shows it one step late
-                what = "vectors" if run.opts.method == "textual_inversion" else "trained weights"
-                raise TrainingError(f"the {what} became non-finite at step {step + 1}; lower --learning-rate")
+                raise TrainingError(f"the {run.method.learns} became non-finite at step {step + 1}; "
+                                    "lower --learning-rate")
             sent = (run.counter.take() + loss.numel() * loss.element_size()) if run.counter else 0
             phases = run.phases.take()
             done = step + 1

@@ -42,7 +42,8 @@ class TrainOptions:
                             aliases=("--pretrained_model_name_or_path",), group="model and data")
     revision: str | None = opt(None, "model revision (branch, tag or commit) on the hub", group="model and data")
     variant: str | None = opt(None, "weights variant, e.g. fp16", group="model and data")
-    data_dir: str | None = opt(None, "folder of training images (required)", aliases=("--train_data_dir",),
+    data_dir: str | None = opt(None, "folder of training images (required)",
+                               aliases=("--train_data_dir", "--instance_data_dir"),
                                group="model and data")
     placeholder_token: str | None = opt(None, "the new token to learn, e.g. '<cat-toy>' (required)",
                                         group="textual inversion")
@@ -199,7 +200,7 @@ def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
         kebab = "--" + f.name.replace("_", "-")
         aliases = (["--" + f.name] if "_" in f.name else []) + list(meta["aliases"])
         help_text = meta["help"]
-        if help_text is not argparse.SUPPRESS and f.default not in (None, False, True):
+        if help_text is not argparse.SUPPRESS and f.default is not None and not isinstance(f.default, bool):
             help_text += f" (default: {f.default})"
         typ = _base_type(f)
         # The kebab flag is shown; aliases work the same but stay out of --help (the epilog names them).

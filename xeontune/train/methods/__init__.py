@@ -41,7 +41,7 @@ class Method:
     """The contract; see the module's docstring for when the loop calls what."""
 
     name: ClassVar[str]
-    trains_unet: ClassVar[bool] = False
+    learns: ClassVar[str] = "trained weights"  # what its messages call what trains ("vectors", "adapters")
     uses_ipex: ClassVar[bool] = True  # False: `--ipex auto` leaves IPEX out, `--ipex on` is an error
 
     def __init__(self, opts: TrainOptions) -> None:
@@ -82,6 +82,10 @@ class Method:
 
     def finite(self) -> bool:
         return all(bool(p.detach().isfinite().all()) for p in self.parameters())
+
+    def learned(self) -> Any:
+        """A copy of what it learned (TrainResult.learned): a tensor or a dict of them."""
+        raise NotImplementedError
 
     def state(self) -> dict[str, Any]:
         """The checkpoint fields of checkpoint.TrainState that hold what the method learned."""

@@ -23,6 +23,7 @@ STEM = METHOD_FILES["textual_inversion"][0]
 
 class TextualInversion(Method):
     name = "textual_inversion"
+    learns = "vectors"
 
     placeholder: tokens.Placeholder
     placeholder_2: tokens.Placeholder | None = None  # SDXL: the token's ids in the second tokenizer
