@@ -36,7 +36,7 @@ ENCODER_NAMES = ("text_encoder", "text_encoder_2")
 
 class Lora(Method):
     name = "lora"
-    trains_unet = True
+    learns = "adapters"
     uses_ipex = False  # IPEX 2.8 prepacks Linear layers whose gradients the adapters need; packed stock torch is used
 
     models: dict[str, nn.Module]  # "unet", "text_encoder", "text_encoder_2": the models holding adapters
@@ -60,6 +60,9 @@ class Lora(Method):
                           init_lora_weights="gaussian", target_modules=list(targets))
 
     def install(self, components: Any) -> None:
+        from peft import inject_adapter_in_model
+        from peft.utils.error import NoMatchingPeftModuleError
+
         opts = self.opts
         self.family = components.family
         self.models = {"unet": components.unet}
@@ -71,8 +74,10 @@ class Lora(Method):
             for name, model in self.models.items():
                 targets = opts.lora_target_names if name == "unet" else TEXT_ENCODER_TARGETS
                 try:
-                    model.add_adapter(self.config(targets))
-                except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+                    # peft's own injection (what diffusers' add_adapter runs): transformers' add_adapter
+                    # demands a newer peft than diffusers does, and the adapters are the same
+                    inject_adapter_in_model(self.config(targets), model, adapter_name="default")
+                except NoMatchingPeftModuleError as exc:  # "Target modules {...} not found in the base model"
                     raise UserError(f"--lora-targets {opts.lora_targets}: {str(exc).splitlines()[0]}") from None
         for model in self.models.values():
             for p in model.parameters():
@@ -95,12 +100,13 @@ class Lora(Method):
         return [p for _, p in self.named_parameters()]
 
     def check_gradient(self) -> None:
-        """The adapters' up weights (zero at the start) must get a finite gradient, not zero for a whole model."""
+        """The adapters' up weights (zero at the start) must get a finite gradient, not zero for a whole model.
+        A layer whose output nothing reads gets none (SDXL conditions on the first text encoder's
+        penultimate hidden states: its last layer's adapters never train, as in diffusers' examples)."""
         for model_name in self.models:
             grads = [p.grad for name, p in self.named_parameters() if name.startswith(model_name + ".")
-                     and ".lora_B." in name]
-            if any(g is None or not torch.isfinite(g).all() for g in grads) or \
-                    not any(bool(g.abs().sum() > 0) for g in grads if g is not None):
+                     and ".lora_B." in name and p.grad is not None]
+            if any(not torch.isfinite(g).all() for g in grads) or not any(bool(g.abs().sum() > 0) for g in grads):
                 raise TrainingError(f"the LoRA adapters of the {model_name} received no usable gradient after the "
                                     "first backward pass; a backend broke the gradient path")
 
@@ -148,8 +154,8 @@ class Lora(Method):
         output_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=output_dir, prefix=".lora-") as tmp:
             pipeline.save_lora_weights(tmp, weight_name=path.name, **kwargs)
-            with atomic_path(path, durable=True) as final:  # its mode, fsync and rename, as every file's
-                os.replace(Path(tmp) / path.name, final)
+            with atomic_path(path, durable=True) as target:  # its mode, fsync and rename, as every file's
+                os.replace(Path(tmp) / path.name, target)
         self.save_kohya(layers, output_dir / learned_file(KOHYA_STEM, None if final else step), step)
         if final:
             self.final_path = path

@@ -1,0 +1,372 @@
+"""`--method lora` end to end on the three tiny families (SD1.x, SD2, SDXL): what it writes loads into
+diffusers in both layouts, it learns, it resumes exactly, ranks and packing and the text-encoder cache
+change nothing, bf16 keeps the adapters in fp32, and its mistakes are one-line errors.
+
+Tests that compare runs for equality pin `--mixed-precision fp32` (see test_trainer.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from xeontune import models
+from xeontune.cli import main
+from xeontune.train import loop, validation
+from xeontune.train import packed as packed_layers
+from xeontune.train.options import parse_args
+
+pytestmark = pytest.mark.slow
+
+DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
+KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
+PROMPT = "a photo of sks toy"
+
+
+@pytest.fixture(scope="module")
+def sd2_model(tmp_path_factory):
+    return models.build_pipeline("sd2-tiny", tmp_path_factory.mktemp("models") / "sd2-tiny")
+
+
+@pytest.fixture(scope="module")
+def sdxl_model(tmp_path_factory):
+    return models.build_pipeline("sdxl-tiny", tmp_path_factory.mktemp("models") / "sdxl-tiny")
+
+
+@pytest.fixture
+def model_of(request):
+    """family -> the tiny model's path ("sd1": SD1.x, "sd2": v-prediction, "sdxl": two encoders)."""
+    names = {"sd1": "tiny_model", "sd2": "sd2_model", "sdxl": "sdxl_model"}
+    return lambda family: request.getfixturevalue(names[family])
+
+
+@pytest.fixture
+def lora_args(tiny_model, sample_images, tmp_path):
+    """Flags of a short fp32 LoRA run of ``model`` (the tiny SD1.x one by default) into tmp_path/``out``."""
+
+    def args(out: str = "out", model: Path = tiny_model) -> list[str]:
+        return ["--method", "lora", "--instance-prompt", PROMPT, "--model", str(model), "--data-dir",
+                str(sample_images), "--resolution", "64", "--max-train-steps", "3", "--checkpointing-steps", "0",
+                "--save-steps", "0", "--mixed-precision", "fp32", "--learning-rate", "1e-3",
+                "--output-dir", str(tmp_path / out)]
+
+    return args
+
+
+# Adam steps each element by about lr * g / (|g| + eps): an element whose gradient is a sum that cancels to
+# about eps (of ~30k adapter elements, a few are) steps by up to lr on fp32 rounding alone, so runs that
+# only sum in another order (packed kernels, two ranks) differed by 3e-5 at lr 1e-3 in one element of 256.
+# A larger eps bounds what rounding can do (lr * rounding / eps) and hardly changes what trains: the
+# adapters' gradients are mostly far above it.
+SUMMATION_ORDER_SAFE = ["--adam-epsilon", "1e-5"]
+
+
+def train(args, on_step=None):
+    return loop.train(parse_args(args), on_step=on_step)
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """The Run of every loop.train in the test, in order (the models as they trained, adapters and all)."""
+    made = []
+    setup = loop.setup
+
+    def spy(*args, **kwargs):
+        run, state = setup(*args, **kwargs)
+        made.append(run)
+        return run, state
+
+    monkeypatch.setattr(loop, "setup", spy)
+    return made
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def deltas(learned: dict[str, torch.Tensor], model: str, scale: float) -> dict[str, torch.Tensor]:
+    """What the adapters of ``model`` add to its Linear weights (``scale`` * B @ A), by the weight's name."""
+    out = {}
+    for name, down in learned.items():
+        if name.startswith(model + ".") and ".lora_A." in name:
+            up = learned[name.replace(".lora_A.", ".lora_B.")]
+            out[name.removeprefix(model + ".").replace(".lora_A.default.weight", ".weight")] = scale * up @ down
+    return out
+
+
+def fused(pipeline_cls, model: Path, out: Path, weight_name: str, parts: list[str]) -> dict[str, dict]:
+    """The state dicts of ``parts`` of ``model`` with the file loaded, fused and unloaded by diffusers."""
+    pipe = pipeline_cls.from_pretrained(str(model))
+    pipe.load_lora_weights(str(out), weight_name=weight_name)
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    return {part: state(getattr(pipe, part)) for part in parts}
+
+
+def adapters_enabled(module: torch.nn.Module, enabled: bool) -> None:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers
+    for layer in layers:
+        layer.enable_adapters(enabled)
+
+
+def trainable(run) -> dict[str, torch.nn.Parameter]:
+    return dict(run.method.named_parameters())
+
+
+# --- files, diffusers, kohya, the full pipeline --------------------------------------------------
+
+FAMILY_RUNS = {  # family: (extra flags, alpha the files must carry, text encoders trained)
+    "sd1": (["--train-text-encoder", "--rank", "4", "--lora-alpha", "8"], 8.0, ["text_encoder"]),
+    "sd2": (["--rank", "2"], 2.0, []),  # alpha: the rank by default
+    "sdxl": (["--train-text-encoder", "--rank", "4", "--lora-alpha", "8"], 8.0, ["text_encoder", "text_encoder_2"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_RUNS))
+def test_both_files_load_into_diffusers_and_the_full_pipeline_holds_them(family, model_of, lora_args, tmp_path):
+    """Both layouts, fused by diffusers, give the same UNet (and text encoders), which are the base's
+    plus alpha/rank x B @ A of the adapters the run learned; --save-as-full-pipeline saved just that."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    extra, alpha, encoders = FAMILY_RUNS[family]
+    model, out = model_of(family), tmp_path / "out"
+    rank = int(extra[extra.index("--rank") + 1])
+    result = train(lora_args(model=model) + extra + ["--max-train-steps", "2", "--save-steps", "1",
+                                                     "--save-as-full-pipeline"])
+    assert result.result_path == out / DIFFUSERS_FILE
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(
+        f"{stem}{step}.safetensors" for stem in ("pytorch_lora_weights", "pytorch_lora_weights_kohya")
+        for step in ("", "-steps-1", "-steps-2"))
+    for stem in ("pytorch_lora_weights", "pytorch_lora_weights_kohya"):  # the step copies hold their step's weights
+        final, *copies = (load_file(str(out / f"{stem}{step}.safetensors")) for step in ("", "-steps-2", "-steps-1"))
+        assert max_diff(final, copies[0]) == 0 and max_diff(final, copies[1]) > 0, stem
+    assert {m.split(".", 1)[0] for m in result.learned} == {"unet", *encoders}
+
+    kohya = load_file(str(out / KOHYA_FILE))
+    prefixes = {"sd1": ("lora_unet_", "lora_te_"), "sd2": ("lora_unet_",),
+                "sdxl": ("lora_unet_", "lora_te1_", "lora_te2_")}[family]
+    assert all(k.startswith(prefixes) for k in kohya), sorted(kohya)[:5]
+    assert all(any(k.startswith(p) for k in kohya) for p in prefixes)
+    modules = {k.rsplit(".", 2)[0] for k in kohya if k.endswith(".lora_down.weight")}
+    assert modules == {k.removesuffix(".alpha") for k in kohya if k.endswith(".alpha")}
+    assert len(modules) == sum(".lora_A." in name for name in result.learned)
+    assert all(float(kohya[f"{m}.alpha"]) == alpha for m in modules)
+
+    pipeline_cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    base = pipeline_cls.from_pretrained(str(model))
+    parts = ["unet", *encoders]
+    bases = {part: state(getattr(base, part)) for part in parts}
+    layouts = {name: fused(pipeline_cls, model, out, name, parts) for name in (DIFFUSERS_FILE, KOHYA_FILE)}
+    for part in parts:
+        a, b = (layouts[name][part] for name in (DIFFUSERS_FILE, KOHYA_FILE))
+        assert max_diff(a, b) <= 1e-6, part
+        want = deltas(result.learned, part, alpha / rank)
+        moved = max(float(d.abs().max()) for d in want.values())
+        assert moved > 1e-4, (part, moved)  # trained: far above fp32 rounding of the weights
+        assert max_diff({k: a[k] - bases[part][k] for k in want}, want) <= 1e-6, part
+        untouched = [k for k in a if k not in want]
+        assert untouched and all(torch.equal(a[k], bases[part][k]) for k in untouched)
+
+    full = pipeline_cls.from_pretrained(str(out / "pipeline"))
+    for part in ["unet", "text_encoder", *(["text_encoder_2"] if family == "sdxl" else [])]:
+        want = layouts[DIFFUSERS_FILE][part] if part in parts else state(getattr(base, part))
+        assert max_diff(state(getattr(full, part)), want) <= 1e-6, part
+
+
+# --- equal results by other routes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])
+def test_lora_over_the_packed_base_learns_what_the_stock_layers_learn(family, model_of, lora_args, runs):
+    ok, why = packed_layers.available(torch.float32)
+    if not ok:
+        pytest.skip(f"packed fp32 layers unavailable: {why}")
+    from peft.tuners.lora import LoraLayer
+
+    args = lora_args(model=model_of(family)) + SUMMATION_ORDER_SAFE
+    results = {pack: train(args + ["--pack-weights", pack, "--overwrite"]) for pack in ("off", "on")}
+    for run, pack in zip(runs, ("off", "on"), strict=True):
+        bases = {type(m.base_layer).__name__ for m in run.components.unet.modules() if isinstance(m, LoraLayer)}
+        assert bases == ({"PackedLinear"} if pack == "on" else {"Linear"}), (pack, bases)
+    stock, packed = results["off"].learned, results["on"].learned
+    assert max(float(v.abs().max()) for k, v in stock.items() if ".lora_B." in k) > 1e-4  # B starts at zero
+    diff = max_diff(stock, packed)
+    print(f"{family}: packed vs stock adapters max abs diff {diff:.3g}")
+    assert diff <= 1e-5
+
+
+def test_two_ranks_match_one_process_with_twice_the_batch(lora_args, tmp_path):
+    """2 ranks x batch 1 = 1 process x batch 2; the ranks all-reduce the adapters' gradients only."""
+    common = lora_args() + ["--train-text-encoder", "--scale-lr", "--no-random-flip", *SUMMATION_ORDER_SAFE]
+    proc = subprocess.run([sys.executable, "-m", "xeontune.cli", "train", *common, "--output-dir",
+                           str(tmp_path / "ranks"), "--nproc-per-node", "2", "--train-batch-size", "1"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    one = train(common + ["--output-dir", str(tmp_path / "one"), "--train-batch-size", "2"])
+    got, want = (load_file(str(tmp_path / d / DIFFUSERS_FILE)) for d in ("ranks", "one"))
+    assert max(float(v.abs().max()) for k, v in want.items() if ".lora_B." in k or "lora.up" in k) > 1e-4
+    diff = max_diff(got, want)
+    print(f"2 ranks vs 1 process: max abs diff {diff:.3g}")
+    assert diff <= 1e-5
+    adapter_bytes = sum(v.numel() * 4 for v in one.learned.values())
+    sent = [json.loads(line)["allreduce_bytes"] for line in (tmp_path / "ranks" / "metrics.jsonl").read_text().splitlines()]
+    assert sent == [adapter_bytes + 4] * 3
+    unet_bytes = sum(f.stat().st_size for f in (Path(common[common.index("--model") + 1]) / "unet").glob("*.safetensors"))
+    assert adapter_bytes < unet_bytes / 10
+
+
+def test_the_text_cache_changes_nothing_and_frees_the_encoders(lora_args, runs):
+    args = lora_args()
+    cached = train(args)
+    uncached = loop.train(dataclasses.replace(parse_args(args + ["--output-dir", args[-1] + "-uncached"]),
+                                              cache_text=False))
+    assert max(float(v.abs().max()) for k, v in cached.learned.items() if ".lora_B." in k) > 1e-4
+    assert max_diff(cached.learned, uncached.learned) <= 1e-6
+    assert runs[0].text_cache is not None and runs[0].components.text_encoder is None  # no validation, no pipeline
+    assert runs[1].text_cache is None and runs[1].components.text_encoder is not None
+
+
+# --- resume -----------------------------------------------------------------------------------------
+
+
+def test_resume_matches_a_straight_run_and_refuses_other_checkpoints(lora_args, base_args, tmp_path, capsys):
+    common = lora_args() + ["--train-text-encoder", "--max-train-steps", "6", "--checkpointing-steps", "3",
+                            "--lr-scheduler", "cosine"]
+    straight = train(common + ["--output-dir", str(tmp_path / "a")])
+    checkpoint = tmp_path / "a" / "checkpoint-3"
+    resumed = train(common + ["--output-dir", str(tmp_path / "b"), "--resume-from-checkpoint", str(checkpoint)])
+    at_three = torch.load(checkpoint / "state.pt", weights_only=True)["learned"]["tensors"]
+    assert max_diff(straight.learned, at_three) > 1e-4  # steps 4-6 moved the adapters
+    diff = max_diff(straight.learned, resumed.learned)
+    print(f"resume: max abs diff {diff:.3g}")
+    assert diff <= 1e-6
+    assert [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()] == [4, 5, 6]
+
+    # other adapters (a rank of 8): one line, exit 2, from the command line as a user runs it
+    proc = subprocess.run([sys.executable, "-m", "xeontune.cli", "train", *common, "--rank", "8", "--output-dir",
+                           str(tmp_path / "c"), "--resume-from-checkpoint", str(checkpoint)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "other adapters" in errors[0] and "rank 4" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+    # a textual inversion's checkpoint
+    train(base_args + ["--max-train-steps", "1", "--checkpointing-steps", "1", "--output-dir", str(tmp_path / "ti")])
+    capsys.readouterr()
+    assert main(["train", *common, "--output-dir", str(tmp_path / "d"), "--resume-from-checkpoint",
+                 str(tmp_path / "ti" / "checkpoint-1")]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--method textual_inversion" in errors[0], err[-3000:]
+    assert "Traceback" not in err
+
+
+# --- it learns --------------------------------------------------------------------------------------
+
+
+def held_out_loss(run) -> float:
+    """The denoising loss on (image, noise, timestep) triples never trained on, against the scheduler's target."""
+    losses = []
+    with torch.no_grad():
+        for start in range(10_000, 10_048, 8):
+            batch = run.plan.batch(list(range(start, start + 8)))
+            latents = run.latents.sample(batch)
+            noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
+            hidden, added = run.encode_text(batch)
+            pred = run.components.unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
+            losses.append(torch.nn.functional.mse_loss(pred, run.target(latents, batch.noise, batch.timesteps)))
+    return float(torch.stack(losses).mean())
+
+
+def test_it_really_learns(lora_args, runs):
+    train(lora_args() + ["--max-train-steps", "20", "--learning-rate", "5e-3", "--train-batch-size", "2"])
+    run = runs[0]
+    after = held_out_loss(run)
+    adapters_enabled(run.components.unet, False)  # the UNet alone
+    before = held_out_loss(run)
+    print(f"held-out loss: base UNet {before:.5f}, with the adapters {after:.5f}")
+    assert after < before, f"the adapters did not lower the held-out loss: {after:.5f} >= {before:.5f}"
+
+
+# --- bf16, validation ---------------------------------------------------------------------------------
+
+
+def test_bf16_trains_fp32_adapters_beside_the_bf16_unet(lora_args, tmp_path, runs):
+    result = train(lora_args() + ["--mixed-precision", "bf16", "--train-text-encoder"])
+    run = runs[0]
+    params = trainable(run)
+    assert {p.dtype for p in params.values()} == {torch.float32}
+    assert {p.dtype for n, p in run.components.unet.named_parameters() if "lora_" not in n} == {torch.bfloat16}
+    assert all(torch.isfinite(v).all() for v in result.learned.values())
+    for model in ("unet", "text_encoder"):
+        assert max(float(v.abs().max()) for k, v in result.learned.items()
+                   if k.startswith(model + ".") and ".lora_B." in k) > 1e-4, model
+    for name in (DIFFUSERS_FILE, KOHYA_FILE):
+        with safe_open(str(tmp_path / "out" / name), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}, name  # noqa: SIM118 (not a dict)
+    assert json.loads((tmp_path / "out" / "train_config.json").read_text())["precision"] == "bf16"
+
+
+def test_validation_images_are_made_with_the_adapters(lora_args, tmp_path, runs):
+    args = lora_args() + ["--max-train-steps", "2", "--validation-prompt", PROMPT, "--validation-steps", "1",
+                          "--num-validation-images", "1", "--validation-inference-steps", "2"]
+    train(args)
+    folder = tmp_path / "out" / "validation"
+    assert sorted(p.name for p in folder.glob("*.png")) == ["step-000001-0.png", "step-000002-0.png"]
+    saved = np.asarray(Image.open(folder / "step-000002-0.png").convert("RGB"), dtype=np.int16)
+    run = runs[0]
+
+    def image() -> np.ndarray:
+        made = validation.generate(run.components, run.method, PROMPT, num_images=1, steps=2, resolution=64,
+                                   seed=run.opts.seed, autocast=run.autocast)
+        return np.asarray(made[0].convert("RGB"), dtype=np.int16)
+
+    assert np.array_equal(image(), saved)  # the same models, seed and prompt make the same image
+    adapters_enabled(run.components.unet, False)
+    base = image()
+    print(f"validation image vs the base UNet's: mean abs diff {np.abs(base - saved).mean():.3f} of 255")
+    assert np.abs(base - saved).max() > 0
+
+
+# --- mistakes ------------------------------------------------------------------------------------------
+
+
+def one_line_error(capsys, args) -> str:
+    capsys.readouterr()
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    return errors[0]
+
+
+def test_bad_options_are_one_line_errors(lora_args, base_args, capsys, tmp_path):
+    args = lora_args()
+    at = args.index("--instance-prompt")
+    assert "--instance-prompt" in one_line_error(capsys, args[:at] + args[at + 2:])
+    assert "--placeholder-token" in one_line_error(capsys, args + ["--placeholder-token", "<x>"])
+    assert "--instance-prompt" in one_line_error(capsys, base_args + ["--instance-prompt", "x"])
+    assert "--rank" in one_line_error(capsys, args + ["--rank", "0"])
+    assert "--ipex" in one_line_error(capsys, args + ["--ipex", "on"])
+    line = one_line_error(capsys, args + ["--lora-targets", "nonexistent_module"])
+    assert "--lora-targets" in line and "nonexistent_module" in line
+    assert not (tmp_path / "out").exists()  # nothing written
