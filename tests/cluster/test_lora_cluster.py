@@ -1,0 +1,102 @@
+"""LoRA across a real 3-host local cluster: `launch -n 3` and `run --provider local -n 3`, each
+family's adapters loaded into diffusers in both layouts (pytorch_lora_weights and its kohya twin).
+
+3 ranks of batch 1 equal one process of batch 3 (fp32): the adapters start from --seed on every rank
+and their gradients are averaged by one flat all-reduce of the adapters' size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.cluster.clusterlib import REPO, cli
+from tests.cluster.test_run import assert_nothing_left, cluster_name, root_home  # noqa: F401 (fixtures)
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+DIFFUSERS_FILE, KOHYA_FILE = "pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory, tiny_model):
+    from xeontune import models
+
+    root = tmp_path_factory.mktemp("lora-models")
+    return {"sd": tiny_model, "sd2": models.build_pipeline("sd2-tiny", root / "sd2-tiny"),
+            "sdxl": models.build_pipeline("sdxl-tiny", root / "sdxl-tiny")}
+
+
+def lora_args(model, data, out, batch: int, steps: int, *extra: str) -> list[str]:
+    return ["--method", "lora", "--model", str(model), "--data-dir", str(data), "--instance-prompt", "a photo of toy",
+            "--resolution", "32", "--train-batch-size", str(batch), "--max-train-steps", str(steps),
+            "--learning-rate", "1e-2", "--seed", "7", "--output-dir", str(out), "--checkpointing-steps", "0",
+            "--save-steps", "0", "--no-random-flip", "--mixed-precision", "fp32",
+            # Adam's default 1e-8 magnifies the rounding of a near-zero gradient past 1e-5 (test_lora.py)
+            "--adam-epsilon", "1e-5", *extra]
+
+
+def train_alone(args: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "xeontune.train", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **OFFLINE})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def fused(model, family: str, out=None, weight_name: str | None = None) -> dict[str, torch.Tensor]:
+    """The UNet's and text encoders' weights of the pipeline, with the file's LoRA fused when given."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    pipe = cls.from_pretrained(str(model), **({} if family == "sdxl" else {"safety_checker": None}))
+    if weight_name:
+        pipe.load_lora_weights(str(out), weight_name=weight_name)
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()
+    parts = ["unet", "text_encoder"] + (["text_encoder_2"] if family == "sdxl" else [])
+    return {f"{p}.{k}": v.detach().clone() for p in parts for k, v in getattr(pipe, p).state_dict().items()}
+
+
+def assert_loads_in_both_layouts(model, family: str, out, text_encoder: bool) -> None:
+    base = fused(model, family)
+    a, b = fused(model, family, out, DIFFUSERS_FILE), fused(model, family, out, KOHYA_FILE)
+    assert a.keys() == b.keys() == base.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    for part in ["unet"] + (["text_encoder"] + (["text_encoder_2"] if family == "sdxl" else []) if text_encoder else []):
+        moved = max(float((a[k] - base[k]).abs().max()) for k in a if k.startswith(part + "."))
+        assert moved > 1e-6, f"{part}: the fused LoRA left it as the base"
+
+
+@pytest.mark.parametrize("family", ["sd", "sd2", "sdxl"])
+def test_lora_on_three_ranks_matches_one_process_and_loads_in_both_layouts(local_cluster, families, sample_images,
+                                                                          tmp_path, family):
+    model = families[family]
+    extra = ("--train-text-encoder",) if family != "sd2" else ()
+    dist = cli("launch", "-n", "3", "--name", local_cluster.name, "--",
+               *lora_args(model, sample_images, tmp_path / "dist", 1, 3, "--scale-lr", *extra), env=OFFLINE)
+    assert dist.returncode == 0, dist.stdout[-3000:] + dist.stderr[-3000:]
+    train_alone(lora_args(model, sample_images, tmp_path / "one", 3, 3, "--scale-lr", *extra))
+    got, want = load_file(tmp_path / "dist" / DIFFUSERS_FILE), load_file(tmp_path / "one" / DIFFUSERS_FILE)
+    assert got.keys() == want.keys()
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
+    adapters = sum(t.numel() * t.element_size() for t in want.values())
+    lines = [json.loads(line) for line in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["allreduce_bytes"] == adapters + 4 for r in lines), (adapters, lines)  # the adapters and the loss
+    assert_loads_in_both_layouts(model, family, tmp_path / "dist", text_encoder=bool(extra))
+
+
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+def test_run_on_three_nodes_trains_a_lora_and_fetches_both_files(root_home, cluster_name, families,  # noqa: F811
+                                                                 sample_images, tmp_path, family):
+    out = tmp_path / "out"
+    proc = cli("run", "--provider", "local", "-n", "3", "--name", cluster_name, "--",
+               *lora_args(families[family], sample_images, out, 1, 2, "--checkpointing-steps", "2"), env=OFFLINE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / DIFFUSERS_FILE).is_file() and (out / KOHYA_FILE).is_file() and (out / "checkpoint-2").is_dir()
+    assert_loads_in_both_layouts(families[family], family, out, text_encoder=False)
+    assert_nothing_left(cluster_name)
