@@ -370,3 +370,16 @@ def test_bad_options_are_one_line_errors(lora_args, base_args, capsys, tmp_path)
     line = one_line_error(capsys, args + ["--lora-targets", "nonexistent_module"])
     assert "--lora-targets" in line and "nonexistent_module" in line
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_a_lora_rank_is_counted_without_the_text_encoders_it_frees(tiny_model, lora_args, base_args):
+    """`--nproc-per-node auto`, `launch --ppn auto` and Slurm's `--ppn auto` divide memory by rank_memory:
+    a LoRA whose frozen encoders' outputs are cached frees them, unless sample images or a saved
+    pipeline need them, or they train."""
+    from xeontune.train.ranks import _folder_bytes, rank_memory
+
+    encoder = _folder_bytes(Path(tiny_model) / "text_encoder")
+    ti, lora = parse_args(base_args), parse_args(lora_args())
+    assert encoder > 0 and rank_memory(ti, "fp32") - rank_memory(lora, "fp32") == encoder
+    for extra in (["--validation-prompt", "a photo of toy"], ["--save-as-full-pipeline"], ["--train-text-encoder"]):
+        assert rank_memory(parse_args(lora_args() + extra), "fp32") == rank_memory(ti, "fp32"), extra
