@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.cluster import slurmlib
 from tests.cluster.clusterlib import REPO, cli
 from tests.cluster.test_run import assert_nothing_left, cluster_name, root_home  # noqa: F401 (fixtures)
 
@@ -104,3 +105,30 @@ def test_run_on_three_nodes_trains_a_lora_and_fetches_both_files(root_home, clus
     assert (out / DIFFUSERS_FILE).is_file() and (out / KOHYA_FILE).is_file() and (out / "checkpoint-2").is_dir()
     assert_loads_in_both_layouts(families[family], family, out, text_encoder=False)
     assert_nothing_left(cluster_name)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A real Slurm of 3 nodes on this machine (tests/cluster/slurmlib.py), for this module."""
+    slurmlib.require_slurm()
+    cluster = slurmlib.start(tmp_path_factory.mktemp("slurm"), nodes=3)
+    yield cluster
+    slurmlib.stop(cluster)
+
+
+def test_run_on_slurm_trains_a_lora_on_three_ranks(slurm, xeontune_home, monkeypatch, families, sample_images,
+                                                   tmp_path, capsys):
+    from xeontune.cli import main
+
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    rc = main(["run", "--provider", "slurm", "-n", "3", "--name", "sl-lora", "--time", "10:00", "--",
+               *lora_args(families["sd"], sample_images, out, 1, 2)])
+    text = capsys.readouterr()
+    assert rc == 0, text.out[-3000:] + text.err[-3000:] + slurm.log()
+    assert json.loads((out / "train_config.json").read_text())["world_size"] == 3
+    assert_loads_in_both_layouts(families["sd"], "sd", out, text_encoder=False)
+    assert slurm.jobs() == []
