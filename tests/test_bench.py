@@ -219,3 +219,40 @@ def test_an_unwritable_json_out_is_refused_before_the_bench_runs(tiny_model, tmp
         err = capsys.readouterr().err
         assert "--json-out" in err and "cannot write there" in err, err
         assert "warm-up" not in err and "step 1" not in err, err  # refused up front: not one step ran
+
+
+def test_lora_bench_baseline_runs_the_vae_and_the_text_encoder_every_step(tiny_model, capsys):
+    """diffusers' train_dreambooth_lora.py: VAE and text encoder every step; ours caches both."""
+    assert main(["bench", "--method", "lora", "--model", str(tiny_model), *FAST, "--no-rss", "--json",
+                 "--mixed-precision", "fp32"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["method"] == "lora" and result["config"]["rank"] == 4
+    assert result["config"]["targets"]["speedup_min"] == 1.8 and result["config"]["targets"]["rss_ratio_max"] == 0.6
+    base, ours = result["baseline"]["phases"], result["optimized"]["phases"]
+    assert base["latents"] > 0 and base["text_encoder_forward"] > 0
+    assert ours["text_encoder_forward"] < base["text_encoder_forward"] and ours["latents"] < base["latents"]
+    assert result["model_gflop_per_step"] > 0
+
+
+def test_lora_baseline_casts_every_frozen_model_and_keeps_the_adapters_fp32(tiny_model, tmp_path):
+    import argparse
+
+    import torch
+
+    from xeontune import models
+    from xeontune.train import loop
+
+    data = tmp_path / "data"
+    models.write_sample_data(data, count=2, size=64)
+    args = argparse.Namespace(resolution=64, batch_size=1, warmup=0, steps=1, mixed_precision="bf16", ipex="off",
+                              compile=False, pack_weights="off", method="lora", rank=4)
+    opts = bench.variant_options(tiny_model, data, tmp_path / "out", args, "baseline")
+    assert opts.method == "lora" and not opts.cache_latents and not opts.cache_text
+    run, _ = loop.setup(opts, loop.make_accelerator(opts),
+                        components=bench.example_components(tiny_model, "bf16", "lora"))
+    c = run.components
+    assert run.text_cache is None
+    assert {p.dtype for m in (c.vae, c.text_encoder) for p in m.parameters()} == {torch.bfloat16}
+    trainable = [p for p in c.unet.parameters() if p.requires_grad]
+    assert trainable and {p.dtype for p in trainable} == {torch.float32}
+    assert {p.dtype for p in c.unet.parameters() if not p.requires_grad} == {torch.bfloat16}
