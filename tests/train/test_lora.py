@@ -247,9 +247,8 @@ def test_the_text_cache_changes_nothing_and_frees_the_encoders(lora_args, runs):
 # --- resume -----------------------------------------------------------------------------------------
 
 
-def test_resume_matches_a_straight_run_and_refuses_other_checkpoints(lora_args, base_args, tmp_path, capsys):
-    common = lora_args() + ["--train-text-encoder", "--max-train-steps", "6", "--checkpointing-steps", "3",
-                            "--lr-scheduler", "cosine"]
+def resume_matches(common: list[str], tmp_path: Path) -> Path:
+    """A resume from step 3 of a 6-step run ends where the straight run ended; the checkpoint's path."""
     straight = train(common + ["--output-dir", str(tmp_path / "a")])
     checkpoint = tmp_path / "a" / "checkpoint-3"
     resumed = train(common + ["--output-dir", str(tmp_path / "b"), "--resume-from-checkpoint", str(checkpoint)])
@@ -259,6 +258,20 @@ def test_resume_matches_a_straight_run_and_refuses_other_checkpoints(lora_args, 
     print(f"resume: max abs diff {diff:.3g}")
     assert diff <= 1e-6
     assert [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()] == [4, 5, 6]
+    return checkpoint
+
+
+@pytest.mark.parametrize("family", ["sd2", "sdxl"])
+def test_resume_matches_a_straight_run_in_the_other_families(family, model_of, lora_args, tmp_path):
+    resume_matches(lora_args(model=model_of(family)) + ["--train-text-encoder", "--max-train-steps", "6",
+                                                        "--checkpointing-steps", "3", "--lr-scheduler", "cosine"],
+                   tmp_path)
+
+
+def test_resume_matches_a_straight_run_and_refuses_other_checkpoints(lora_args, base_args, tmp_path, capsys):
+    common = lora_args() + ["--train-text-encoder", "--max-train-steps", "6", "--checkpointing-steps", "3",
+                            "--lr-scheduler", "cosine"]
+    checkpoint = resume_matches(common, tmp_path)
 
     # other adapters (a rank of 8): one line, exit 2, from the command line as a user runs it
     proc = subprocess.run([sys.executable, "-m", "xeontune.cli", "train", *common, "--rank", "8", "--output-dir",
@@ -297,8 +310,10 @@ def held_out_loss(run) -> float:
     return float(torch.stack(losses).mean())
 
 
-def test_it_really_learns(lora_args, runs):
-    train(lora_args() + ["--max-train-steps", "20", "--learning-rate", "5e-3", "--train-batch-size", "2"])
+@pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])
+def test_it_really_learns(family, model_of, lora_args, runs):
+    train(lora_args(model=model_of(family)) + ["--max-train-steps", "20", "--learning-rate", "5e-3",
+                                               "--train-batch-size", "2"])
     run = runs[0]
     after = held_out_loss(run)
     adapters_enabled(run.components.unet, False)  # the UNet alone
