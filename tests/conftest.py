@@ -57,6 +57,22 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def sdxl_model(tmp_path_factory):
+    """The tiny SDXL-shaped pipeline (two text encoders), built once per test session."""
+    from xeontune import models
+
+    return models.build_pipeline("sdxl-tiny", tmp_path_factory.mktemp("models") / "sdxl-tiny")
+
+
+@pytest.fixture(scope="session")
+def sd2_model(tmp_path_factory):
+    """The tiny SD2-shaped pipeline (v-prediction, a GELU text encoder), built once per test session."""
+    from xeontune import models
+
+    return models.build_pipeline("sd2-tiny", tmp_path_factory.mktemp("models") / "sd2-tiny")
+
+
+@pytest.fixture(scope="session")
 def sample_images(tmp_path_factory):
     """The project's deterministic sample concept images (6 PNGs, 64 px)."""
     from xeontune import models

@@ -92,14 +92,13 @@ def test_three_ranks_match_one_process_with_three_times_the_batch(local_cluster,
     print(f"3-rank launch of {steps} steps: {launch_s:.1f} s; allreduce_bytes per step: {sent}; max diff {diff:.2e}")
 
 
-def test_sdxl_three_ranks_match_one_process_and_load_into_diffusers(local_cluster, sample_images, tmp_path):
+def test_sdxl_three_ranks_match_one_process_and_load_into_diffusers(local_cluster, sdxl_model, sample_images,
+                                                                   tmp_path):
     """`launch -n 3` trains SDXL (both text encoders' rows all-reduced) like one process with 3x the
     batch, and writes the clip_l / clip_g file that StableDiffusionXLPipeline loads, one call per encoder."""
     from diffusers import StableDiffusionXLPipeline
 
-    from xeontune import models
-
-    xl = {"model": models.build_pipeline("sdxl-tiny", tmp_path / "sdxl-tiny"), "data": sample_images}
+    xl = {"model": sdxl_model, "data": sample_images}
     launch(local_cluster, xl, tmp_path / "dist", 1, 3, "--scale-lr", "--mixed-precision", "fp32")
     train_alone(xl, tmp_path / "one", 3, 3, "--scale-lr", "--mixed-precision", "fp32")
     got, want = load_vectors(tmp_path / "dist"), load_vectors(tmp_path / "one")

@@ -26,12 +26,8 @@ DIFFUSERS_FILE, KOHYA_FILE = "pytorch_lora_weights.safetensors", "pytorch_lora_w
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory, tiny_model):
-    from xeontune import models
-
-    root = tmp_path_factory.mktemp("lora-models")
-    return {"sd": tiny_model, "sd2": models.build_pipeline("sd2-tiny", root / "sd2-tiny"),
-            "sdxl": models.build_pipeline("sdxl-tiny", root / "sdxl-tiny")}
+def families(tiny_model, sd2_model, sdxl_model):
+    return {"sd": tiny_model, "sd2": sd2_model, "sdxl": sdxl_model}
 
 
 def lora_args(model, data, out, batch: int, steps: int, *extra: str) -> list[str]:

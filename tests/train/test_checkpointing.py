@@ -11,14 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xeontune import models
 from xeontune.train import loop
 from xeontune.train.options import parse_args
-
-
-@pytest.fixture(scope="module")
-def sdxl_model(tmp_path_factory):
-    return models.build_pipeline("sdxl-tiny", tmp_path_factory.mktemp("models") / "sdxl-tiny")
 
 
 def _args(base_args, kind, sdxl_model, tmp_path, *extra):

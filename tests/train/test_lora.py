@@ -20,7 +20,6 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from xeontune import models
 from xeontune.cli import main
 from xeontune.train import loop, validation
 from xeontune.train import packed as packed_layers
@@ -31,16 +30,6 @@ pytestmark = pytest.mark.slow
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
 PROMPT = "a photo of sks toy"
-
-
-@pytest.fixture(scope="module")
-def sd2_model(tmp_path_factory):
-    return models.build_pipeline("sd2-tiny", tmp_path_factory.mktemp("models") / "sd2-tiny")
-
-
-@pytest.fixture(scope="module")
-def sdxl_model(tmp_path_factory):
-    return models.build_pipeline("sdxl-tiny", tmp_path_factory.mktemp("models") / "sdxl-tiny")
 
 
 @pytest.fixture

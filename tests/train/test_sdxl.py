@@ -20,21 +20,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from tests.bf16_bounds import BF16_LOSS_RTOL, BF16_VECTOR_RTOL
-from xeontune import models
 from xeontune.errors import TrainingError, UserError
 from xeontune.train import components, loop, tokens
 from xeontune.train.data import Latents, SamplePlan, crop_of, load_images_with_crops
 from xeontune.train.options import parse_args
-
-
-@pytest.fixture(scope="session")
-def sdxl_model(tmp_path_factory):
-    return models.build_pipeline("sdxl-tiny", tmp_path_factory.mktemp("models") / "sdxl-tiny")
-
-
-@pytest.fixture(scope="session")
-def sd2_model(tmp_path_factory):
-    return models.build_pipeline("sd2-tiny", tmp_path_factory.mktemp("models") / "sd2-tiny")
 
 
 @pytest.fixture
