@@ -434,7 +434,9 @@ def setup(
         for part in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
             cast_text_encoder_linears(components, unet_dtype(precision), opts.model, opts.revision, opts.variant, part)
     method = methods.create(opts)
-    method.install(components)  # before packing: the packed layers are the frozen ones beside what trains
+    # what the run holds beside the UNet, counted before the method moves a token table out of sight
+    beside_unet = sum(module_bytes(m) for m in (*components.text_encoders, components.vae))
+    method.install(components)  # before packing and compiling: they act on the models as the method left them
     notes: list[str] = []
     ipex = opts.ipex
     if not method.uses_ipex:
@@ -445,9 +447,8 @@ def setup(
         components.unet, components.vae, notes = prepare_frozen_models(
             components.unet, components.vae, precision=precision, ipex=ipex, compile=opts.compile,
             pack=opts.pack_weights, checkpointing=opts.gradient_checkpointing,
-            step_bytes=placement.rank_memory_bytes(
-                sum(module_bytes(m) for m in (*components.text_encoders, components.vae)), opts.resolution,
-                opts.train_batch_size, components.family, opts.gradient_checkpointing, precision),
+            step_bytes=placement.rank_memory_bytes(beside_unet, opts.resolution, opts.train_batch_size,
+                                                   components.family, opts.gradient_checkpointing, precision),
             family=components.family, agree=sync.all_true,
         )
     if main:
