@@ -3,6 +3,7 @@
 #
 #   bootstrap-node.sh --root DIR --wheel FILE [--work-dir DIR] [--user USER] [--offline]
 #                     [--torch-index URL] [--make-cluster-key FILE] [--authorize-key LINE]
+#                     [--client-alive DIR]
 #
 # --root DIR            every node gets the same absolute paths: DIR/venv, DIR/work (Hydra needs that)
 # --wheel FILE          the project's wheel, built on the caller's machine and copied here
@@ -11,6 +12,8 @@
 # --torch-index URL     where torch comes from (default: the CPU-only PyTorch index, not the CUDA build)
 # --make-cluster-key F  generate an ed25519 key at F on this node (the head's key for head -> worker ssh)
 # --authorize-key LINE  append LINE to this user's ~/.ssh/authorized_keys (once)
+# --client-alive DIR    sshd drops a client that stopped answering within 2 min: DIR/60-xeontune.conf
+#                       (DIR: the sshd_config.d that sshd includes, /etc/ssh/sshd_config.d on cloud nodes)
 #
 # Idempotent, and safe when several "nodes" share one filesystem (a lock serialises them).
 set -euo pipefail
@@ -18,7 +21,7 @@ set -euo pipefail
 root="" wheel="" work="" user="$(id -un)" offline=0
 torch_index="https://download.pytorch.org/whl/cpu"
 torch_version="2.13.0"
-make_key="" authorize=""
+make_key="" authorize="" client_alive=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --root) root="$2"; shift 2 ;;
@@ -29,6 +32,7 @@ while [ $# -gt 0 ]; do
         --torch-index) torch_index="$2"; shift 2 ;;
         --make-cluster-key) make_key="$2"; shift 2 ;;
         --authorize-key) authorize="$2"; shift 2 ;;
+        --client-alive) client_alive="$2"; shift 2 ;;
         *) echo "bootstrap-node.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -59,6 +63,23 @@ if [ -n "$authorize" ]; then
     grep -qxF -- "$authorize" "$home/.ssh/authorized_keys" || printf '%s\n' "$authorize" >>"$home/.ssh/authorized_keys"
 fi
 
+if [ -n "$client_alive" ]; then
+    # A laptop that vanished leaves a half-open SSH connection, which sshd keeps (and autostop counts
+    # as a session) for about 2 h without keepalives: probe every 30 s, drop it after 4 unanswered.
+    $SUDO mkdir -p "$client_alive"
+    printf 'ClientAliveInterval 30\nClientAliveCountMax 4\n' | $SUDO tee "$client_alive/60-xeontune.conf" >/dev/null
+    if [ "$client_alive" = /etc/ssh/sshd_config.d ]; then  # the system's sshd (a test's own DIR: nothing to reload)
+        # new logins get it (the reload keeps open sessions, this one included)
+        $SUDO systemctl reload ssh 2>/dev/null || $SUDO systemctl reload sshd 2>/dev/null || true
+        sshd_bin="$(command -v sshd || echo /usr/sbin/sshd)"
+        if [ -x "$sshd_bin" ]; then  # an image whose sshd_config sets it before its Include wins: say so
+            shown="$($SUDO "$sshd_bin" -T 2>/dev/null | grep -i '^clientaliveinterval ' || true)"
+            [ "$shown" = "clientaliveinterval 30" ] \
+                || echo "bootstrap-node.sh: warning: sshd does not apply $client_alive/60-xeontune.conf (${shown:-nothing shown})" >&2
+        fi
+    fi
+fi
+
 if [ -n "$make_key" ]; then
     mkdir -p "$(dirname "$make_key")"
     chmod 700 "$(dirname "$make_key")"
@@ -82,12 +103,6 @@ else
     if ! ldconfig -p | grep -q libtcmalloc; then
         $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgoogle-perftools4t64 >/dev/null 2>&1 \
             || $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgoogle-perftools4 >/dev/null 2>&1 || true
-    fi
-    # A laptop that vanished leaves a half-open SSH connection, which sshd keeps (and autostop counts
-    # as a session) for about 2 h without keepalives: probe every 30 s, drop it after 4 unanswered.
-    if [ -d /etc/ssh/sshd_config.d ] && [ ! -f /etc/ssh/sshd_config.d/60-xeontune.conf ]; then
-        printf 'ClientAliveInterval 30\nClientAliveCountMax 4\n' | $SUDO tee /etc/ssh/sshd_config.d/60-xeontune.conf >/dev/null
-        $SUDO systemctl reload ssh 2>/dev/null || $SUDO systemctl reload sshd 2>/dev/null || true
     fi
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip

@@ -284,7 +284,7 @@ def test_fetch_brings_the_final_embedding_first_and_the_latest_checkpoint_durabl
 def test_a_run_whose_up_fails_never_deletes_a_cluster_it_did_not_make(fake, monkeypatch, tmp_path, capsys):
     """Finding 2: `created = True` came before `up`; a second `run --name X` racing the first got
     "already exists" from `up`, then tore down the first one's cluster."""
-    def racing_up(cluster_spec, provider_name, keep_on_failure=False):
+    def racing_up(cluster_spec, provider_name, keep_on_failure=False, attempt=None):
         providers.get("fake").up(cluster_spec)  # the other run's cluster, made meanwhile
         raise UserError(f"cluster {cluster_spec.name!r} already exists")
 
@@ -744,4 +744,6 @@ def test_autostop_waits_for_a_run_whose_outputs_were_not_fetched(fake, monkeypat
     start.put_head_text(local_rec, job.unfetched_path, "x\n")
     old = time.time() - autostop_watch.FETCH_WAIT_S - 60
     os.utime(job.unfetched_path, (old, old))
-    assert autostop_watch.unfetched_jobs(str(work)) == []  # never forever: a day at most
+    assert autostop_watch.unfetched_jobs(str(work)) != []  # the day counts from the job's end (issue 29) ...
+    os.utime(jobs / "rc", (old, old))
+    assert autostop_watch.unfetched_jobs(str(work)) == []  # ... never forever: a day at most after it

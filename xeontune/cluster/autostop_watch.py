@@ -86,21 +86,41 @@ def busy_reasons(work_dir: str | None = None) -> list[str]:
     return reasons + (unfetched_jobs(work_dir) if work_dir else [])
 
 
-FETCH_WAIT_S = 24 * 3600.0  # at most this long does a job whose outputs nobody fetched keep the cluster up
+FETCH_WAIT_S = 24 * 3600.0  # at most this long after its end does a job whose outputs nobody fetched keep the cluster up
+
+
+def job_end(job_dir: Path) -> float | None:
+    """When the job in ``job_dir`` ended: its ``rc`` file's time; None while its runner (``pid``)
+    lives. A job with neither (its start failed, or its runner was killed) ended at its last sign
+    of life: the newest of its log, pid and unfetched mark."""
+    from xeontune.job.record import UNFETCHED
+
+    with contextlib.suppress(OSError):
+        return (job_dir / "rc").stat().st_mtime
+    with contextlib.suppress(OSError, ValueError):
+        pid = int((job_dir / "pid").read_text().strip())
+        if pid > 0 and b"xeontune.job.process" in Path(f"/proc/{pid}/cmdline").read_bytes():  # not a reused pid
+            return None
+    times = []
+    for name in ("log", "pid", UNFETCHED):
+        with contextlib.suppress(OSError):
+            times.append((job_dir / name).stat().st_mtime)
+    return max(times, default=0.0)
 
 
 def unfetched_jobs(work_dir: str, now: float | None = None, wait_s: float = FETCH_WAIT_S) -> list[str]:
     """Jobs that `run` started and whose outputs were not fetched yet (``record.UNFETCHED`` in the
     job's dir, written at start, removed by the fetch once the job ended): a lost laptop's run keeps
-    its results on the head until someone fetches them, for at most ``wait_s``."""
+    its results on the head until someone fetches them, for at most ``wait_s`` after the job's end
+    (``job_end``), however long it trained."""
     from xeontune.job.record import UNFETCHED
 
     now = time.time() if now is None else now
     found = []
     for marker in sorted(Path(work_dir, "jobs").glob(f"*/{UNFETCHED}")):
-        with contextlib.suppress(OSError):
-            if now - marker.stat().st_mtime < wait_s:
-                found.append(f"job {marker.parent.name}'s outputs not fetched yet")
+        ended = job_end(marker.parent)
+        if ended is None or now - ended < wait_s:
+            found.append(f"job {marker.parent.name}'s outputs not fetched yet")
     return found
 
 

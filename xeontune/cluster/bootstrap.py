@@ -7,7 +7,9 @@ known_hosts) into ``record.work_dir`` and sync the training data (``sync_data``)
 
 Remote clusters (the provider's ``remote``) also get a head -> worker login for Hydra: the head
 generates its own ed25519 key (``record.remote_key_path``) and every node authorizes its public half. The caller's private
-key never leaves this machine and the head's never leaves the head.
+key never leaves this machine and the head's never leaves the head. Their sshd gets keepalives
+(``--client-alive``: a client that stopped answering is dropped within 2 min, so a vanished laptop
+does not keep the head's autostop waiting for hours); the local provider's own sshds set them already.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from xeontune.errors import UserError
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NODE_SCRIPT = REPO_ROOT / "scripts" / "bootstrap-node.sh"
 DEFAULT_ROOT = REMOTE_ROOT  # /opt/xeontune on every cloud node
+SSHD_DROP_IN_DIR = "/etc/ssh/sshd_config.d"  # what a cloud image's sshd_config includes
 
 
 @dataclass
@@ -38,6 +41,7 @@ class BootstrapOptions:
     data_dir: str | None = None
     parallel: bool = True
     timeout_s: float = 1800.0  # per node: a cold venv with torch is a few minutes
+    client_alive_dir: str | None = None  # where the node's sshd keepalive settings go (None: left alone)
 
 
 def build_wheel(out_dir: Path) -> Path:
@@ -82,12 +86,7 @@ def run(record: ClusterRecord, options: BootstrapOptions) -> None:
         def one(node: Node) -> None:
             ssh.put_file(record, node, wheel, remote_wheel)
             ssh.put_file(record, node, NODE_SCRIPT, remote_script)
-            argv = ["bash", remote_script, "--root", options.root, "--wheel", remote_wheel,
-                    "--work-dir", record.work_dir, "--user", record.ssh_user]
-            if options.offline:
-                argv.append("--offline")
-            if head_pub:
-                argv += ["--authorize-key", head_pub]
+            argv = node_argv(record, options, remote_script, remote_wheel, head_pub)
             _check(node, "installing the venv", ssh.run(record, node, argv, timeout_s=options.timeout_s))
             if remote:
                 # Nodes that share this disk (local namespaces) already have these files.
@@ -105,6 +104,20 @@ def run(record: ClusterRecord, options: BootstrapOptions) -> None:
         else:
             for node in record.nodes:
                 one(node)
+
+
+def node_argv(record: ClusterRecord, options: BootstrapOptions, script: str, wheel: str,
+              head_pub: str | None = None) -> list[str]:
+    """The node script's command line (scripts/bootstrap-node.sh) for one node."""
+    argv = ["bash", script, "--root", options.root, "--wheel", wheel, "--work-dir", record.work_dir,
+            "--user", record.ssh_user]
+    if options.offline:
+        argv.append("--offline")
+    if options.client_alive_dir:
+        argv += ["--client-alive", options.client_alive_dir]
+    if head_pub:
+        argv += ["--authorize-key", head_pub]
+    return argv
 
 
 def data_target(record: ClusterRecord, data_dir: str) -> str:
@@ -154,5 +167,7 @@ def _record_iface(record: ClusterRecord) -> None:
 
 
 def options_for(record: ClusterRecord, data_dir: str | None) -> BootstrapOptions:
-    """What `cluster up` uses: parallel on remote nodes; one at a time where nodes share this disk."""
-    return BootstrapOptions(data_dir=data_dir, parallel=providers.get(record.provider).remote)
+    """What `cluster up` uses: parallel on remote nodes, with sshd keepalives (their system sshd);
+    one at a time where nodes share this disk (and this machine's /etc/ssh, left alone)."""
+    remote = providers.get(record.provider).remote
+    return BootstrapOptions(data_dir=data_dir, parallel=remote, client_alive_dir=SSHD_DROP_IN_DIR if remote else None)

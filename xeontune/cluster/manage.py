@@ -3,7 +3,8 @@
 ``up``: provider.up (the record is saved as resources appear), provider.wait (every node answers
 SSH), then the hosts and ssh files are written and their paths printed, then the nodes of a
 provider that needs it are bootstrapped. When any of it fails (Ctrl-C included), what this ``up``
-recorded is deleted again, unless ``--keep-on-failure``.
+recorded is deleted again, unless ``--keep-on-failure``. SIGTERM and SIGHUP (a closed terminal) act as
+Ctrl-C there: the rollback runs, and the exit status is 128 + the signal's number.
 ``teardown``: provider.terminate from the record (or by name when the record is lost), then the
 state dir entry is removed. Both are safe to re-run, and both hold the cluster's lock
 (``state.locked``) throughout, so two of them on one name fail fast instead of interleaving.
@@ -12,13 +13,17 @@ state dir entry is removed. Both are safe to re-run, and both hold the cluster's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from xeontune.cluster import files, providers, state
@@ -65,12 +70,75 @@ def _autostop_minutes(value: int | None) -> int:
     return value or 0
 
 
-def up(spec: ClusterSpec, provider_name: str, keep_on_failure: bool = False) -> tuple[ClusterRecord, dict]:
+@dataclass
+class UpAttempt:
+    """What a caller of ``up`` learns even when it fails: ``recorded`` once its record exists, so
+    what is left under the name then is this ``up``'s (not another command's that raced it)."""
+
+    recorded: bool = False
+
+
+def signal_name(exc: KeyboardInterrupt) -> str:
+    """The signal a KeyboardInterrupt stands for (``signals_interrupt`` names SIGTERM and SIGHUP)."""
+    return str(exc.args[0]) if exc.args and str(exc.args[0]).startswith("SIG") else "SIGINT"
+
+
+def interrupt_status(exc: KeyboardInterrupt) -> int:
+    """The exit status for a stop by that signal: 128 + its number, as a shell reports it."""
+    return 128 + int(getattr(signal, signal_name(exc), signal.SIGINT))
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP act as Ctrl-C: a KeyboardInterrupt that names the signal. (Python lets only
+    the main thread set handlers; elsewhere this changes nothing.)"""
+    if not _in_main_thread():
+        yield
+        return
+
+    def interrupt(sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(sig).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _hangup_ignored() -> Iterator[None]:
+    """During a rollback: Ctrl-C and SIGTERM stop it, SIGHUP does not (a closed terminal asks for
+    nothing, and its shell may pass the hang-up on a second time)."""
+    if not _in_main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def _say(text: str, err: bool = False) -> None:
+    with contextlib.suppress(OSError):  # a hung-up terminal must not stop a rollback
+        print(text, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def up(spec: ClusterSpec, provider_name: str, keep_on_failure: bool = False,
+       attempt: UpAttempt | None = None) -> tuple[ClusterRecord, dict]:
     """Create the cluster, wait for it, write its files. Returns the record and the files.
 
     On failure, what this ``up`` created (its record: ids and id tag) is deleted, unless
-    ``keep_on_failure``; the error says which happened."""
-    with state.locked(spec.name, "cluster up"):
+    ``keep_on_failure``; the error says which happened. SIGTERM and SIGHUP roll back as Ctrl-C does
+    (they come out as KeyboardInterrupt naming the signal)."""
+    attempt = attempt if attempt is not None else UpAttempt()
+    with state.locked(spec.name, "cluster up"), signals_interrupt():
         if state.exists(spec.name):
             raise UserError(
                 f"cluster {spec.name!r} already exists; use it, or remove it with `xeontune teardown --name {spec.name}`"
@@ -94,38 +162,77 @@ def up(spec: ClusterSpec, provider_name: str, keep_on_failure: bool = False) -> 
         except BaseException as exc:
             if not state.exists(spec.name):  # failed before it created anything
                 raise
+            attempt.recorded = True
             outcome = _after_failed_up(spec.name, provider, keep_on_failure)
             if isinstance(exc, UserError):
                 raise UserError(f"{exc}{outcome}") from None
-            # Ctrl-C or a bug: keep the original exception (130 / its traceback), say what became of the nodes.
-            print(f"`cluster up` did not finish{outcome}", file=sys.stderr)
+            # Ctrl-C, SIGTERM, SIGHUP or a bug: keep the original exception (its exit status or its
+            # traceback); say what became of the nodes.
+            what = f"interrupted ({signal_name(exc)})" if isinstance(exc, KeyboardInterrupt) else "did not finish"
+            _say(f"`cluster up` {what}{outcome}", err=True)
             raise
     return record, written
 
 
-def _after_failed_up(name: str, provider: providers.Provider, keep: bool) -> str:
-    """Roll back a failed ``up`` (or keep it); returns the end of the error line saying which."""
-    teardown_hint = f"`xeontune teardown --name {name}`"
-    if keep:
-        billing = " and billing" if provider.remote else ""
-        return f"; what it created is kept{billing} (--keep-on-failure): delete it with {teardown_hint}"
-    # stdout, like `up`'s progress: stderr carries only the one-line error
-    print(f"`cluster up` failed: deleting what it created for cluster {name!r} (Ctrl-C stops this)", flush=True)
+def what_is_left(name: str, limit: int = 8) -> str:
+    """What cluster ``name``'s record holds (what `teardown` deletes), for a line that says what may
+    be left after an unfinished rollback: ``instance i-1, i-2; security group sg-1; ...``."""
     try:
-        report = provider.terminate(name, state.load(name))
+        record = state.load(name)
+    except UserError:
+        return "its resources (the record cannot be read)"
+    kinds: dict[str, list[str]] = {}
+    for res in record.resources:
+        kinds.setdefault(res.kind.replace("_", " "), []).append(res.id.rstrip("/").rsplit("/", 1)[-1])
+    parts = [f"{kind} {', '.join(ids[:limit])}{f' and {len(ids) - limit} more' if len(ids) > limit else ''}"
+             for kind, ids in kinds.items()]
+    return "; ".join(parts) or "its record (no resource was created yet)"
+
+
+def _after_failed_up(name: str, provider: providers.Provider, keep: bool) -> str:
+    """Roll back a failed ``up`` (or keep it); returns the end of the error line saying which. A
+    rollback that does not finish (interrupted, or failing) names what may be left."""
+    teardown_hint = f"`xeontune teardown --name {name}`"
+    billing = " and billing" if provider.remote else ""
+    if keep:
+        return f"; what it created is kept{billing} (--keep-on-failure): delete it with {teardown_hint}"
+    try:
+        with _hangup_ignored():
+            # stdout, like `up`'s progress: stderr carries only the one-line error
+            _say(f"`cluster up` failed: deleting what it created for cluster {name!r} (Ctrl-C stops this)")
+            report = provider.terminate(name, state.load(name))
     except KeyboardInterrupt:
-        return f"; the clean-up was interrupted: run {teardown_hint}"
+        return (f"; the clean-up was interrupted: what may be left{billing}: {what_is_left(name)}; "
+                f"delete it with {teardown_hint}")
     except Exception as exc:  # any failure of the clean-up: the user must still learn what to run
-        return f"; cleanup failed too ({' '.join(str(exc).split())[:300]}): run {teardown_hint}"
+        return (f"; cleanup failed too ({' '.join(str(exc).split())[:300]}): what may be left{billing}: "
+                f"{what_is_left(name)}; delete it with {teardown_hint}")
     if report.ok:
         state.delete(name)
         return " (rolled back: nothing was left running)"
     return f"; could not delete {', '.join(report.failed)}: run {teardown_hint}"
 
 
+def drop_broken_stdio() -> None:
+    """After a hang-up the terminal is gone: writes to it fail, and so would Python's last flush at
+    exit (exit status 120 instead of the signal's). Stdout and stderr then go to /dev/null."""
+    for name in ("stdout", "stderr"):
+        try:
+            getattr(sys, name).flush()
+        except (OSError, ValueError):
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 (the process's stream until exit)
+
+
 def up_command(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
-    record, written = up(spec, args.provider, keep_on_failure=bool(getattr(args, "keep_on_failure", False)))
+    attempt = UpAttempt()
+    try:
+        record, written = up(spec, args.provider, bool(getattr(args, "keep_on_failure", False)), attempt)
+    except KeyboardInterrupt as exc:  # up's last line said what became of the cluster, if it made one
+        if not attempt.recorded:
+            _say(f"interrupted ({signal_name(exc)}): nothing was created", err=True)
+        drop_broken_stdio()
+        return interrupt_status(exc)
     print(f"cluster {record.name!r} is up ({record.provider}, {len(record.nodes)} node(s)):")
     _print_nodes(record)
     if written:

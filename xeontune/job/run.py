@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from xeontune.cluster import providers, state
+from xeontune.cluster import manage, providers, state
+from xeontune.cluster.manage import interrupt_status, signal_name, signals_interrupt
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
 
@@ -90,21 +91,6 @@ def autostop_minutes(opts: RunOptions) -> int:
 def _say(text: str) -> None:
     with contextlib.suppress(OSError):  # a hung-up terminal must not stop the teardown
         print(text, flush=True)
-
-
-@contextlib.contextmanager
-def signals_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP act as Ctrl-C (KeyboardInterrupt) outside the job; during the job
-    ``process.run_attached`` has its own handlers, which forward them to the ranks."""
-    def interrupt(sig: int, _frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(sig).name)
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
@@ -155,7 +141,6 @@ def remote_data_dir(record: ClusterRecord, data_dir: str) -> str:
 
 
 def run(opts: RunOptions) -> int:
-    from xeontune.cluster import manage
     from xeontune.job import fetch, start
     from xeontune.job.spec import launch_spec, read_request
 
@@ -191,7 +176,7 @@ def run(opts: RunOptions) -> int:
                 _say(f"[1/4] creating cluster {name!r} ({opts.provider}, -n {opts.nodes})")
                 # `up` rolls back what it made when it fails; only a cluster it made is ours to delete
                 # (a `run --name X` racing this one fails here, and must not delete the other's X)
-                record, _ = manage.up(spec_args, opts.provider)
+                record, _ = manage.up(spec_args, opts.provider, attempt=outcome.up)
                 outcome.created = True
             target = None
             if provider.remote and data_dir:
@@ -264,23 +249,13 @@ RECONNECT_ENV = "XEONTUNE_RECONNECT_S"  # how long `run` tries to get a lost con
 ON_HEAD = "the outputs may still be only on the head"
 
 
-def signal_name(exc: KeyboardInterrupt) -> str:
-    """The signal a KeyboardInterrupt stands for (``signals_interrupt`` names SIGTERM and SIGHUP)."""
-    return str(exc.args[0]) if exc.args else "SIGINT"
-
-
-def interrupt_status(exc: KeyboardInterrupt) -> int:
-    """The exit status for a stop by that signal: 128 + its number, as a shell reports it."""
-    return 128 + int(getattr(signal, signal_name(exc), signal.SIGINT))
-
-
 def fetch_after_failure(record: ClusterRecord, job: JobInfo, dest: Path, overwrite: bool, why: str,
                         outcome: Outcome) -> str | None:
     """What a failed or stopped job wrote (its embedding if it got that far, the step copies, the
     latest checkpoint), fetched before anything is deleted. Returns why the cluster must stay (the
     fetch failed), or None. ``outcome.rc`` stays the job's status; a signal during this fetch keeps
     the cluster (``outcome.keep_because`` says why meanwhile)."""
-    from xeontune.job import fetch
+    from xeontune.job import fetch, start
 
     _say(f"{why}: fetching what the job wrote into {dest} before anything is deleted")
     outcome.keep_because = f"{why} and what the job wrote may be only on the head"
@@ -288,6 +263,7 @@ def fetch_after_failure(record: ClusterRecord, job: JobInfo, dest: Path, overwri
         report = fetch_or_beside(record, job, dest, overwrite)
     except fetch.NoOutputs:
         _say(f"{why}; the job wrote no outputs: nothing to fetch")
+        start.forget_mark(record, job, ended_only=True)  # a reused cluster's autostop need not wait for it
         return None
     except Exception as exc:  # UserErrors included: the exit status stays the job's, the cluster stays
         reason = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
@@ -392,6 +368,8 @@ class Outcome:
     keep: bool
     reused: bool
     created: bool = False  # only once `up` returned: this run made the cluster
+    # this run's `up` made a record, so what is left under the name if it failed is this run's
+    up: manage.UpAttempt = field(default_factory=manage.UpAttempt)
     rc: int = 1
     keep_because: str | None = None  # why the cluster must stay although this run made it
 
@@ -407,23 +385,28 @@ def finish(o: Outcome) -> int:
     """``_finish`` under ``teardown_signals``: only a second signal abandons the teardown."""
     try:
         with teardown_signals(o.name):
-            return _finish(o)
+            rc = _finish(o)
     except KeyboardInterrupt:
         _say(f"abandoned the teardown of cluster {o.name!r}: what is left may bill; "
              f"run: xeontune teardown --name {o.name}")
-        return o.rc or 130
+        rc = o.rc or 130
+    manage.drop_broken_stdio()  # a hung-up terminal must not turn the exit status into 120
+    return rc
 
 
 def _finish(o: Outcome) -> int:
     """Tear down what this run created (unless --keep, or the outputs may still be only on the
     head); the last line says what happened, or how to fetch and tear down."""
-    from xeontune.cluster import manage
-
     name, rc = o.name, o.rc
     if not o.created:
         if o.reused:
             _say(f"cluster {name!r} was there before this run and is kept; delete it with: "
                  f"xeontune teardown --name {name}")
+        elif o.up.recorded and state.exists(name):  # this run's `up` failed and its rollback did not finish
+            billing = " and billing" if providers.get(o.provider).remote else ""
+            _say(f"cluster {name!r} was not fully created, nor deleted again; what may be left{billing}: "
+                 f"{manage.what_is_left(name)}; delete it with: xeontune teardown --name {name}")
+            return rc or 1
         elif state.exists(name):
             _say(f"cluster {name!r} was not created by this run and is kept")
         return rc

@@ -300,7 +300,9 @@ def start(record: ClusterRecord, spec: LaunchSpec, detached: bool, local_output_
     plan = plan_for(record, spec, job_dir)
     preflight(record, plan)
     check_no_other_job(record)
-    job = JobInfo(id=job_id, cluster=record.name, output_dir=head_output_dir(spec, plan.wdir),
+    output_dir = head_output_dir(spec, plan.wdir)
+    check_kept_outputs(record, output_dir, hold_for_fetch)
+    job = JobInfo(id=job_id, cluster=record.name, output_dir=output_dir,
                   local_output_dir=str(local_output_dir or spec.request.local_output_dir), job_dir=job_dir,
                   detached=detached, started=time.time(), world_size=plan.world_size,
                   overwrite=spec.request.options.overwrite)
@@ -310,7 +312,12 @@ def start(record: ClusterRecord, spec: LaunchSpec, detached: bool, local_output_
     if hold_for_fetch:
         put_head_text(record, job.unfetched_path, f"{job.local_output_dir}\n")
     if detached:
-        start_detached(record, plan, job)
+        try:
+            start_detached(record, plan, job)
+        except UserError:  # it did not start: nothing of it for the head's autostop to wait for
+            if hold_for_fetch:
+                forget_mark(record, job)
+            raise
         job_record.save_job(job)
         return job, 0
     say(f"launching {plan.world_size} rank(s) on cluster {record.name!r} ({record.provider}, backend {plan.backend}, "
@@ -346,6 +353,54 @@ def start_scheduled(record: ClusterRecord, spec: LaunchSpec, job_id: str, job_di
         provider.stop_job(record, job)
         raise
     return job, 1 if rc is None else rc
+
+
+def forget_mark(record: ClusterRecord, job: JobInfo, ended_only: bool = False) -> None:
+    """Remove the job's ``record.UNFETCHED`` mark (nothing of it is left to fetch; ``ended_only``:
+    unless it still runs). Best effort: an unreachable head keeps it, and its autostop then waits
+    at most a day from the job's end."""
+    from xeontune.job import fetch
+
+    if not providers.get(record.provider).uses_ssh:  # `run` marks only jobs on a head reached by SSH
+        return
+    try:
+        with fetch.head_files(record) as head:
+            if not ended_only or head.exists(job.rc_path):
+                head.remove(job.unfetched_path)
+    except UserError:
+        pass
+
+
+def check_kept_outputs(record: ClusterRecord, output_dir: str, hold_for_fetch: bool = False) -> None:
+    """Refuse a new job while the cluster holds outputs that `run` kept for fetching (its last job's
+    ``record.UNFETCHED`` mark is on the head): the new job's record would replace that job's, and
+    `xeontune fetch` could no longer reach them. A job that resumes in that job's output dir takes
+    its outputs over (with ``hold_for_fetch``, its own mark replaces the old one); an ended job that
+    wrote nothing holds nothing (its mark goes)."""
+    from xeontune.job import fetch
+    from xeontune.train.outputs import CHECKPOINT_RE, RUN_FILE_RE
+
+    if not providers.get(record.provider).uses_ssh or not job_record.record_path(record.name).is_file():
+        return
+    try:
+        last = job_record.load_job(record.name)
+    except UserError:  # unreadable: no fetch can reach that job through it either
+        return
+    with fetch.head_files(record) as head:
+        if not head.exists(last.unfetched_path):
+            return
+        if posixpath.normpath(last.output_dir) == posixpath.normpath(output_dir):
+            if hold_for_fetch:
+                head.remove(last.unfetched_path)
+            return
+        if head.exists(last.rc_path) and not any(
+                RUN_FILE_RE.match(name) or (is_dir and CHECKPOINT_RE.match(name))
+                for name, is_dir in head.listdir(last.output_dir) or []):
+            head.remove(last.unfetched_path)
+            return
+    raise UserError(f"cluster {record.name!r} holds the outputs of job {last.id}, which were not fetched yet: fetch "
+                    f"them first with `xeontune fetch --name {record.name}` (into {last.local_output_dir}, or "
+                    "--output-dir DIR); a new job now would replace the record that fetch reads")
 
 
 def check_no_other_job(record: ClusterRecord) -> None:
