@@ -6,7 +6,8 @@ MODEL ?= models/tiny
 DATA ?= data/sample
 STEPS ?= 5
 RESOLUTION ?= 0
-OUT ?= textual_inversion_output
+METHOD ?= textual_inversion
+OUT ?= $(METHOD)_output
 
 .PHONY: venv venv-ipex single-node-test test test-fast test-ipex bench lint clean
 
@@ -20,7 +21,7 @@ $(BIN)/xeontune: pyproject.toml
 venv: $(BIN)/xeontune
 
 single-node-test: venv
-	HF_HUB_OFFLINE=1 $(BIN)/python scripts/single_node_test.py --model $(MODEL) --data $(DATA) --steps $(STEPS) --resolution $(RESOLUTION) --output-dir $(OUT)
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/single_node_test.py --model $(MODEL) --data $(DATA) --steps $(STEPS) --resolution $(RESOLUTION) --method $(METHOD) --output-dir $(OUT)
 
 # Installs what the tests need (system packages too when run as root), then runs them all:
 # the main suite, then the IPEX tests in their own venv (SKIP_IPEX=1 leaves those out locally).
@@ -52,4 +53,4 @@ lint: venv
 	$(BIN)/ruff check xeontune tests scripts
 
 clean:
-	rm -rf $(OUT) build dist *.egg-info
+	rm -rf textual_inversion_output lora_output build dist *.egg-info

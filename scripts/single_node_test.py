@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """`make single-node-test`: build the tiny model and sample images if missing, train a few steps
-offline, then prove the result loads with diffusers' own `load_textual_inversion`."""
+offline, then prove the result loads with diffusers' own `load_textual_inversion` (textual
+inversion) or `load_lora_weights` (`METHOD=lora`: both files, diffusers' and kohya's layouts)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def main() -> int:
     parser.add_argument("--model", default="models/tiny")
     parser.add_argument("--data", default="data/sample")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--output-dir", default="textual_inversion_output")
+    parser.add_argument("--method", default="textual_inversion", choices=("textual_inversion", "lora"))
+    parser.add_argument("--output-dir", default=None, help="default: textual_inversion_output or lora_output")
     parser.add_argument("--token", default="<toy-bot>")
     parser.add_argument("--resolution", type=int, default=0, help="pixels (default: the model's own size)")
     args = parser.parse_args()
@@ -39,13 +41,18 @@ def main() -> int:
     from xeontune.train.components import pipeline_family
 
     family = pipeline_family(args.model)
+    args.output_dir = args.output_dir or f"{args.method}_output"
+    own = (["--placeholder-token", args.token, "--initializer-token", "toy"] if args.method == "textual_inversion"
+           else ["--method", "lora", "--instance-prompt", "a photo of sks toy"])
     rc = train_main([
-        "--model", args.model, "--data-dir", args.data, "--placeholder-token", args.token,
-        "--initializer-token", "toy", "--resolution", str(args.resolution or native_resolution(args.model)),
+        "--model", args.model, "--data-dir", args.data, *own,
+        "--resolution", str(args.resolution or native_resolution(args.model)),
         "--max-train-steps", str(args.steps), "--output-dir", args.output_dir, "--overwrite",
     ])
     if rc:
         return rc
+    if args.method == "lora":
+        return load_lora(args.model, family, Path(args.output_dir))
 
     import diffusers
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
@@ -70,6 +77,29 @@ def main() -> int:
     print(f"loaded {embeds} with diffusers' load_textual_inversion: added token(s) {added} "
           f"(vocabulary {before} -> {len(pipe.tokenizer)})")
     return 0 if added else 1
+
+
+def load_lora(model: str, family: str, out: Path) -> int:
+    """Both LoRA files fused into the model's UNet by diffusers' own loader: the same weights, not the base's."""
+    import diffusers
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    diffusers.utils.logging.disable_progress_bar()
+    cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    fused = {}
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"):
+        pipe = cls.from_pretrained(model, **({} if family == "sdxl" else {"safety_checker": None}))
+        base = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+        pipe.load_lora_weights(str(out), weight_name=name)
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()  # the adapters' modules out: the plain UNet, the LoRA in its weights
+        fused[name] = pipe.unet.state_dict()
+        moved = max(float((fused[name][k] - base[k]).abs().max()) for k in base)
+        print(f"loaded {out / name} with diffusers' load_lora_weights: UNet weights moved by up to {moved:.2e}")
+    a, b = fused.values()
+    same = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"the two layouts fuse to the same UNet (max difference {same:.1e})")
+    return 0 if moved > 0 and same <= 1e-6 else 1
 
 
 def native_resolution(model: str) -> int:

@@ -387,3 +387,14 @@ def test_a_lora_rank_is_counted_without_the_text_encoders_it_frees(tiny_model, l
     assert encoder > 0 and rank_memory(ti, "fp32") - rank_memory(lora, "fp32") == encoder
     for extra in (["--validation-prompt", "a photo of toy"], ["--save-as-full-pipeline"], ["--train-text-encoder"]):
         assert rank_memory(parse_args(lora_args() + extra), "fp32") == rank_memory(ti, "fp32"), extra
+
+
+def test_the_single_node_test_takes_lora(sample_images, tiny_model, tmp_path):
+    """`make single-node-test METHOD=lora`: trains, then both files fuse into the same UNet in diffusers."""
+    script = Path(__file__).parents[2] / "scripts" / "single_node_test.py"
+    proc = subprocess.run([sys.executable, str(script), "--method", "lora", "--model", str(tiny_model), "--data",
+                           str(sample_images), "--steps", "2", "--output-dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "the two layouts fuse to the same UNet" in proc.stdout
+    assert (tmp_path / "out" / KOHYA_FILE).is_file()
