@@ -74,7 +74,17 @@ class Slurm:
         return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((self.root / "log").glob("*.log")))
 
 
-def start(root: Path, nodes: int = 3, cpus_per_node: int = 1) -> Slurm:
+# With ``preemption``: a second partition over the same nodes whose jobs preempt the default one's
+# (PreemptMode=REQUEUE after a GraceTime, as sites configure it), so a test preempts for real.
+PREEMPTION = """PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={grace}
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+"""
+GRACE_S = 20
+
+
+def start(root: Path, nodes: int = 3, cpus_per_node: int = 1, preemption: bool = False) -> Slurm:
     """A controller and ``nodes`` slurmd, answering `sinfo` when this returns."""
     for sub in ("state", "log", *(f"spool/n{i}" for i in range(1, nodes + 1))):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -104,22 +114,40 @@ JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 KillWait=5
 NodeName=n[1-{nodes}] NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={cpus_per_node} RealMemory=4000 Port={ports[2]}-{ports[-1]}
-PartitionName=debug Nodes=n[1-{nodes}] Default=YES MaxTime=INFINITE State=UP
 """
+    conf += PREEMPTION.format(grace=GRACE_S) if preemption else \
+        f"PartitionName=debug Nodes=n[1-{nodes}] Default=YES MaxTime=INFINITE State=UP\n"
     (root / "slurm.conf").write_text(conf)
     slurm = Slurm(root, nodes)
     conf_path = str(root / "slurm.conf")
-    subprocess.run(["slurmctld", "-f", conf_path], check=True, env=slurm.env, timeout=60)
+    start_controller(slurm)
     for i in range(1, nodes + 1):
         subprocess.run(["slurmd", "-f", conf_path, "-N", f"n{i}"], check=True, env=slurm.env, timeout=60)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        states = slurm.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.split()
-        if states.count("idle") == nodes:
+        # one line per node and partition: count the nodes
+        states = set(slurm.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.splitlines())
+        if sum(line.split()[-1] == "idle" for line in states) == nodes:
             return slurm
         time.sleep(0.5)
     stop(slurm)
     raise RuntimeError(f"Slurm did not come up: {slurm.log()}")
+
+
+def start_controller(slurm: Slurm) -> None:
+    """slurmctld, which recovers the jobs of an earlier one from the state dir."""
+    subprocess.run(["slurmctld", "-f", str(slurm.root / "slurm.conf")], check=True, env=slurm.env, timeout=60)
+
+
+def stop_controller(slurm: Slurm) -> None:
+    """slurmctld only (SIGTERM: it saves its state and exits); the nodes' slurmd and the jobs go on."""
+    pid_file = slurm.root / "slurmctld.pid"
+    os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while _alive(pid_file):
+        if time.monotonic() > deadline:
+            raise RuntimeError("slurmctld did not stop within 30 s")
+        time.sleep(0.1)
 
 
 def stop(slurm: Slurm) -> None:

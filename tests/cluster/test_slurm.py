@@ -7,9 +7,11 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +59,22 @@ def test_an_srun_task_gets_the_standard_names_and_the_batch_script_does_not():
     assert not world.adopt_slurm(alone) and "RANK" not in alone
 
 
+def test_a_task_of_srun_with_pmi2_adopts_slurms_names_and_an_mpirun_inside_the_job_keeps_its_own():
+    """MpiDefault=pmi2 (or srun --mpi=pmi2) gives every task PMI_RANK / PMI_SIZE, Slurm's own rank and task
+    count: not a launcher of its own, so the task still gets MASTER_ADDR and the rest (it could not find
+    rank 0 otherwise: "MASTER_ADDR expected"). Hydra's PMI_RANK, two ranks per node on two nodes, differs."""
+    step = {"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x3)", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "MASTER_ADDR": "n1"}
+    pmi2 = {**step, "PMI_RANK": "2", "PMI_SIZE": "3", "PMI_FD": "6", "PMI_JOBID": "77.0"}  # a pmi2 task's
+    assert world.adopt_slurm(pmi2)
+    assert (pmi2["RANK"], pmi2["WORLD_SIZE"], pmi2["LOCAL_WORLD_SIZE"]) == ("2", "3", "1") and pmi2["MASTER_PORT"]
+    hydra = {**step, "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+             "PMI_RANK": "2", "PMI_SIZE": "4"}  # rank 2 of 4 under mpirun -ppn 2, on the second node
+    assert not world.adopt_slurm(hydra) and "RANK" not in hydra
+    first = {**hydra, "SLURM_PROCID": "0", "PMI_RANK": "0"}  # its rank 0: the rank agrees, the size does not
+    assert not world.adopt_slurm(first) and "RANK" not in first
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     slurmlib.require_slurm()
@@ -100,11 +118,44 @@ def test_srun_in_a_hand_written_batch_script_trains_what_one_process_with_three_
     assert slurm.jobs() == []  # nothing left behind
 
 
+@pytest.mark.slow
+@pytest.mark.root
+def test_srun_with_the_pmi2_plugin_trains_what_one_process_with_three_times_the_batch_does(
+        slurm, tiny_model, sample_images, tmp_path):
+    """Sites with MpiDefault=pmi2: Debian's Slurm has the plugin (mpi_pmi2.so), and `srun --mpi=pmi2`
+    gives every task PMI_RANK and PMI_SIZE. The 3 tasks still train together (before: "MASTER_ADDR
+    expected" on every rank), the same vectors as one process with 3x the batch (fp32: exact)."""
+    srun = ["srun", "--mpi=pmi2", "--nodes", "3", "--ntasks", "3", "--kill-on-bad-exit=1"]
+    probe = slurm.run(*srun, "sh", "-c", 'echo "$SLURM_PROCID $PMI_RANK $PMI_SIZE"', timeout=120)
+    assert probe.returncode == 0, probe.stderr + slurm.log()
+    assert sorted(probe.stdout.splitlines()) == ["0 0 3", "1 1 3", "2 2 3"]
+    train = [sys.executable, "-m", "xeontune.cli", "train", "--model", str(tiny_model), "--data-dir",
+             str(sample_images), "--placeholder-token", "<toy-bot>", "--initializer-token", "toy", "--resolution", "32",
+             "--max-train-steps", "2", "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision", "fp32",
+             "--learning-rate", "5e-3", "--no-random-flip"]
+    env = {**slurm.env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    ranks = subprocess.run([*srun, *train, "--train-batch-size", "1", "--output-dir", str(tmp_path / "pmi2")],
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-3000:]
+    assert json.loads((tmp_path / "pmi2" / "train_config.json").read_text())["world_size"] == 3
+    one = subprocess.run([*train, "--train-batch-size", "3", "--output-dir", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    _assert_same_vectors(tmp_path / "pmi2", tmp_path / "one")
+    assert slurm.jobs() == []
+
+
+def _assert_same_vectors(got_dir: Path, want_dir: Path) -> None:
+    got = load_file(str(got_dir / "learned_embeds.safetensors"))
+    want = load_file(str(want_dir / "learned_embeds.safetensors"))
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
+
+
 # --- `--provider slurm`: xeontune submits the batch job itself ----------------------------------
 
-def _options(tiny_model, sample_images, out, steps: int = 2) -> list[str]:
+def _options(tiny_model, sample_images, out, steps: int = 2, resolution: int = 64) -> list[str]:
     return ["--", "--model", str(tiny_model), "--data-dir", str(sample_images), "--placeholder-token", "<toy-bot>",
-            "--initializer-token", "toy", "--resolution", "64", "--max-train-steps", str(steps),
+            "--initializer-token", "toy", "--resolution", str(resolution), "--max-train-steps", str(steps),
             "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision", "fp32", "--no-random-flip",
             "--output-dir", str(out)]
 
@@ -276,8 +327,8 @@ def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
         how, on_slurm, tiny_model, sample_images, tmp_path, capsys):
     """notice: SIGUSR1 to every task (what --signal=USR1@120 sends before the time limit; here scancel -s)
     makes rank 0 checkpoint, the ranks stop, and the batch script requeues the job. requeue: `scontrol
-    requeue` mid-run (SIGTERM, as a preemption sends): rank 0 checkpoints in the grace time (KillWait),
-    and Slurm requeues the job. No periodic checkpoints: the job resumes from the one the signal made."""
+    requeue` mid-run (SIGTERM to the whole job, batch script included): rank 0 checkpoints in the grace
+    time (KillWait), and Slurm requeues the job (a real preemption: below). No periodic checkpoints: the job resumes from the one the signal made."""
     from xeontune.cli import main
     from xeontune.job import record
 
@@ -306,7 +357,8 @@ def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
     assert signalled and signalled[2] == ("SIGUSR1" if how == "notice" else "SIGTERM"), log[-3000:]
     assert 5 <= int(signalled[1]) < steps
     assert (f"requeueing job {job.scheduler_id}" in log) == (how == "notice"), log[-3000:]
-    assert f"xeontune: Slurm job {job.scheduler_id}, restart 1: resuming from the newest complete checkpoint" in log
+    assert (f"xeontune: Slurm job {job.scheduler_id}, restart 1: resuming from {out}/checkpoint-{signalled[1]}, "
+            "the newest checkpoint this job wrote") in log
     # the restarted run's forecast counts what the restart lost: at least the ~0.2+ s it waited to start again
     assert re.search(r"forecast: step \d+/16, .*; 1 restart lost about \d+ (s|min) \(waiting to start again", log)
     straight = subprocess.run(
@@ -320,50 +372,327 @@ def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
     assert main(["teardown", "--name", "rq"]) == 0
 
 
+# slurmctld down for this long: an scontrol then fails after about 18 s (connect failure, Slurm 22.05),
+# and before, two failed looks 2 s apart (about 38 s) ended `run`
+OUTAGE_S = 45.0
+
+
+@pytest.mark.slow
 @pytest.mark.root
-def test_a_restarted_job_resumes_its_checkpoint_or_starts_its_own_run_over(on_slurm, tiny_model, sample_images,
-                                                                          tmp_path, capsys):
-    """The batch script's restart branch, run by bash with an srun that records its arguments: a
-    requeued job resumes from its newest checkpoint; one stopped before its first checkpoint starts
-    over (--overwrite) where this job wrote the run, and never overwrites another run's output dir."""
+def test_slurm_not_answering_mid_run_is_not_the_end_of_the_job(on_slurm, tiny_model, sample_images, tmp_path,
+                                                                capsys, monkeypatch):
+    """slurmctld stopped for real mid-run (every scontrol fails: connect failure), then started again:
+    `run` follows the job through it, says so, and the job trains to its end. Before, two failing
+    scontrol calls 2 s apart counted as the job gone: `run` ended and cancelled the healthy job."""
+    from xeontune.cli import main
+
+    out, steps = tmp_path / "out", 20
+    # rank 0 waits this long before its final outputs: the job ends well after the controller is back
+    monkeypatch.setenv("XEONTUNE_TEST_PAUSE", f"alone:0:{OUTAGE_S + 20:.0f}")
+    seen: dict[str, object] = {}
+
+    def outage_mid_run() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and len(_lines(out / "metrics.jsonl")) < 2:
+            time.sleep(0.1)
+        slurmlib.stop_controller(on_slurm)
+        down = time.monotonic()
+        try:
+            seen["steps"] = len(_lines(out / "metrics.jsonl"))
+            seen["scontrol"] = on_slurm.run("scontrol", "show", "job", "-o").stderr
+            time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down)))
+        finally:
+            slurmlib.start_controller(on_slurm)
+
+    outage = threading.Thread(target=outage_mid_run, daemon=True)
+    outage.start()
+    rc = main(["run", "--provider", "slurm", "-n", "3", "--name", "so",
+               *_options(tiny_model, sample_images, out, steps, resolution=32)])
+    outage.join(120)
+    text = capsys.readouterr()
+    assert "Unable to contact slurm controller" in str(seen["scontrol"])  # Slurm said nothing, for real
+    assert rc == 0, text.out[-3000:] + text.err[-3000:] + on_slurm.log()
+    assert seen["steps"] < steps  # the job was training when the controller went
+    assert re.search(r"Slurm did not answer about job \d+ \(.*\); following it until Slurm says it ended", text.err)
+    assert re.search(r"Slurm answers again about job \d+", text.err)
+    assert len(_lines(out / "metrics.jsonl")) == steps and load_file(str(out / "learned_embeds.safetensors"))
+    assert on_slurm.jobs() == []
+
+
+@pytest.fixture
+def on_preemptible_slurm(tmp_path_factory, xeontune_home, monkeypatch, tmp_path):
+    """A Slurm of its own whose `urgent` partition preempts the default one's jobs (PreemptMode=REQUEUE,
+    GraceTime 20 s, slurmlib.PREEMPTION), with the CLI of this process talking to it."""
+    slurmlib.require_slurm()
+    cluster = slurmlib.start(tmp_path_factory.mktemp("slurm-preempt"), nodes=3, preemption=True)
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    yield cluster
+    slurmlib.stop(cluster)
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_a_job_preempted_by_a_higher_priority_job_requeues_and_resumes_to_a_straight_runs_vectors(
+        on_preemptible_slurm, tiny_model, sample_images, tmp_path, capsys):
+    """A real preemption: a job of the `urgent` partition on the same three nodes. Slurm sends SIGTERM to
+    the job's steps only; rank 0 checkpoints in the grace time, the ranks exit 143, and the batch script
+    (which Slurm leaves running) requeues the job; the urgent job runs, then this one resumes from its
+    checkpoint and ends with a straight run's vectors. Before: FAILED with status 143, never restarted."""
+    from xeontune.cli import main
+    from xeontune.job import record
+
+    slurm = on_preemptible_slurm
+    out, steps = tmp_path / "out", 16
+    options = _options(tiny_model, sample_images, out, steps, resolution=32)
+    assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", "pe"]) == 0
+    assert main(["launch", "--detach", "--name", "pe", *options]) == 0
+    job = record.load_job("pe")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(_lines(out / "metrics.jsonl")) < 5:
+        time.sleep(0.2)
+    urgent = slurm.run("sbatch", "--parsable", "--partition", "urgent", "--nodes", "3", "--ntasks", "3",
+                       "--output", str(tmp_path / "urgent.out"), "--wrap", "echo urgent ran on $SLURM_JOB_NODELIST")
+    assert urgent.returncode == 0, urgent.stderr
+    urgent_id = urgent.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and slurm.run("squeue", "-h", "-j", urgent_id).stdout.strip():
+        time.sleep(0.2)
+    assert (tmp_path / "urgent.out").read_text().startswith("urgent ran on n[1-3]")
+    # requeued, not ended: Slurm 22.05 holds it for about 120 s (Reason=BeginTime); release it once the
+    # first run's slurmstepds are gone
+    shown = slurm.run("scontrol", "show", "job", "-o", job.scheduler_id).stdout
+    assert "JobState=PENDING" in shown and "Reason=BeginTime" in shown, shown + Path(job.log_path).read_text()[-3000:]
+    while time.monotonic() < deadline and _stepds(job.scheduler_id):
+        time.sleep(0.2)
+    assert slurm.run("scontrol", "update", f"JobId={job.scheduler_id}", "StartTime=now").returncode == 0
+    capsys.readouterr()
+    assert main(["logs", "--name", "pe", "-f"]) == 0, slurm.log()
+    log = capsys.readouterr().out
+    signalled = re.search(r"checkpoint-(\d+) written on SIGTERM: stopped, to resume from it", log)
+    assert signalled and 5 <= int(signalled[1]) < steps, log[-3000:]
+    assert re.search(rf"xeontune: preempted by Slurm \(srun ended with status \d+\); requeueing job {job.scheduler_id}",
+                     log), log[-3000:]
+    assert (f"xeontune: Slurm job {job.scheduler_id}, restart 1: resuming from {out}/checkpoint-{signalled[1]}, "
+            "the newest checkpoint this job wrote") in log
+    straight = subprocess.run(
+        [sys.executable, "-m", "xeontune.cli", "train", "--train-batch-size", "3",
+         *_options(tiny_model, sample_images, tmp_path / "one", steps, resolution=32)[1:]],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    _assert_same_vectors(out, tmp_path / "one")
+    assert slurm.jobs() == []
+    assert main(["teardown", "--name", "pe"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_the_env_file_of_a_cancelled_job_is_deleted_once_slurm_says_it_ended(on_slurm, tiny_model, sample_images,
+                                                                             tmp_path, capsys):
+    """`launch --env` values wait in a 0600 file on the shared filesystem, which every (re)start of the
+    batch script reads: the ranks get them; once Slurm says the job ended (here: scancel), it is gone."""
+    from xeontune.cli import main
+    from xeontune.job import record
+
+    out = tmp_path / "out"
+    assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", "ev"]) == 0
+    assert main(["launch", "--detach", "--name", "ev", "--env", "XT_SECRET=s3cret",
+                 *_options(tiny_model, sample_images, out, 100000, resolution=32)]) == 0
+    job = record.load_job("ev")
+    env_file = Path(job.job_dir) / "env"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(_rank_pids(str(out))) < 3:
+        time.sleep(0.5)
+    pids = _rank_pids(str(out))
+    assert len(pids) == 3 and env_file.exists(), on_slurm.log()
+    assert b"XT_SECRET=s3cret" in Path(f"/proc/{pids[0]}/environ").read_bytes()
+    assert on_slurm.run("scancel", job.scheduler_id).returncode == 0
+    assert main(["logs", "--name", "ev", "-f"]) == 1
+    assert "ended CANCELLED without an exit status" in capsys.readouterr().err
+    assert not env_file.exists()
+    assert main(["teardown", "--name", "ev"]) == 0
+
+
+class BatchScript:
+    """The batch script `launch --dry-run` prints, run by bash with an srun and an scontrol that record
+    their arguments (srun exits with ``srun_rc``, after leaving the ranks' notice mark if asked;
+    ``scontrol show job`` answers ``job``, ``scontrol requeue`` succeeds)."""
+
+    def __init__(self, text: str, root: Path) -> None:
+        self.root, self.job_dir, bin_dir = root, root / "job", root / "bin"
+        self.job_dir.mkdir()
+        bin_dir.mkdir()
+        self.path = root / "job.sbatch"
+        self.path.write_text(text)
+        q = shlex.quote
+        (bin_dir / "srun").write_text(f"""#!/bin/sh
+printf '%s\\n' "$@" > {q(str(root / 'srun-args'))}
+printf '%s' "$XT_SECRET" > {q(str(root / 'srun-secret'))}
+[ -z "$FAKE_MARK" ] || : > "$XEONTUNE_PREEMPT_MARK"
+exit "${{FAKE_SRUN_RC:-0}}"
+""")
+        (bin_dir / "scontrol").write_text(f"""#!/bin/sh
+echo "$*" >> {q(str(root / 'scontrol-args'))}
+[ "$1" != show ] || printf '%s\\n' "$FAKE_JOB"
+""")
+        for tool in ("srun", "scontrol"):
+            (bin_dir / tool).chmod(0o755)
+        self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7"}
+
+    def run(self, restarts: int = 0, srun_rc: int = 0, mark: bool = False,
+            job: str = "") -> subprocess.CompletedProcess[str]:
+        (self.root / "scontrol-args").unlink(missing_ok=True)
+        env = {**self.env, "SLURM_RESTART_COUNT": str(restarts), "FAKE_SRUN_RC": str(srun_rc),
+               "FAKE_MARK": "1" if mark else "", "FAKE_JOB": job}
+        return subprocess.run(["bash", str(self.path)], env=env, capture_output=True, text=True, timeout=60)
+
+    def srun_args(self, restarts: int = 0) -> list[str]:
+        done = self.run(restarts)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return (self.root / "srun-args").read_text().splitlines()
+
+    def flags(self, restarts: int) -> list[str]:
+        """--overwrite and every --resume-from-checkpoint with its value, in the order srun got them."""
+        args = self.srun_args(restarts)
+        return [a for i, a in enumerate(args) if a in ("--overwrite", "--resume-from-checkpoint")
+                or (i and args[i - 1] == "--resume-from-checkpoint")]
+
+    def scontrol_calls(self) -> list[str]:
+        calls = self.root / "scontrol-args"
+        return calls.read_text().splitlines() if calls.exists() else []
+
+
+def _batch_script(name: str, tiny_model, sample_images, out: Path, tmp_path: Path, capsys,
+                  *extra: str) -> BatchScript:
     from xeontune.cli import main
     from xeontune.cluster import state
 
-    out = tmp_path / "out"
-    assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", "rs"]) == 0
+    assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", name]) == 0
     capsys.readouterr()
-    assert main(["launch", "--dry-run", "--name", "rs", *_options(tiny_model, sample_images, out)]) == 0
-    script = capsys.readouterr().out.split("\n", 1)[1]  # after the sbatch command line
-    job_dir = tmp_path / "job"
-    job_dir.mkdir()
-    script = script.replace(f"{state.load('rs').work_dir}/jobs/<job id>", str(job_dir))
-    (tmp_path / "job.sbatch").write_text(script)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path / 'srun-args'}\n")
-    (bin_dir / "srun").chmod(0o755)
+    assert main(["launch", "--dry-run", "--name", name, *_options(tiny_model, sample_images, out), *extra]) == 0
+    text = capsys.readouterr().out.split("\n", 1)[1]  # after the sbatch command line
+    root = tmp_path / "script"
+    root.mkdir()
+    return BatchScript(text.replace(f"{state.load(name).work_dir}/jobs/<job id>", str(root / "job")), root)
 
-    def flags_after(restarts: int) -> list[str]:
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
-               "SLURM_RESTART_COUNT": str(restarts)}
-        done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True,
-                              timeout=60)
-        assert done.returncode == 0, done.stdout + done.stderr
-        args = (tmp_path / "srun-args").read_text().splitlines()
-        return [a for a in args if a in ("--overwrite", "--resume-from-checkpoint", "latest")]
 
-    assert flags_after(0) == []  # the first run
+def _checkpoint(out: Path, step: int, complete: bool = True, mtime: float | None = None) -> Path:
+    """A checkpoint dir as the trainer leaves it (complete: with its marker); ``mtime``: written then."""
+    from xeontune.train.outputs import CHECKPOINT_COMPLETE
+
+    path = out / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / CHECKPOINT_COMPLETE).write_text("{}")
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("out_name", ["out", "out [v1]*?"])
+def test_a_restarted_job_resumes_its_checkpoint_or_starts_its_own_run_over(
+        out_name, on_slurm, tiny_model, sample_images, tmp_path, capsys):
+    """The batch script's restart branch: a requeued job resumes from the newest complete checkpoint it
+    wrote; one stopped before its first checkpoint starts over (--overwrite) where this job wrote the
+    run, and never resumes or overwrites another run's. An output dir named with [ ] * ? is a path,
+    not a pattern (taken for one, no checkpoint was found: --overwrite, and the checkpoints went)."""
+    from xeontune.cli import main
+
+    out = tmp_path / out_name
+    script = _batch_script("rs", tiny_model, sample_images, out, tmp_path, capsys)
+    assert script.flags(0) == []  # the first run
     out.mkdir()
     time.sleep(0.05)
     (out / "train_config.json").write_text("{}")  # what that run wrote before it was stopped
-    assert flags_after(1) == ["--overwrite"]
-    (out / "checkpoint-4").mkdir()
-    assert flags_after(2) == ["--resume-from-checkpoint", "latest"]
-    (out / "checkpoint-4").rmdir()
-    first_start = (job_dir / "started").stat().st_mtime
+    assert script.flags(1) == ["--overwrite"]
+    four = _checkpoint(out, 4)
+    _checkpoint(out, 6, complete=False)  # stopped while writing it: not a checkpoint to resume
+    assert script.flags(2) == ["--resume-from-checkpoint", str(four)]
+    for path in out.glob("checkpoint-*"):
+        shutil.rmtree(path)
+    first_start = (script.job_dir / "started").stat().st_mtime
     os.utime(out / "train_config.json", (first_start - 60, first_start - 60))  # another run's, from before
-    assert flags_after(1) == []  # the trainer then refuses the dir, as for any run
+    _checkpoint(out, 9, mtime=first_start - 60)  # and its checkpoint: not this job's to resume
+    assert script.flags(1) == []  # the trainer then refuses the dir, as for any run
     assert main(["teardown", "--name", "rs"]) == 0
+
+
+@pytest.mark.root
+def test_a_restart_resumes_from_the_newest_checkpoint_not_the_one_named_at_submission(
+        on_slurm, tiny_model, sample_images, tmp_path, capsys):
+    """`--resume-from-checkpoint PATH` starts the job; a restart after the job wrote checkpoints of its
+    own resumes from the newest of them (the last flag on the command line wins), not from PATH again."""
+    from xeontune.cli import main
+    from xeontune.train.options import read_options
+
+    named = _checkpoint(tmp_path / "earlier", 2)
+    out = tmp_path / "out"
+    script = _batch_script("rn", tiny_model, sample_images, out, tmp_path, capsys,
+                           "--resume-from-checkpoint", str(named))
+    assert script.flags(0) == ["--resume-from-checkpoint", str(named)]
+    out.mkdir()
+    time.sleep(0.05)
+    (out / "train_config.json").write_text("{}")  # this job's, with no checkpoint yet: PATH again, no --overwrite
+    assert script.flags(1) == ["--resume-from-checkpoint", str(named)]
+    six = _checkpoint(out, 6)
+    _checkpoint(out, 8, complete=False)
+    assert script.flags(2) == ["--resume-from-checkpoint", str(named), "--resume-from-checkpoint", str(six)]
+    args = script.srun_args(2)
+    options, _ = read_options(args[args.index("xeontune.train") + 1:])
+    assert options.resume_from_checkpoint == str(six)
+    assert main(["teardown", "--name", "rn"]) == 0
+
+
+PREEMPTED_JOB = ("JobId=7 JobName=xeontune-x UserId=root(0) JobState=RUNNING Reason=None Requeue=1 Restarts=0 "
+                 "RunTime=00:00:40 SubmitTime=2026-11-25T17:59:50 StartTime=2026-11-25T18:00:00 EndTime=Unknown "
+                 "PreemptEligibleTime=2026-11-25T18:00:00 PreemptTime={} SuspendTime=None NodeList=n[1-3]")
+
+
+@pytest.mark.root
+def test_the_script_requeues_a_preempted_job_and_no_other_failure(on_slurm, tiny_model, sample_images, tmp_path,
+                                                                  capsys):
+    """After srun: the ranks' notice mark, or a failed srun while Slurm says this run is being preempted
+    (PreemptTime since its StartTime), requeue the job; a failure without a preemption, an earlier run's
+    preemption, or a run that finished in the grace time end it with srun's status."""
+    from xeontune.cli import main
+
+    script = _batch_script("pq", tiny_model, sample_images, tmp_path / "out", tmp_path, capsys)
+    rc_file = script.job_dir / "rc"
+
+    def requeued() -> bool:
+        return "requeue 7" in script.scontrol_calls()
+
+    now = PREEMPTED_JOB.format("2026-11-25T18:00:30")
+    done = script.run(srun_rc=143, job=now)
+    assert requeued() and done.returncode == 0 and not rc_file.exists(), done.stdout + done.stderr
+    assert "xeontune: preempted by Slurm (srun ended with status 143); requeueing job 7" in done.stdout
+    assert (script.job_dir / "requeued").exists()  # `run` takes the requeue's passing FAILED for what it is
+    for srun_rc, job in ((143, PREEMPTED_JOB.format("None")), (143, PREEMPTED_JOB.format("2026-11-25T17:58:00")),
+                         (143, ""), (0, now)):
+        done = script.run(srun_rc=srun_rc, job=job)
+        assert not requeued() and done.returncode == srun_rc and rc_file.read_text() == f"{srun_rc}\n"
+        assert not (script.job_dir / "requeued").exists()
+    done = script.run(srun_rc=75, mark=True)  # Slurm's notice: the ranks checkpointed and left the mark
+    assert requeued() and "checkpointed on Slurm's notice; requeueing job 7" in done.stdout
+    assert main(["teardown", "--name", "pq"]) == 0
+
+
+@pytest.mark.root
+def test_the_env_file_stays_for_a_requeue_and_goes_when_the_job_is_over(on_slurm, tiny_model, sample_images,
+                                                                         tmp_path, capsys):
+    from xeontune.cli import main
+
+    script = _batch_script("ef", tiny_model, sample_images, tmp_path / "out", tmp_path, capsys)
+    env_file = script.job_dir / "env"
+    env_file.write_text("XT_SECRET=s3cret\n")  # as `launch --env XT_SECRET` writes it
+    assert script.run(srun_rc=75, mark=True).returncode == 0 and "requeue 7" in script.scontrol_calls()
+    assert env_file.exists()  # the requeued run reads it again
+    assert script.run(restarts=1, srun_rc=1).returncode == 1
+    assert (tmp_path / "script" / "srun-secret").read_text() == "s3cret" and not env_file.exists()
+    assert main(["teardown", "--name", "ef"]) == 0
 
 
 def _stepds(job_id: str) -> list[str]:

@@ -3,8 +3,10 @@
   cluster sends one (``PreemptParameters=send_user_signal``). The ranks checkpoint, exit with
   ``EXIT_CODE`` and leave the mark; the batch script (cluster/providers/slurm.py) then requeues the job.
 - SIGTERM: a preemption (``PreemptMode=REQUEUE``, its ``GraceTime``), ``scontrol requeue``, ``scancel``
-  or the time limit itself. The ranks checkpoint and exit 143, with no mark: Slurm requeues a
-  preempted job itself, and a cancelled one can still be resumed from that checkpoint by hand.
+  or the time limit itself. The ranks checkpoint and exit 143, with no mark. A preemption signals
+  the steps only: the batch script, still running, sees Slurm's PreemptTime and requeues the job
+  (Slurm would not: the job ends before its GraceTime). The others end the script too; a
+  cancelled job can still be resumed from that checkpoint by hand.
 Either way the ranks agree at the end of a step, rank 0 writes the checkpoint, and a requeued job
 resumes from it by itself. Slurm's SIGKILL after ``KillWait``/``GraceTime`` bounds the wait.
 

@@ -5,7 +5,9 @@ torch's elastic launcher, RANK / WORLD_SIZE. Under Slurm's ``srun`` a rank has o
 so ``adopt_slurm`` gives it the standard ones (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) before anything reads them: ``srun xeontune train ...`` in a user's own
 batch script then needs no launcher at all. Names already set win (an mpirun inside a Slurm job, or
-a user's MASTER_ADDR).
+a user's MASTER_ADDR), except srun's own PMI_RANK / PMI_SIZE: a site's ``MpiDefault=pmi2`` (or
+``srun --mpi=pmi2``) gives them to every task, equal to Slurm's rank and task count, and without the
+other names such a task could not find rank 0 ("MASTER_ADDR expected").
 """
 
 from __future__ import annotations
@@ -58,11 +60,24 @@ def first_node_address(nodelist: str) -> str:
     return found[1] if found else first
 
 
+def another_launchers_ranks(env: MutableMapping[str, str]) -> bool:
+    """True where a launcher inside the srun step set the ranks (torchrun's RANK, Open MPI's, Hydra's
+    PMI_RANK): they win. Slurm's own PMI plugin sets PMI_RANK and PMI_SIZE to the step's SLURM_PROCID
+    and task count. Hydra's differ wherever a node runs more than one rank (its proxies, one per node,
+    are the step's tasks); where they agree, adopting Slurm's names gives the same ranks."""
+    if "RANK" in env or "OMPI_COMM_WORLD_RANK" in env:
+        return True
+    if "PMI_RANK" not in env:
+        return False
+    tasks = env["SLURM_STEP_NUM_TASKS"]
+    return env["PMI_RANK"] != env["SLURM_PROCID"] or env.get("PMI_SIZE", tasks) != tasks
+
+
 def adopt_slurm(env: MutableMapping[str, str] | None = None) -> bool:
     """In an srun task of more than one task, set the standard rank variables from Slurm's (module
     docstring). True if it did."""
     env = os.environ if env is None else env
-    if not in_srun_step(env) or any(name in env for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")):
+    if not in_srun_step(env) or another_launchers_ranks(env):
         return False
     world = int(env["SLURM_STEP_NUM_TASKS"])
     if world <= 1:

@@ -20,6 +20,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from xeontune.cluster import state
 from xeontune.cluster.providers import ClusterSpec, NodeStatus, Provider, TeardownReport
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
+from xeontune.train.outputs import CHECKPOINT_COMPLETE
 
 if TYPE_CHECKING:
     from xeontune.job.record import JobInfo
@@ -38,12 +40,20 @@ TIMEOUT_S = 60.0
 # Job states in which the job is not over yet (a preempted job with --requeue comes back as PENDING).
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
           "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "STOPPED"}
+# Slurm's own word that a job is over: its final states, or GONE (slurmctld answered that it no longer
+# knows the job: purged MinJobAge after its end). Anything else, UNKNOWN above all, is not an end.
+FINAL = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                   "DEADLINE", "OUT_OF_MEMORY", "REVOKED"})
+GONE = "GONE"
+UNKNOWN = "UNKNOWN"  # scontrol failed or timed out: Slurm said nothing about the job
 UNUSABLE = ("down", "drain", "fail", "inval", "maint", "future", "unk")
 CANCEL_WAIT_S = 60.0
 GRACE_S = 120  # seconds between Slurm's notice (SIGUSR1) and its time limit: a checkpoint's time
-MARK = "preempted"  # in the job's dir: the ranks stopped on the notice, the script requeues the job
-REQUEUE_WINDOW_S = 60.0  # how long after that mark an ended state is taken for the requeue's passage
+MARK = "preempted"  # in the job's dir: the ranks stopped on the notice (SIGUSR1), the script requeues the job
+REQUEUED = "requeued"  # in the job's dir: the batch script requeued its own job (notice or preemption)
+REQUEUE_WINDOW_S = 60.0  # how long after that file an ended state is taken for the requeue's passage
 SETTLE_S = 2.0  # a second look at an ended state, so a requeue's passing FAILED is not taken as the end
+ENV_FILE = "env"  # in the job's dir: the --env values, read at every (re)start, deleted once the job is over
 
 
 def _tool(name: str) -> str:
@@ -162,18 +172,21 @@ class Slurm(Provider):
         if not jobs:
             return [NodeStatus(record.head.name, f"no job submitted (partition {record.extra.get('partition')})")]
         job = jobs[-1]
-        info = job_info(job)
+        info, failure = ask_job(job)
+        if info is None:
+            return [NodeStatus(record.head.name, f"job {job}: Slurm did not answer ({failure})")]
         how = info.get("JobState", "gone (purged by slurmctld)")
         where = info.get("NodeList") if info.get("NodeList") not in (None, "(null)") else info.get("Reason", "")
         return [NodeStatus(record.head.name, f"job {job} {how}{f' ({where})' if where else ''}")]
 
     def terminate(self, name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
-        """scancel every job of the record still queued or running; wait until Slurm has ended them."""
+        """scancel every job of the record that Slurm has not said is over; wait until it says so. A job
+        Slurm does not answer about is not taken for ended: the teardown then fails and keeps the record."""
         report = TeardownReport(searched=["Slurm jobs of this cluster's record"])
         if record is None:
             return report  # jobs are found only through the record (job names are not unique)
         jobs = [j for j in record.extra.get("jobs", "").split(",") if j]
-        live = [j for j in jobs if job_state(j) in ACTIVE]
+        live = [j for j in jobs if not ended(job_state(j))]
         if not live:
             return report
         out = _run("scancel", *live)
@@ -181,11 +194,11 @@ class Slurm(Provider):
             report.failed += [f"Slurm job {j}: scancel: {one_line(out.stderr)}" for j in live]
             return report
         deadline = time.monotonic() + CANCEL_WAIT_S
-        while time.monotonic() < deadline and any(job_state(j) in ACTIVE for j in live):
+        while time.monotonic() < deadline and not all(ended(job_state(j)) for j in live):
             time.sleep(0.5)
         for j in live:
-            if job_state(j) in ACTIVE:
-                report.failed.append(f"Slurm job {j}: still {job_state(j)} {CANCEL_WAIT_S:.0f} s after scancel")
+            if not ended(how := job_state(j)):
+                report.failed.append(f"Slurm job {j}: still {how} {CANCEL_WAIT_S:.0f} s after scancel")
             else:
                 report.deleted.append(f"Slurm job {j} (scancel)")
         return report
@@ -220,8 +233,6 @@ class Slurm(Provider):
         return nodes, per_node, max((record.cores_per_node or 1) // per_node, 1)
 
     def submission(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> tuple[list[str], str]:
-        import sys
-
         from xeontune.job.start import every_rank_env, rank_pythonpath
         from xeontune.train import forecast, preempt
 
@@ -236,50 +247,86 @@ class Slurm(Provider):
         shape = [f"--nodes={nodes}", f"--ntasks={spec.ranks}", f"--ntasks-per-node={per_node}",
                  f"--cpus-per-task={cpus_per_task}"]
         rank = [sys.executable, "-m", "xeontune.train", *spec.rank_args]
-        env_file = os.path.join(job.job_dir, "env")
         q = shlex.quote
-        mark = os.path.join(job.job_dir, MARK)
-        started = os.path.join(job.job_dir, "started")
-        # A requeued job resumes from the newest complete checkpoint its earlier runs wrote. One stopped
-        # before its first checkpoint starts over: --overwrite, but only where this job wrote the run
-        # (its train_config.json newer than the job's first start), never over someone else's.
-        out_dir = q(job.output_dir)
-        resume = ("" if spec.request.options.resume_from_checkpoint else "\n".join([
+        env_file = q(os.path.join(job.job_dir, ENV_FILE))
+        mark, requeued = q(os.path.join(job.job_dir, MARK)), q(os.path.join(job.job_dir, REQUEUED))
+        started = q(os.path.join(job.job_dir, "started"))
+        rc_path, rc_tmp = q(job.rc_path), q(job.rc_path + ".tmp")
+        out_dir = q(job.output_dir)  # quoted, so only the checkpoint-* after it is ever a pattern
+        explicit = bool(spec.request.options.resume_from_checkpoint)
+        # A restarted job resumes from the newest complete checkpoint that THIS job wrote (newer than its
+        # first start): not from another run's, nor again from an explicit --resume-from-checkpoint PATH
+        # (the last one on srun's command line wins). One stopped before its first checkpoint starts over
+        # (--overwrite), but only where this job wrote the run and no checkpoint was named.
+        restart = [
             'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
-            f"  if compgen -G {out_dir}/'checkpoint-*' >/dev/null; then",
-            '    resume=(--resume-from-checkpoint latest); echo "xeontune: Slurm job $SLURM_JOB_ID, '
-            'restart $SLURM_RESTART_COUNT: resuming from the newest complete checkpoint"',
-            f"  elif [ {out_dir}/train_config.json -nt {q(started)} ]; then",
-            '    resume=(--overwrite); echo "xeontune: Slurm job $SLURM_JOB_ID, restart $SLURM_RESTART_COUNT: '
-            'no checkpoint yet, starting over"',
+            "  newest='' newest_step=-1",
+            f"  for dir in {out_dir}/checkpoint-*; do",
+            '    step=${dir##*/checkpoint-}',
+            "    case $step in ''|*[!0-9]*) continue ;; esac",
+            f'    if [ -f "$dir"/{q(CHECKPOINT_COMPLETE)} ] && [ "$dir" -nt {started} ] && '
+            '[ "$step" -gt "$newest_step" ]; then',
+            '      newest=$dir newest_step=$step',
+            "    fi",
+            "  done",
+            '  if [ -n "$newest" ]; then',
+            '    resume=(--resume-from-checkpoint "$newest")',
+            '    echo "xeontune: Slurm job $SLURM_JOB_ID, restart $SLURM_RESTART_COUNT: resuming from $newest, the newest '
+            'checkpoint this job wrote"',
+            *([] if explicit else [
+                f"  elif [ {out_dir}/train_config.json -nt {started} ]; then",
+                '    resume=(--overwrite)',
+                '    echo "xeontune: Slurm job $SLURM_JOB_ID, restart $SLURM_RESTART_COUNT: no checkpoint yet, starting over"',
+            ]),
             "  fi",
             "fi",
-        ]))
+        ]
+        # A preemption (PreemptMode=REQUEUE, GraceTime > 0) sends SIGTERM to the job's steps only: the
+        # ranks checkpoint and exit 143, and this script goes on while Slurm still counts the job as
+        # running, preempted (PreemptTime set, not before this run's StartTime). Slurm would requeue it
+        # only at the end of GraceTime, and an ended job never: so the script requeues it now. A scancel,
+        # an `scontrol requeue` or the time limit kill this script as well: none of them comes here.
+        preempted = [
+            "preempted() {",
+            "  local job start at since=' StartTime=([^ ]+)' preempt=' PreemptTime=([0-9][^ ]*)'",
+            '  job=$(SLURM_TIME_FORMAT=standard scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null) || return 1',
+            '  [[ $job =~ $since ]] && start=${BASH_REMATCH[1]} || return 1',
+            '  [[ $job =~ $preempt ]] && at=${BASH_REMATCH[1]} || return 1',
+            '  [[ ! $at < $start ]]  # one time format: the strings order as the times',
+            "}",
+            "requeue() {",
+            '  echo "xeontune: $1; requeueing job $SLURM_JOB_ID to resume from its newest checkpoint"',
+            f"  : > {requeued}",
+            '  scontrol requeue "$SLURM_JOB_ID" && exit 0',
+            f"  rm -f {requeued}",
+            '  echo "xeontune: scontrol requeue $SLURM_JOB_ID failed: resume it by hand (its checkpoints stay)" >&2',
+            "}",
+        ]
         wdir = os.getcwd()  # as mpirun's -wdir: a relative --output-dir is relative to where the job started
         lines = [
             "#!/bin/bash",
             f"# written by xeontune: job {job.id} of cluster {record.name}",
             f"cd {q(wdir)} || exit 2",
             *(f"export {key}={q(value)}" for key, value in env.items()),
-            f"if [ -f {q(env_file)} ]; then set -a; . {q(env_file)}; set +a; fi  # --env, never in argv",
-            f"export {preempt.MARK_ENV}={q(mark)}",
-            f"rm -f {q(mark)} {q(job.rc_path)}  # a requeued job's earlier run may have left them",
+            f"if [ -f {env_file} ]; then set -a; . {env_file}; set +a; fi  # --env, never in argv",
+            f"export {preempt.MARK_ENV}={mark}",
+            f"rm -f {mark} {requeued} {rc_path}  # a requeued job's earlier run may have left them",
             # for the forecast's time lost to restarts (train/forecast.py)
-            f"[ -s {q(started)} ] || date +%s > {q(started)}",
-            f'export {forecast.JOB_STARTED_ENV}="$(cat {q(started)})" {forecast.RUN_STARTED_ENV}="$(date +%s)" '
+            f"[ -s {started} ] || date +%s > {started}",
+            f'export {forecast.JOB_STARTED_ENV}="$(cat {started})" {forecast.RUN_STARTED_ENV}="$(date +%s)" '
             f'{forecast.RESTARTS_ENV}="${{SLURM_RESTART_COUNT:-0}}"',
             "resume=()",
-            resume,
+            *restart,
             # a rank that dies ends the step at once (the others would wait for it in a collective)
             f'srun --kill-on-bad-exit=1 {shlex.join(shape)} {shlex.join(rank)} "${{resume[@]}}"',
             "rc=$?",
-            f"if [ -e {q(mark)} ]; then",
-            '  echo "xeontune: checkpointed on Slurm\'s notice; requeueing job $SLURM_JOB_ID to resume from it"',
-            '  scontrol requeue "$SLURM_JOB_ID" && exit 0',
-            "fi",
+            *preempted,
+            f"if [ -e {mark} ]; then requeue \"checkpointed on Slurm's notice\"; fi",
+            'if [ "$rc" -ne 0 ] && preempted; then requeue "preempted by Slurm (srun ended with status $rc)"; fi',
             'if [ "$rc" -ne 0 ]; then echo "xeontune: srun ended with status $rc: a rank failed or was killed '
             '(its error is above)" >&2; fi',
-            f"printf '%s\\n' \"$rc\" > {q(job.rc_path + '.tmp')} && mv -f {q(job.rc_path + '.tmp')} {q(job.rc_path)}",
+            f"rm -f {env_file}  # over for good: the --env values go",
+            f"printf '%s\\n' \"$rc\" > {rc_tmp} && mv -f {rc_tmp} {rc_path}",
             'exit "$rc"',
         ]
         # --requeue: preemption requeues the job; --signal: the ranks' notice GRACE_S before the time limit
@@ -306,34 +353,75 @@ class Slurm(Provider):
         state.save(record)
 
     def job_ended(self, record: ClusterRecord, job: JobInfo) -> str | None:
-        """A job that requeues itself passes through an ended state (seen: FAILED) for a moment: while
-        its ranks' mark is fresh, and until a second look agrees, it has not ended."""
+        """Slurm's final state for the job, or None while it is not over: only Slurm's own word ends a
+        job (FINAL, or GONE), never a failing or slow scontrol. A job that requeues itself passes through
+        an ended state (seen: FAILED) for a moment: while its script's requeue is fresh, and until a
+        second look agrees, it has not ended. Once it has, its --env file goes."""
         with contextlib.suppress(OSError):
-            if time.time() - os.stat(os.path.join(job.job_dir, MARK)).st_mtime < REQUEUE_WINDOW_S:
-                return None  # the script requeues it, or writes its status
-        how = job_state(job.scheduler_id)
-        if how in ACTIVE:
+            if time.time() - os.stat(os.path.join(job.job_dir, REQUEUED)).st_mtime < REQUEUE_WINDOW_S:
+                return None  # its script has just requeued it
+        if not ended(_followed_state(job.scheduler_id)):
             return None
         time.sleep(SETTLE_S)
-        how = job_state(job.scheduler_id)
-        return None if how in ACTIVE else how
+        how = _followed_state(job.scheduler_id)
+        if not ended(how):
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(job.job_dir, ENV_FILE))
+        return how
 
     def stop_job(self, record: ClusterRecord, job: JobInfo) -> None:
         if job.scheduler_id:
             _run("scancel", job.scheduler_id)
 
 
+def ask_job(job_id: str) -> tuple[dict[str, str] | None, str]:
+    """``scontrol show job -o``'s fields, and why not: ({}, ...) once slurmctld answered that it no
+    longer knows the job, (None, scontrol's words) when scontrol failed (Slurm said nothing)."""
+    try:
+        out = _run("scontrol", "show", "job", "-o", job_id)
+    except UserError as exc:  # no answer within TIMEOUT_S
+        return None, str(exc)
+    if out.returncode == 0 and "JobState=" in out.stdout:
+        return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", out.stdout)), ""
+    words = one_line(out.stderr or out.stdout)
+    return ({} if "Invalid job id" in words else None), words
+
+
 def job_info(job_id: str) -> dict[str, str]:
-    """``scontrol show job -o``'s fields; empty once slurmctld no longer knows the job."""
-    out = _run("scontrol", "show", "job", "-o", job_id)
-    if out.returncode != 0:
-        return {}
-    return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", out.stdout))
+    """``scontrol show job -o``'s fields; empty when Slurm does not say (forgotten, or no answer)."""
+    return ask_job(job_id)[0] or {}
 
 
 def job_state(job_id: str) -> str:
-    """PENDING, RUNNING, COMPLETED, CANCELLED, FAILED, ...; "GONE" once slurmctld forgot the job."""
-    return job_info(job_id).get("JobState", "GONE")
+    """PENDING, RUNNING, COMPLETED, CANCELLED, FAILED, ...; GONE once slurmctld forgot the job, UNKNOWN
+    when scontrol failed."""
+    info, _ = ask_job(job_id)
+    return UNKNOWN if info is None else info.get("JobState", GONE)
+
+
+def ended(state_name: str) -> bool:
+    """Slurm said the job is over (module constants FINAL and GONE)."""
+    return state_name in FINAL or state_name == GONE
+
+
+_unanswered: dict[str, float] = {}  # job id -> when Slurm first failed to answer about it, while it fails
+
+
+def _followed_state(job_id: str) -> str:
+    """``job_state`` for a job being followed: says once when Slurm stops answering, and once when it
+    answers again (the job is followed meanwhile, never taken for ended)."""
+    info, why = ask_job(job_id)
+    if info is None:
+        if job_id not in _unanswered:
+            _unanswered[job_id] = time.monotonic()
+            print(f"xeontune: Slurm did not answer about job {job_id} ({why}); following it until Slurm says "
+                  "it ended", file=sys.stderr, flush=True)
+        return UNKNOWN
+    if (since := _unanswered.pop(job_id, None)) is not None:
+        print(f"xeontune: Slurm answers again about job {job_id} (after {time.monotonic() - since:.0f} s)",
+              file=sys.stderr, flush=True)
+    return info.get("JobState", GONE)
 
 
 PROVIDER = Slurm()
