@@ -368,3 +368,194 @@ def test_a_full_disk_while_writing_a_bf16_copy_warns_and_leaves_no_partial_folde
     assert "could not write the bf16 text encoder's Linear layers copy" in done.stderr
     assert not [p for p in cache.rglob("*") if p.name.startswith(".")]  # no partial folder left
     assert not [p for p in cache.rglob("*") if p.is_file()]  # nor a copy that looks whole
+
+
+@pytest.mark.parametrize("kind", ["sd", "sdxl"])
+def test_bf16_copies_are_byte_for_byte_what_casting_the_loaded_models_wrote(kind, tiny_model, sdxl_model, tmp_path,
+                                                                            monkeypatch):
+    """Issue 29: the copies are now written from the files one tensor at a time. They hold exactly what
+    `model.to(torch.bfloat16)` holds, and are the very files that saving the cast models wrote before."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import save_file
+
+    from xeontune.train import components
+
+    model = str(tiny_model if kind == "sd" else sdxl_model)
+    monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
+    components.ensure_bf16_copies(model)
+    copy = components.bf16_copy_dir(model, None, None)
+    cast = UNet2DConditionModel.from_pretrained(model, subfolder="unet").to(torch.bfloat16)
+    made = load_file(str(copy / "diffusion_pytorch_model.safetensors"))
+    want = cast.state_dict()
+    assert made.keys() == want.keys()
+    for name, tensor in want.items():
+        assert made[name].dtype == tensor.dtype == torch.bfloat16 and torch.equal(made[name], tensor), name
+    cast.register_to_config(_name_or_path=model)  # what from_pretrained(torch_dtype=...) records
+    cast.save_pretrained(tmp_path / "saved")
+    for name in ("config.json", "diffusion_pytorch_model.safetensors"):
+        assert (copy / name).read_bytes() == (tmp_path / "saved" / name).read_bytes(), name
+    for part in ("text_encoder", "text_encoder_2")[: 2 if kind == "sdxl" else 1]:
+        linears = components._linears(components.load_text_encoder(model, part=part))
+        for module in linears.values():
+            module.to(torch.bfloat16)
+        saved = tmp_path / f"{part}.safetensors"
+        save_file({f"{n}.{k}": t.contiguous() for n, m in linears.items() for k, t in m.state_dict().items()}, str(saved))
+        made_file = components.bf16_copy_dir(model, None, None, part) / components.TEXT_LINEARS_FILE
+        assert made_file.read_bytes() == saved.read_bytes(), part
+
+
+def _unet_layout(tiny_model: Path, tmp_path: Path, layout: str) -> tuple[str, str | None]:
+    """The tiny pipeline with its UNet stored otherwise: sharded, a .bin (torch's zip format), an old
+    pickled .bin, or a `--variant fp16`. Returns the model folder and the variant to load it with."""
+    import shutil
+
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    model = tmp_path / layout
+    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("unet"))
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    if layout == "sharded":
+        unet.save_pretrained(model / "unet", max_shard_size="200KB")
+    elif layout == "fp16":
+        unet.to(torch.float16).save_pretrained(model / "unet", variant="fp16")
+        shutil.copy(model / "text_encoder" / "model.safetensors", model / "text_encoder" / "model.fp16.safetensors")
+        return str(model), "fp16"
+    else:
+        unet.save_pretrained(model / "unet", safe_serialization=False)
+        if layout == "old-bin":
+            path = model / "unet" / "diffusion_pytorch_model.bin"
+            torch.save(torch.load(path, weights_only=True), path, _use_new_zipfile_serialization=False)
+    return str(model), None
+
+
+@pytest.mark.parametrize("layout", ["sharded", "bin", "fp16"])
+def test_the_unet_copy_is_made_from_the_files_in_every_layout(layout, tiny_model, tmp_path, monkeypatch):
+    """Sharded safetensors with their index, a .bin, a half-precision variant: the copy is made from the
+    files tensor by tensor (no UNet is loaded to make it), and holds what loading in bf16 gives."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from xeontune.train import components
+
+    model, variant = _unet_layout(tiny_model, tmp_path, layout)
+    monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
+    with monkeypatch.context() as patched:
+        def converted(*args, **kwargs):
+            raise AssertionError("the UNet was loaded and converted in memory to make its copy")
+
+        patched.setattr(components, "_load_unet_in", converted)
+        components.ensure_bf16_copies(model, "", variant or "")
+    copy = components.bf16_copy_dir(model, None, variant)
+    assert copy is not None and (copy / "config.json").is_file()
+    made = load_file(str(copy / "diffusion_pytorch_model.safetensors"))
+    want = UNet2DConditionModel.from_pretrained(model, subfolder="unet", variant=variant,
+                                                torch_dtype=torch.bfloat16).state_dict()
+    assert made.keys() == want.keys()
+    assert all(made[k].dtype == torch.bfloat16 and torch.equal(made[k], t) for k, t in want.items())
+
+
+def test_an_old_pickled_bin_is_converted_in_memory_as_before(tiny_model, tmp_path, monkeypatch, caplog):
+    """A .bin in torch's pre-1.6 format cannot be read a tensor at a time: loading converts it and
+    writes the copy from the converted model, as every UNet was before; later loads map that copy."""
+    import torch
+
+    from xeontune.train import components
+
+    caplog.set_level("INFO", logger="xeontune.train.components")
+    model, _ = _unet_layout(tiny_model, tmp_path, "old-bin")
+    monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
+    unet = components.load(model, unet_dtype=torch.bfloat16).unet
+    assert "converting it in memory" in caplog.text
+    copy = components.bf16_copy_dir(model, None, None)
+    assert (copy / "config.json").is_file()
+    assert str(next(copy.glob("*.safetensors")).resolve()) in Path("/proc/self/maps").read_text()
+    want = components.load(str(tiny_model), unet_dtype=torch.bfloat16).unet.state_dict()
+    assert all(torch.equal(t, want[k]) for k, t in unet.state_dict().items())
+
+
+PEAK_CODE = """
+import sys
+from pathlib import Path
+import accelerate, torch  # the code that making the copy runs, imported before the peak is reset
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from transformers import CLIPTextModel, CLIPTokenizer
+from xeontune.train import components, packed, tensorfiles
+
+def status(field):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field))
+
+Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux 4.0+)
+before = status("VmRSS")
+if sys.argv[2] == "launcher":
+    components.ensure_bf16_copies(sys.argv[1])
+else:
+    components.load(sys.argv[1], unet_dtype=torch.bfloat16)
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.parametrize("where", ["launcher", "first run"])
+def test_making_the_unet_copy_never_holds_the_model(where, tiny_model, tmp_path, monkeypatch):
+    """Issue 29: a first SDXL run converted the fp32 UNet in memory to write its copy (peak 15.4 GB
+    against 8.5 GB on later runs). Measured in a fresh process on a 323 MB (fp32) UNet: making its
+    copy, as the rank launcher does or as a run's load does, now grows the process by a few of its
+    tensors (its largest is 7.4 MB), not by the model (the fp32 pages read and the bf16 model: 480 MB)."""
+    import shutil
+
+    from diffusers import UNet2DConditionModel
+
+    from xeontune.train import components
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("unet"))
+    unet = UNet2DConditionModel(block_out_channels=(160, 320, 320, 320), layers_per_block=2, cross_attention_dim=256,
+                                attention_head_dim=8, sample_size=8)
+    unet.save_pretrained(model / "unet")
+    fp32_bytes = sum(p.numel() * 4 for p in unet.parameters())
+    del unet
+    monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", PEAK_CODE, str(model), where], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    grew = int(done.stdout.split()[-1])
+    assert (components.bf16_copy_dir(str(model), None, None) / "config.json").is_file()
+    assert grew < fp32_bytes / 4, f"making the copy grew the process by {grew / 1e6:.0f} MB ({fp32_bytes / 1e6:.0f} MB fp32)"
+
+
+def test_a_hub_models_unet_copy_is_made_from_its_downloaded_files(tiny_model, tmp_path, monkeypatch):
+    """A hub id whose UNet is not in the hub cache yet: its files (config, index, shards) are fetched
+    without loading the model, and the copy is made from them, as for a local folder."""
+    import shutil
+
+    import huggingface_hub
+
+    from xeontune.train import components
+
+    hub, _ = _unet_layout(tiny_model, tmp_path, "sharded")  # what the "hub" serves
+    snapshot = tmp_path / "hub-cache" / "snapshot"
+
+    def download(repo_id, filename, subfolder=None, revision=None, **kwargs):
+        assert repo_id == "org/tiny"
+        name = f"{subfolder}/{filename}" if subfolder else filename
+        if not (Path(hub) / name).is_file():
+            raise huggingface_hub.errors.EntryNotFoundError(name)
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(hub) / name, snapshot / name)
+        return str(snapshot / name)
+
+    def cached(repo_id, filename, revision=None, **kwargs):
+        return str(snapshot / filename) if (snapshot / filename).is_file() else None
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", cached)
+    monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
+    assert components.bf16_copy_dir("org/tiny", None, None) is None  # not downloaded yet
+    copy, _ = components._unet_copy("org/tiny", None, None)
+    assert copy == components.bf16_copy_dir("org/tiny", None, None) and (copy / "config.json").is_file()
+    assert len(list((snapshot / "unet").glob("*.safetensors"))) > 1  # the shards, through the index
+    assert json.loads((copy / "config.json").read_text())["_name_or_path"] == "org/tiny"
+    local, _ = components._unet_copy(hub, None, None)  # the same files, as a local folder
+    weights = "diffusion_pytorch_model.safetensors"
+    assert (copy / weights).read_bytes() == (local / weights).read_bytes()

@@ -8,12 +8,14 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from xeontune import hardware
 from xeontune.errors import UserError
+from xeontune.io import fsync_path
 from xeontune.quiet import quiet_progress_bars
 
 log = logging.getLogger(__name__)
@@ -273,26 +275,120 @@ def bf16_copy_dir(model: str, revision: str | None, variant: str | None, part: s
 
 def _load_unet_in(dtype: Any, model: str, revision: str | None, variant: str | None) -> Any:
     """The frozen UNet in ``dtype``. In bf16 it comes from a bf16 safetensors copy, written on first
-    use: loading that copy memory-maps it (no conversion, so no fp32 peak), and every rank on a node
-    maps the same file, so the weights' pages are held once in the page cache, not once per rank. The
-    first run maps the copy it just wrote too, and lets the converted weights go: otherwise they stay
-    private memory beside packed copies (5.1 GB for SDXL), and it would run unlike every later run."""
+    use from the model's files one tensor at a time (``_unet_copy``): loading that copy memory-maps it
+    (no conversion, so no fp32 peak), and every rank on a node maps the same file, so the weights'
+    pages are held once in the page cache, not once per rank. The first run maps the copy it just
+    wrote, as every later run does (private converted weights would stay beside packed copies: 5.1 GB
+    for SDXL). Files the copy is not made from so (an old pickled .bin) are converted in memory and
+    the copy written from the converted model, as before."""
     import torch
     from diffusers import UNet2DConditionModel
 
-    copy = bf16_copy_dir(model, revision, variant) if dtype == torch.bfloat16 else None
-    if copy is not None and (copy / "config.json").is_file():
-        return UNet2DConditionModel.from_pretrained(copy, torch_dtype=dtype)
+    tried = False
+    if dtype == torch.bfloat16:
+        copy, tried = _unet_copy(model, revision, variant)
+        if copy is not None:
+            return UNet2DConditionModel.from_pretrained(copy, torch_dtype=dtype)
     unet = UNet2DConditionModel.from_pretrained(
         model, subfolder="unet", variant=variant, revision=revision, torch_dtype=dtype)
-    copy = copy or (bf16_copy_dir(model, revision, variant) if dtype == torch.bfloat16 else None)  # just downloaded
-    if copy is not None:
+    copy = bf16_copy_dir(model, revision, variant) if dtype == torch.bfloat16 and not tried else None
+    if copy is not None and not (copy / "config.json").is_file():
         _write_copy(lambda tmp: unet.save_pretrained(tmp, safe_serialization=True), copy, "UNet")
         if (copy / "config.json").is_file():  # written (or another rank's won the rename)
             del unet
             hardware.release_freed_memory()  # the converted weights, before anything sizes itself by MemAvailable
             return UNet2DConditionModel.from_pretrained(copy, torch_dtype=dtype)
     return unet
+
+
+def _unet_copy(model: str, revision: str | None, variant: str | None) -> tuple[Path | None, bool]:
+    """The bf16 UNet copy's folder, written first if missing (a hub model's files are downloaded for
+    it), or None; and whether writing it from the files was tried (then a failure was warned about,
+    and the caller need not convert the model in memory only to fail to write it again)."""
+    copy = bf16_copy_dir(model, revision, variant)
+    if copy is None:
+        _download_weights(model, "unet", revision, variant)
+        copy = bf16_copy_dir(model, revision, variant)
+    if copy is None:
+        return None, False
+    if (copy / "config.json").is_file():
+        return copy, False
+    from xeontune.train import tensorfiles
+
+    try:
+        _write_copy(lambda tmp: _write_unet_copy(model, revision, variant, tmp), copy, "UNet")
+    except tensorfiles.Unreadable as exc:
+        log.info("the UNet's files are not read tensor by tensor here (%s); converting it in memory", exc)
+        return None, False
+    finally:
+        hardware.release_freed_memory()  # the allocator kept ~0.1 GB of the tensors it went through
+    return (copy if (copy / "config.json").is_file() else None), True
+
+
+def _write_unet_copy(model: str, revision: str | None, variant: str | None, folder: Path) -> None:
+    """Write into ``folder`` what ``UNet2DConditionModel.from_pretrained(model, torch_dtype=torch.bfloat16)
+    .save_pretrained(folder)`` writes, byte for byte, without the model: the config, and the weights
+    read from the files, cast and written one tensor at a time (each cast as loading casts it). The
+    first SDXL run held the fp32 weights' pages and the bf16 model at once to make it: a 15.4 GB peak,
+    0.65 GB now (docs/performance.md). Raises tensorfiles.Unreadable (before writing any weight) for
+    files whose tensors are not the model's, by name and shape."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    from xeontune.train import tensorfiles
+
+    sources = _weights_files(model, "unet", revision, variant)
+    config_file = sources[0].parent / "config.json" if sources else None
+    if config_file is None or not config_file.is_file():
+        raise tensorfiles.Unreadable("no config.json beside the UNet's weights")
+    config = UNet2DConditionModel.load_config(str(config_file))
+    if config.get("quantization_config"):
+        raise tensorfiles.Unreadable("a quantized UNet")
+    with init_empty_weights():  # the model's names and shapes, no memory
+        empty = UNet2DConditionModel.from_config(config)
+    empty.register_to_config(_name_or_path=model)  # as from_pretrained records it
+    wanted = {name: tuple(t.shape) for name, t in empty.state_dict().items()}
+    with ExitStack() as files:
+        stored = tensorfiles.read_tensors(sources, files)
+        if stored.keys() != wanted.keys() or any(s.shape != wanted[name] for name, s in stored.items()):
+            raise tensorfiles.Unreadable("its tensors' names or shapes are not the model's")
+
+        def bf16(s: tensorfiles.Stored) -> torch.Tensor:
+            source = s.read()
+            cast = source.to(torch.bfloat16) if source.is_floating_point() else source.clone()
+            s.done(source)
+            return cast
+
+        entries = [tensorfiles.Entry(name, torch.bfloat16 if s.dtype.is_floating_point else s.dtype, s.shape,
+                                     lambda s=s: bf16(s), s.where) for name, s in stored.items()]
+        empty.save_config(folder)
+        tensorfiles.write_safetensors(folder / "diffusion_pytorch_model.safetensors", entries, {"format": "pt"})
+
+
+def _download_weights(model: str, part: str, revision: str | None, variant: str | None) -> None:
+    """Fetch a hub model's ``part`` (config and safetensors weights) into the hub cache without loading
+    it, so that its bf16 copy is made from the files; nothing when that fails (not a hub id, offline,
+    only .bin weights): loading fetches and reports then."""
+    if Path(model).expanduser().exists():
+        return
+    from huggingface_hub import hf_hub_download
+
+    name = f"{WEIGHT_STEMS[part]}{'.' + variant if variant else ''}"
+
+    def fetch(filename: str) -> Path:
+        return Path(hf_hub_download(model, filename, subfolder=part, revision=revision))
+
+    try:
+        fetch("config.json")
+        try:
+            fetch(f"{name}.safetensors")
+        except Exception:  # sharded, or no such file: the index says
+            index = fetch(f"{name}.safetensors.index.json")
+            for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+                fetch(shard)
+    except Exception as exc:
+        log.debug("could not fetch %s's %s weights ahead of loading: %s", model, part, exc)
 
 
 def ensure_bf16_copies(model: str, revision: str = "", variant: str = "") -> None:
@@ -306,21 +402,24 @@ def ensure_bf16_copies(model: str, revision: str = "", variant: str = "") -> Non
         check_text_to_image(model, revision_)
     except UserError:
         return  # no copy for a model the ranks refuse (in one line) when they load it
-    copy = bf16_copy_dir(model, revision_, variant_)
-    if copy is None or not (copy / "config.json").is_file():
+    copy, tried = _unet_copy(model, revision_, variant_)
+    if copy is None and not tried:  # files not read tensor by tensor: convert in memory and write
         _load_unet_in(torch.bfloat16, model, revision_, variant_)
     parts = ("text_encoder", "text_encoder_2") if pipeline_family(model, revision_) == "sdxl" else ("text_encoder",)
     for part in parts:
         copy = bf16_copy_dir(model, revision_, variant_, part)
         if copy is None or not (copy / TEXT_LINEARS_FILE).is_file():
-            loaded = Components(None, None, None, None, None, family="sdxl")
-            setattr(loaded, part, load_text_encoder(model, revision_, variant_, part))
-            cast_text_encoder_linears(loaded, torch.bfloat16, model, revision_, variant_, part)
+            encoder = load_text_encoder(model, revision_, variant_, part)
+            copy = copy or bf16_copy_dir(model, revision_, variant_, part)  # just downloaded
+            if copy is not None and not (copy / TEXT_LINEARS_FILE).is_file():
+                _write_linears_copy(_linears(encoder), torch.bfloat16, copy)
 
 
 def _write_copy(save: Any, target: Path, what: str) -> None:
-    """Write whole or not at all: ``save(folder)`` into a temporary folder beside the target, then
-    one rename. Ranks that race here each write their own; the first rename wins, the others discard.
+    """Write whole or not at all: ``save(folder)`` into a temporary folder beside the target, flushed
+    to disk, then one rename (a copy that a power cut left half-written would fail every later run).
+    Ranks that race here each write their own; the first rename wins, the others discard (which is why
+    this is not io.atomic_dir: that replaces a folder another rank may have mapped already).
     A full or read-only disk costs only speed and memory: say so, leave no partial folder, go on."""
     from safetensors import SafetensorError  # safetensors' own I/O failures (ENOSPC...) are not OSError
 
@@ -329,9 +428,13 @@ def _write_copy(save: Any, target: Path, what: str) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         save(tmp)
+        for file in tmp.iterdir():
+            fsync_path(file)
+        fsync_path(tmp)
         try:
             os.rename(tmp, target)
             tmp = None
+            fsync_path(target.parent)
             log.info("wrote a bf16 copy of the %s to %s (later runs map it instead of converting)", what, target)
         except OSError:  # another rank or run got there first (a rename onto a full folder fails)
             pass
@@ -362,21 +465,45 @@ def cast_text_encoder_linears(components: Components, dtype: Any, model: str = "
 
     if dtype is None:
         return
-    encoder = getattr(components, part)
-    linears = {name: m for name, m in encoder.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = _linears(getattr(components, part))
     copy = bf16_copy_dir(model, revision, variant, part) if model and dtype == torch.bfloat16 else None
+    if copy is not None and not (copy / TEXT_LINEARS_FILE).is_file():
+        _write_linears_copy(linears, dtype, copy)  # then mapped below, as every later run maps it
     if copy is not None and (copy / TEXT_LINEARS_FILE).is_file() and _map_linears(linears, copy / TEXT_LINEARS_FILE):
         setattr(components, f"{part}_cast", True)
         return
     for module in linears.values():
         module.to(dtype)
     setattr(components, f"{part}_cast", True)
-    if copy is not None:
-        from safetensors.torch import save_file
 
-        tensors = {f"{name}.{key}": t.detach().contiguous() for name, m in linears.items()
-                   for key, t in m.state_dict().items()}
-        _write_copy(lambda tmp: save_file(tensors, str(tmp / TEXT_LINEARS_FILE)), copy, "text encoder's Linear layers")
+
+def _linears(encoder: Any) -> dict[str, Any]:
+    import torch
+
+    return {name: m for name, m in encoder.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _write_linears_copy(linears: dict[str, Any], dtype: Any, copy: Path) -> None:
+    """The Linear layers' weights in ``dtype``, cast and written one tensor at a time (the file that
+    `save_file` of them all cast would give), beside the fp32 encoder that every run loads anyway. The
+    fp32 weights are memory-mapped from the model's files: the pages each cast read are handed back,
+    or they would stay in this process (3.3 GB for SDXL's two encoders), which a later run never reads."""
+    from xeontune.train import tensorfiles
+    from xeontune.train.packed import release_file_pages
+
+    def cast(t: Any) -> Any:
+        if not t.is_floating_point():
+            return t.detach()
+        done = t.detach().to(dtype)
+        if done.data_ptr() != t.data_ptr():
+            release_file_pages(t.detach())
+        return done
+
+    entries = [tensorfiles.Entry(f"{name}.{key}", dtype if t.is_floating_point() else t.dtype, tuple(t.shape),
+                                 lambda t=t: cast(t)) for name, m in linears.items() for key, t in m.state_dict().items()]
+    _write_copy(lambda tmp: tensorfiles.write_safetensors(tmp / TEXT_LINEARS_FILE, entries), copy,
+                "text encoder's Linear layers")
+    hardware.release_freed_memory()
 
 
 def _map_linears(linears: dict[str, Any], path: Path) -> bool:
