@@ -12,7 +12,17 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.cluster import slurmlib
 from tests.cluster.clusterlib import leftovers, require_local_cluster
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A real Slurm of 3 nodes on this machine (tests/cluster/slurmlib.py), for the whole module."""
+    slurmlib.require_slurm()
+    cluster = slurmlib.start(tmp_path_factory.mktemp("slurm"), nodes=3)
+    yield cluster
+    slurmlib.stop(cluster)
 
 
 @pytest.fixture(scope="module")

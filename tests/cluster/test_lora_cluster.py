@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cluster import slurmlib
 from tests.cluster.clusterlib import REPO, cli
 from tests.cluster.test_run import assert_nothing_left, cluster_name, root_home  # noqa: F401 (fixtures)
 
@@ -101,15 +100,6 @@ def test_run_on_three_nodes_trains_a_lora_and_fetches_both_files(root_home, clus
     assert (out / DIFFUSERS_FILE).is_file() and (out / KOHYA_FILE).is_file() and (out / "checkpoint-2").is_dir()
     assert_loads_in_both_layouts(families[family], family, out, text_encoder=False)
     assert_nothing_left(cluster_name)
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    """A real Slurm of 3 nodes on this machine (tests/cluster/slurmlib.py), for this module."""
-    slurmlib.require_slurm()
-    cluster = slurmlib.start(tmp_path_factory.mktemp("slurm"), nodes=3)
-    yield cluster
-    slurmlib.stop(cluster)
 
 
 def test_run_on_slurm_trains_a_lora_on_three_ranks(slurm, xeontune_home, monkeypatch, families, sample_images,

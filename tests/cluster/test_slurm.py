@@ -75,14 +75,6 @@ def test_a_task_of_srun_with_pmi2_adopts_slurms_names_and_an_mpirun_inside_the_j
     assert not world.adopt_slurm(first) and "RANK" not in first
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    slurmlib.require_slurm()
-    cluster = slurmlib.start(tmp_path_factory.mktemp("slurm"), nodes=3)
-    yield cluster
-    slurmlib.stop(cluster)
-
-
 def _batch(tmp_path, name: str, body: str) -> str:
     script = tmp_path / f"{name}.sh"
     script.write_text("#!/bin/bash\nset -euo pipefail\n" + body)
