@@ -20,6 +20,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.held_out import held_out_loss
 from xeontune.cli import main
 from xeontune.train import loop, validation
 from xeontune.train import packed as packed_layers
@@ -283,20 +284,6 @@ def test_resume_matches_a_straight_run_and_refuses_other_checkpoints(lora_args, 
 
 
 # --- it learns --------------------------------------------------------------------------------------
-
-
-def held_out_loss(run) -> float:
-    """The denoising loss on (image, noise, timestep) triples never trained on, against the scheduler's target."""
-    losses = []
-    with torch.no_grad():
-        for start in range(10_000, 10_048, 8):
-            batch = run.plan.batch(list(range(start, start + 8)))
-            latents = run.latents.sample(batch)
-            noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
-            hidden, added = run.encode_text(batch)
-            pred = run.components.unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
-            losses.append(torch.nn.functional.mse_loss(pred, run.target(latents, batch.noise, batch.timesteps)))
-    return float(torch.stack(losses).mean())
 
 
 @pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])

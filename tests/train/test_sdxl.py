@@ -20,6 +20,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from tests.bf16_bounds import BF16_LOSS_RTOL, BF16_VECTOR_RTOL
+from tests.held_out import held_out_loss as shared_held_out_loss
 from xeontune.errors import TrainingError, UserError
 from xeontune.train import components, loop, tokens
 from xeontune.train.data import Latents, SamplePlan, crop_of, load_images_with_crops
@@ -277,16 +278,7 @@ def held_out_loss(run, vectors: torch.Tensor) -> float:
     """The denoising loss of placeholder prompts on (image, noise, timestep) triples never trained on,
     against the scheduler's own target (noise, or velocity for v-prediction)."""
     run.embedding.load_learned(vectors)
-    losses = []
-    with torch.no_grad():
-        for start in range(10_000, 10_048, 8):
-            batch = run.plan.batch(list(range(start, start + 8)))
-            latents = run.latents.sample(batch)
-            noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
-            hidden, added = run.encode_text(batch)
-            pred = run.components.unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
-            losses.append(torch.nn.functional.mse_loss(pred, run.target(latents, batch.noise, batch.timesteps)))
-    return float(torch.stack(losses).mean())
+    return shared_held_out_loss(run)
 
 
 @pytest.mark.slow
