@@ -155,10 +155,22 @@ def test_up_creates_tagged_nodes_two_rules_key_and_files_then_teardown_removes_a
     out = capsys.readouterr().out
     assert out.count("running") == 3 and "estimated cost: $2.45/hour" in out
 
+    # What the instances bring along and bill for: a root volume (tagged by the provider; moto keeps the
+    # tag) and a network interface each (moto drops that tag: they are followed by id instead).
+    volumes = {m["Ebs"]["VolumeId"] for i in insts for m in i["BlockDeviceMappings"]}
+    interfaces = {n["NetworkInterfaceId"] for i in insts for n in i["NetworkInterfaces"]}
+    assert len(volumes) == len(interfaces) == 3
+    assert {v["VolumeId"] for v in ec2().describe_volumes(Filters=[
+        {"Name": "tag:xeontune-cluster", "Values": ["t1"]}])["Volumes"]} == volumes
+
     rc, out, err = teardown("t1", capsys)
     assert rc == 0, err
     assert out.count("deleted instance") == 3 and "deleted security group" in out and "deleted key pair" in out
     assert leftovers("t1") == {"instances": [], "security_groups": [], "key_pairs": []}
+    # none is left behind, "available" and billing (DeleteOnTermination, which moto honours)
+    assert [v["VolumeId"] for v in ec2().describe_volumes()["Volumes"] if v["VolumeId"] in volumes] == []
+    assert [n["NetworkInterfaceId"] for n in ec2().describe_network_interfaces()["NetworkInterfaces"]
+            if n["NetworkInterfaceId"] in interfaces] == []
     assert not state.exists("t1")
     # Idempotent: a second run finds nothing and succeeds.
     rc, out, err = teardown("t1", capsys)
