@@ -48,8 +48,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> 
 
 def _packs(dtype: torch.dtype) -> bool:
     """Where oneDNN runs ``dtype``, packing must be available. Where packing says no (a CPU without
-    oneDNN bf16 kernels), it must say why, and the calling test ends there: that refusal is the
-    behaviour to check on such a CPU."""
+    oneDNN bf16 kernels), it must say why."""
     ok, why = packed.available(dtype)
     if onednn_runs(dtype):
         assert ok, f"oneDNN runs {dtype} here, so packed layers should too: {why}"
@@ -58,11 +57,35 @@ def _packs(dtype: torch.dtype) -> bool:
     return ok
 
 
+def _require_packing(dtype: torch.dtype) -> None:
+    """Skip a comparison of packed numbers where packing cannot run; _packs has checked the refusal
+    first, and the test just below checks what such a CPU does instead."""
+    if not _packs(dtype):
+        pytest.skip(f"no packed {dtype} layers on this CPU: {packed.available(dtype)[1]}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_packing_runs_where_onednn_has_the_kernels_and_is_refused_in_one_line_elsewhere(dtype):
+    """On every CPU (bf16 on an AVX2-only one included): packed layers where oneDNN runs the dtype,
+    else `--pack-weights on` is a one-line error and the stock layers stay."""
+    unet, vae = _unet_and_vae()
+    unet.to(dtype)
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    if _packs(dtype):
+        backends.prepare_frozen_models(unet, vae, precision=precision, ipex="off", pack="on")
+        assert type(unet[0]) is packed.PackedConv2d
+        _out_and_input_grad(unet, torch.randn(1, 4, 4, 4, dtype=dtype))
+        assert unet[0]._packed is not None and unet[0]._packed_back is not None
+    else:
+        with pytest.raises(UserError, match=f"^--pack-weights on, but oneDNN cannot run packed {dtype} layers here"):
+            backends.prepare_frozen_models(unet, vae, precision=precision, ipex="off", pack="on")
+        assert type(unet[0]) is nn.Conv2d
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kernel,padding", [(3, 1), (1, 0), (3, 0), (5, 2)])
 def test_packed_conv_matches_stock_forward_and_input_gradient(dtype, kernel, padding):
-    if not _packs(dtype):
-        return
+    _require_packing(dtype)
     torch.manual_seed(0)
     stock = _frozen(nn.Conv2d(16, 24, kernel, padding=padding), dtype)
     x = torch.randn(2, 16, 9, 9, dtype=dtype)
@@ -86,8 +109,7 @@ def test_packed_conv_matches_stock_forward_and_input_gradient(dtype, kernel, pad
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(5, 32), (2, 7, 32)], ids=["2d", "3d"])
 def test_packed_linear_matches_stock_forward_and_input_gradient(dtype, shape):
-    if not _packs(dtype):
-        return
+    _require_packing(dtype)
     torch.manual_seed(0)
     stock = _frozen(nn.Linear(32, 48), dtype)
     want, got = _stock_then_packed(stock, torch.randn(*shape, dtype=dtype))
@@ -98,8 +120,7 @@ def test_packed_linear_matches_stock_forward_and_input_gradient(dtype, shape):
 
 def test_under_bf16_autocast_packed_bf16_layers_compute_what_autocast_did():
     """The trainer's case: bf16 weights, fp32 activations, bf16 autocast."""
-    if not _packs(torch.bfloat16):
-        return
+    _require_packing(torch.bfloat16)
     torch.manual_seed(0)
     stock = _frozen(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(2), nn.Linear(36, 12)), torch.bfloat16)
     want, got = _stock_then_packed(stock, torch.randn(2, 8, 6, 6), autocast=True)
@@ -270,15 +291,18 @@ def test_ipex_auto_gives_way_to_packed_weights_in_bf16_without_importing_it(monk
     monkeypatch.setattr(hardware, "ipex_version", lambda: "2.8.0")  # installed (only its metadata is read)
     unet, vae = _unet_and_vae()
     unet.to(torch.bfloat16)
-    if not _packs(torch.bfloat16):
-        return
-    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="auto", pack="auto")
-    assert notes[0].startswith("IPEX: not used (stock torch with packed weights")
-    assert type(unet[0]) is packed.PackedConv2d
-    monkeypatch.setattr(hardware, "ipex_version", lambda: None)
-    unet, vae = _unet_and_vae()
-    _, _, notes = backends.prepare_frozen_models(unet.to(torch.bfloat16), vae, precision="bf16", ipex="auto")
-    assert notes[0] == f"IPEX: not used ({hardware.IPEX_NOT_INSTALLED})"
+    if _packs(torch.bfloat16):
+        _, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="auto", pack="auto")
+        assert notes[0].startswith("IPEX: not used (stock torch with packed weights")
+        assert type(unet[0]) is packed.PackedConv2d
+        monkeypatch.setattr(hardware, "ipex_version", lambda: None)
+        unet, vae = _unet_and_vae()
+        _, _, notes = backends.prepare_frozen_models(unet.to(torch.bfloat16), vae, precision="bf16", ipex="auto")
+        assert notes[0] == f"IPEX: not used ({hardware.IPEX_NOT_INSTALLED})"
+    else:  # no oneDNN bf16 kernels (AVX2 only): auto does not pack, so `--ipex auto` asks IPEX's own rule
+        with pytest.raises(AssertionError, match="imports IPEX"):
+            backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="auto", pack="auto")
+        assert type(unet[0]) is nn.Conv2d
     with pytest.raises(AssertionError, match="imports IPEX"):  # without packing, auto asks about IPEX
         backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="auto", pack="off")
 
