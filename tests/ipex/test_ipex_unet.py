@@ -68,7 +68,7 @@ def test_bf16_prepacked_frozen_linear_gives_the_right_gradient(ipex_can_prepack_
     if not ipex_can_prepack_bf16:
         with pytest.raises((AssertionError, RuntimeError)):
             ipex.optimize(model, dtype=torch.bfloat16, weights_prepack=True)
-        return
+        pytest.skip("IPEX cannot prepack bf16 weights on this CPU (its refusal checked): no gradient to compare")
     packed = ipex.optimize(model, dtype=torch.bfloat16, weights_prepack=True)
     assert any("IPEX" in type(m).__name__ and "Linear" in type(m).__name__ for m in packed.modules())
     x = torch.randn(5, 64, requires_grad=True)
@@ -126,16 +126,25 @@ def test_auto_uses_ipex_only_on_a_cpu_with_avx512(tiny_model, fake_cpu):
         assert not _ipex_modules(out_unet)
 
 
-def test_auto_leaves_ipex_out_in_bf16_where_packed_weights_run(tiny_model, fake_cpu):
+def test_auto_leaves_ipex_out_in_bf16_where_packed_weights_run(tiny_model, fake_cpu, monkeypatch):
     """Stock torch with packed weights beat IPEX 2.8 (docs/performance.md): in bf16 `--ipex auto`
-    packs instead, on every CPU that runs oneDNN's bf16 kernels, whatever IPEX could do there."""
+    packs instead, on every CPU that runs oneDNN's bf16 kernels, whatever IPEX could do there; on one that
+    does not (AVX2 only), auto falls back to IPEX's own rule for the CPU kind."""
     from xeontune.train import packed
 
-    if not packed.available(torch.bfloat16)[0]:  # no oneDNN bf16 kernels on this CPU: no packing either
-        assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return  # (then auto goes on to IPEX's own rule, tested above)
     unet, vae = _load(tiny_model)
     unet.to(torch.bfloat16)
+    if not packed.available(torch.bfloat16)[0]:  # no oneDNN bf16 kernels on this CPU: no packing either
+        assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        # auto goes on to IPEX's own rule (prepacking off: the real CPU cannot prepack bf16 whatever the flags say)
+        monkeypatch.setenv(backends.PREPACK_ENV, "off")
+        out_unet, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="auto")
+        assert not any(type(m) is packed.PackedConv2d for m in out_unet.modules())
+        if fake_cpu == "amx-xeon":
+            assert notes[0].startswith("IPEX ") and "optimized in bf16" in notes[0], notes
+        else:
+            assert out_unet is unet and notes[0].startswith("IPEX: not used") and "AVX-512" in notes[0], notes
+        return
     out_unet, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="auto")
     assert out_unet is unet and notes[0].startswith("IPEX: not used (stock torch with packed weights") and not _ipex_modules(unet)
     assert any(type(m) is packed.PackedConv2d for m in unet.modules())
