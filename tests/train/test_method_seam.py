@@ -35,7 +35,7 @@ class FakeMethod(methods.Method):
     def trains_text_encoders(self) -> bool:
         return False  # so the loop caches the encoders' outputs for it
 
-    def prompts(self) -> list[str]:
+    def prompts(self, given) -> list[str]:
         CALLS["prompts"] += 1
         return ["a photo of a toy", "a good photo of the toy"]
 

@@ -25,6 +25,17 @@ from xeontune.errors import UserError
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"}
+MASK_SUFFIX = ".mask.png"  # IMAGE.mask.png beside IMAGE.jpg: white = learn, black = ignore (kohya's masked loss)
+
+
+def is_image_file(path: Path) -> bool:
+    """A training image of the folder: not hidden, an image suffix, not another image's mask."""
+    return (path.is_file() and not path.name.startswith(".") and path.suffix.lower() in IMAGE_SUFFIXES
+            and not path.name.lower().endswith(MASK_SUFFIX))
+
+
+def mask_path(image: Path) -> Path:
+    return image.with_name(image.stem + MASK_SUFFIX)
 
 OBJECT_TEMPLATES = (
     "a photo of a {}",
@@ -71,13 +82,10 @@ def load_images_with_crops(
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"data dir {root} does not exist or is not a directory")
-    candidates = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
-    if not candidates:
+    if not any(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
         raise UserError(f"data dir {root} is empty")
     images, paths, crops = [], [], []
-    for path in candidates:
-        if path.suffix.lower() not in IMAGE_SUFFIXES:
-            continue
+    for path in sorted(p for p in root.iterdir() if is_image_file(p)):
         try:
             with Image.open(path) as img:
                 img.load()
@@ -107,6 +115,36 @@ def crop_of(width: int, height: int, resolution: int, center_crop: bool) -> tupl
     scale = resolution / side
     top, left = round((height - side) // 2 * scale), round((width - side) // 2 * scale)
     return height, width, top, left, round(width * scale) - resolution - left
+
+
+def load_masks(paths: list[Path], resolution: int, center_crop: bool) -> torch.Tensor | None:
+    """Each image's loss weights at latent resolution, (N, 1, R/8, R/8) in [0, 1], from ``IMAGE.mask.png``
+    (cropped as its image is, then area-averaged, so a mask's edge weighs in between); an image without
+    a mask weighs 1 everywhere. None when no image has a mask: the loss is then computed as always."""
+    if not any(mask_path(p).is_file() for p in paths):
+        return None
+    side = resolution // 8
+    masks = []
+    for path in paths:
+        mask = mask_path(path)
+        if not mask.is_file():
+            masks.append(torch.ones(1, side, side))
+            continue
+        try:
+            with Image.open(mask) as img, Image.open(path) as image:
+                upright = ImageOps.exif_transpose(img).convert("L")
+                if upright.size != ImageOps.exif_transpose(image).size:
+                    raise UserError(f"mask {mask} is {upright.width}x{upright.height}, its image "
+                                    f"{image.width}x{image.height}: a mask must match its image's size")
+                if center_crop:
+                    edge = min(upright.size)
+                    left, top = (upright.width - edge) // 2, (upright.height - edge) // 2
+                    upright = upright.crop((left, top, left + edge, top + edge))
+                small = upright.resize((side, side), Image.BOX)
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise UserError(f"mask {mask} is not a readable image ({exc.__class__.__name__})") from None
+        masks.append(torch.from_numpy(np.asarray(small, dtype=np.float32) / 255.0)[None])
+    return torch.stack(masks)
 
 
 def image_set_digest(paths: list[Path]) -> str:
@@ -158,6 +196,7 @@ class SamplePlan:
         repeats: int,
         prompt_ids: torch.Tensor,  # (num_templates, 77): tokenized templates with the placeholder
         prompt_ids_2: torch.Tensor | None = None,  # the same templates by SDXL's second tokenizer
+        prompt_of_image: list[int] | None = None,  # each image's own prompt row (captions); None: drawn per sample
         latent_shape: tuple[int, int, int],
         num_train_timesteps: int,
         flip_p: float,
@@ -167,6 +206,7 @@ class SamplePlan:
         self.epoch_len = num_images * repeats
         self.prompt_ids = prompt_ids
         self.prompt_ids_2 = prompt_ids_2
+        self.prompt_of_image = prompt_of_image
         self.latent_shape = latent_shape
         self.num_train_timesteps = num_train_timesteps
         self.flip_p = flip_p
@@ -187,7 +227,8 @@ class SamplePlan:
             image_index.append(int(self._permutation(epoch)[offset]) % self.num_images)
             gen = sample_generator(self.seed, pos)
             flips.append(bool(torch.rand((), generator=gen) < self.flip_p))
-            template.append(int(torch.randint(len(self.prompt_ids), (), generator=gen)))
+            drawn = int(torch.randint(len(self.prompt_ids), (), generator=gen))  # drawn always: the same streams
+            template.append(drawn if self.prompt_of_image is None else self.prompt_of_image[image_index[-1]])
             ids.append(self.prompt_ids[template[-1]])
             eps.append(torch.randn(self.latent_shape, generator=gen))
             noise.append(torch.randn(self.latent_shape, generator=gen))
@@ -215,10 +256,12 @@ class Latents:
     """
 
     def __init__(self, vae: torch.nn.Module, images: torch.Tensor, cached: bool, encode_batch: int | None = None,
-                 crops: torch.Tensor | None = None) -> None:
+                 crops: torch.Tensor | None = None, masks: torch.Tensor | None = None) -> None:
         self.vae: torch.nn.Module | None = vae  # None once the caller frees it (cached mode)
         self.images = images
         self.cached = cached
+        # loss weights of [originals, mirrored] (from load_masks), as the square roots masked_mse takes
+        self.masks = None if masks is None else torch.cat([masks, masks.flip(-1)]).sqrt()
         if crops is None:
             n, _, h, w = images.shape
             crops = torch.tensor([[h, w, 0, 0, 0]] * n)
@@ -261,6 +304,12 @@ class Latents:
         target = torch.tensor([resolution, resolution]).expand(len(crops), 2)
         return torch.cat([crops, target], dim=1).float()
 
+    def mask(self, batch: Batch) -> torch.Tensor | None:
+        """The batch's loss weights' square roots (B, 1, h, w), or None when no image has a mask."""
+        if self.masks is None:
+            return None
+        return self.masks[batch.image_index + batch.flip.long() * len(self.images)]
+
     def sample(self, batch: Batch) -> torch.Tensor:
         if self.cached:
             assert self.mean is not None and self.std is not None
@@ -271,3 +320,13 @@ class Latents:
             pixels = torch.where(batch.flip[:, None, None, None], pixels.flip(-1), pixels)
             mean, std = self._encode(pixels)
         return (mean + std * batch.latent_eps) * self.scaling
+
+
+def masked_mse(pred: torch.Tensor, target: torch.Tensor, root_weight: torch.Tensor | None) -> torch.Tensor:
+    """The mean squared error, each latent pixel's term weighted by its mask's value w: both sides are
+    scaled by sqrt(w) (``root_weight``), so an all-white mask gives exactly the unmasked loss and a black
+    pixel contributes nothing, not even a gradient."""
+    pred, target = pred.float(), target.float()
+    if root_weight is not None:
+        pred, target = pred * root_weight, target * root_weight
+    return torch.nn.functional.mse_loss(pred, target)

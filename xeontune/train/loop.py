@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
@@ -43,10 +42,13 @@ from xeontune.train.data import (
     SamplePlan,
     image_set_digest,
     load_images_with_crops,
+    load_masks,
+    masked_mse,
 )
 from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
 from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, TFEVENTS_RE, VALIDATION_IMAGE_RE
+from xeontune.train.prompts import image_prompts, prompts_digest
 
 log = logging.getLogger("xeontune.train")
 
@@ -293,7 +295,7 @@ def train_step(run: Run, step: int) -> torch.Tensor:
                     hidden, added = run.encode_text(batch)  # SDXL: both encoders, text_embeds, time_ids
                 with phase("unet_forward"):
                     pred = unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
-            loss = F.mse_loss(pred.float(), run.target(latents, batch.noise, batch.timesteps).float())
+            loss = masked_mse(pred, run.target(latents, batch.noise, batch.timesteps), run.latents.mask(batch))
             with phase("backward"):
                 run.accelerator.backward(loss)  # divides by the accumulation steps; DDP all-reduces
             losses.append(loss.detach())
@@ -423,6 +425,12 @@ def setup(
         resume_path, resume_data = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
     images, image_paths, crops = load_images_with_crops(opts.data_dir, opts.resolution, opts.center_crop)
     sync.check_same(image_set_digest(image_paths), "training images")
+    masks = load_masks(image_paths, opts.resolution, opts.center_crop)
+    given = image_prompts(opts.data_dir, image_paths, instance_prompt=opts.instance_prompt,
+                          caption_column=opts.caption_column)
+    sync.check_same(prompts_digest(given), "training prompts")
+    method = methods.create(opts)
+    method.check_prompts(given)
     if opts.report_to == "tensorboard":
         _tensorboard_writer(None)  # fails now, not after the first outputs are written
     precision, reason = choose_precision(opts.mixed_precision)
@@ -433,7 +441,6 @@ def setup(
         components = load(opts.model, opts.revision, opts.variant, unet_dtype=unet_dtype(precision))
         for part in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
             cast_text_encoder_linears(components, unet_dtype(precision), opts.model, opts.revision, opts.variant, part)
-    method = methods.create(opts)
     # what the run holds beside the UNet, counted before the method moves a token table out of sight
     beside_unet = sum(module_bytes(m) for m in (*components.text_encoders, components.vae))
     method.install(components)  # before packing and compiling: they act on the models as the method left them
@@ -454,15 +461,15 @@ def setup(
     if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
 
-    latents = Latents(components.vae, images, cached=opts.cache_latents, crops=crops)
+    latents = Latents(components.vae, images, cached=opts.cache_latents, crops=crops, masks=masks)
     if opts.cache_latents and not shared:
         release_vae_parts(components, latents, opts)
-    prompts = method.prompts()
+    prompts = method.prompts(given)
     prompt_ids, *more_ids = [t(prompts, padding="max_length", truncation=True, max_length=t.model_max_length,
                                return_tensors="pt").input_ids for t in components.tokenizers]
     plan = SamplePlan(
         seed=opts.seed, num_images=len(images), repeats=opts.repeats, prompt_ids=prompt_ids,
-        prompt_ids_2=more_ids[0] if more_ids else None,
+        prompt_ids_2=more_ids[0] if more_ids else None, prompt_of_image=given.of_image if given else None,
         latent_shape=latents.latent_shape(),
         num_train_timesteps=components.noise_scheduler.config.num_train_timesteps, flip_p=opts.flip_p,
     )

@@ -53,8 +53,12 @@ class TrainOptions:
                                   choices=("object", "style"), group="textual inversion")
     num_vectors: int = opt(1, "vectors per placeholder (<tok>, <tok>_1, ...)", group="textual inversion")
     # LoRA
-    instance_prompt: str | None = opt(None, "the prompt of every training image, e.g. 'a photo of sks toy' (required)",
-                                      group="lora")
+    instance_prompt: str | None = opt(
+        None, "the prompt of every training image without a caption, e.g. 'a photo of sks toy'. An image's own "
+        "caption comes first: IMAGE.txt beside it, or a line of DATA_DIR/metadata.jsonl ({\"file_name\": ..., "
+        "\"text\": ...}); without either, textual inversion's templates (lora needs one of the two)",
+        group="model and data")
+    caption_column: str = opt("text", "the caption's field in DATA_DIR/metadata.jsonl", group="model and data")
     rank: int = opt(4, "the adapters' rank", aliases=("--lora-rank",), group="lora")
     lora_alpha: float | None = opt(None, "the adapters' alpha: their output is scaled by alpha / rank "
                                    "(default: the rank, so 1)", group="lora")
@@ -346,7 +350,7 @@ def read_options(argv: list[str]) -> tuple[TrainOptions, set[str]]:
 # one-line error: it would be silently ignored.
 METHOD_GROUPS = {"textual_inversion": "textual inversion", "lora": "lora"}
 METHOD_ONLY = {"save_format": "textual_inversion", "train_full_table": "textual_inversion"}
-METHOD_REQUIRED = {"textual_inversion": ("placeholder_token", "initializer_token"), "lora": ("instance_prompt",)}
+METHOD_REQUIRED = {"textual_inversion": ("placeholder_token", "initializer_token"), "lora": ()}
 METHOD_DEFAULTS = {
     "textual_inversion": {"learning_rate": 5e-4, "output_dir": "textual_inversion_output"},
     "lora": {"learning_rate": 1e-4, "output_dir": "lora_output"},

@@ -38,6 +38,10 @@ class Placeholder:
         """What stands for the concept in a prompt: every vector's token, in order."""
         return " ".join(self.tokens)
 
+    def in_prompt(self, text: str) -> str:
+        """``text`` with the token standing for every vector (``<tok>`` -> ``<tok> <tok>_1 ...``)."""
+        return text.replace(self.tokens[0], self.prompt_text) if len(self.tokens) > 1 else text
+
 
 def add_placeholder_tokens(tokenizer, placeholder: str, num_vectors: int, initializer: str) -> Placeholder:
     tokens = [placeholder] + [f"{placeholder}_{i}" for i in range(1, num_vectors)]

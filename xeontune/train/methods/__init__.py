@@ -7,7 +7,8 @@ The loop (train/loop.py) knows a method only by this contract; each method is on
   encoders' when asked.
 
 A method is made from the options (``create``) and then, in this order, asked to ``install`` itself
-into the loaded models, for the ``prompts`` the samples draw from, for its trainable ``parameters``
+into the loaded models (having checked the images' prompts with ``check_prompts`` before anything
+loaded), for the ``prompts`` the samples draw from, for its trainable ``parameters``
 (the optimizer's) and the modules DDP wraps (``ddp_modules`` / ``use_ddp``; parameters outside them
 are all-reduced by the loop), once for ``check_gradient`` after the first backward, after every
 optimizer step (``after_step``, ``finite``), for its checkpoint ``state`` / ``load_state``, to
@@ -29,6 +30,7 @@ from torch import nn
 if TYPE_CHECKING:
     from xeontune.train.components import Components
     from xeontune.train.options import TrainOptions
+    from xeontune.train.prompts import ImagePrompts
 
 # name -> "module:Class", imported on use (LoRA needs peft, which a textual-inversion run never loads)
 REGISTRY: dict[str, str | type[Method]] = {
@@ -62,7 +64,13 @@ class Method:
     def install(self, components: Components) -> None:
         raise NotImplementedError
 
-    def prompts(self) -> list[str]:
+    def check_prompts(self, given: ImagePrompts | None) -> None:
+        """Before any model loads: raise UserError (one line) unless the images' prompts (captions or
+        --instance-prompt, train/prompts.py; None when they have none) suit the method."""
+
+    def prompts(self, given: ImagePrompts | None) -> list[str]:
+        """The prompts the samples draw from, as the tokenizers should read them: ``given.texts`` (same
+        order) rewritten where the method must, or its own when ``given`` is None."""
         raise NotImplementedError
 
     def parameters(self) -> list[nn.Parameter]:

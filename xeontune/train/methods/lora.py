@@ -93,8 +93,13 @@ class Lora(Method):
         return [(f"{model_name}.{name}", p) for model_name, model in self.models.items()
                 for name, p in model.named_parameters() if p.requires_grad]
 
-    def prompts(self) -> list[str]:
-        return [self.opts.instance_prompt]
+    def check_prompts(self, given: Any) -> None:
+        if given is None:
+            raise UserError("--method lora needs --instance-prompt, or a caption per image (IMAGE.txt or "
+                            "metadata.jsonl in the data dir; see docs/training.md)")
+
+    def prompts(self, given: Any) -> list[str]:
+        return list(given.texts)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]

@@ -1,0 +1,208 @@
+"""Where each image's prompt comes from (captions, the instance prompt, the method's templates), the
+folders that are one-line errors, and masked loss (IMAGE.mask.png)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from xeontune.cli import main
+from xeontune.errors import UserError
+from xeontune.train import loop
+from xeontune.train.data import SamplePlan, load_images_with_crops, load_masks, masked_mse
+from xeontune.train.prompts import image_prompts
+
+
+@pytest.fixture
+def folder(sample_images, tmp_path):
+    """A copy of the 6 sample images (toy_00.png ... toy_05.png) to caption."""
+    return shutil.copytree(sample_images, tmp_path / "data")
+
+
+def prompts_of(folder, **kwargs):
+    _, paths, _ = load_images_with_crops(folder, 64, False)
+    return image_prompts(folder, paths, **{"instance_prompt": None, **kwargs})
+
+
+def each_image(given) -> list[str]:
+    return [given.texts[row] for row in given.of_image]
+
+
+def test_captions_from_txt_files_and_metadata_jsonl(folder):
+    for i in range(3):
+        (folder / f"toy_0{i}.txt").write_text(f"  a photo of sks toy\nnumber {i} \n")
+    with open(folder / "metadata.jsonl", "w") as f:
+        for i in range(3, 6):
+            f.write(json.dumps({"file_name": f"toy_0{i}.png", "text": "unused", "caption": f"toy {i}"}) + "\n")
+    given = prompts_of(folder, caption_column="caption")
+    assert each_image(given) == [f"a photo of sks toy number {i}" for i in range(3)] + [f"toy {i}" for i in range(3, 6)]
+    assert given.source == "captions"
+    assert prompts_of(folder, instance_prompt="ignored", caption_column="caption").texts == given.texts
+
+
+def test_the_instance_prompt_fills_in_for_uncaptioned_images_and_nothing_gives_none(folder):
+    assert prompts_of(folder) is None  # the method's own prompts (textual inversion's templates)
+    given = prompts_of(folder, instance_prompt="a photo of sks toy")
+    assert each_image(given) == ["a photo of sks toy"] * 6 and given.source == "the instance prompt"
+    (folder / "toy_02.txt").write_text("a red toy")
+    given = prompts_of(folder, instance_prompt="a photo of sks toy")
+    assert each_image(given) == ["a photo of sks toy"] * 2 + ["a red toy"] + ["a photo of sks toy"] * 3
+    assert given.texts == ["a photo of sks toy", "a red toy"]  # each distinct prompt once
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("uncaptioned", "toy_00.png has no caption"),
+    ("orphan caption", "caption {folder}/dog.txt has no image"),
+    ("orphan metadata", "file_name 'dog.png' is not an image"),
+    ("two captions", "toy_01.png has two different captions"),
+    ("no column", "has no text field 'text' (--caption-column; its fields: caption)"),
+    ("not json", "line 1 is not JSON"),
+])
+def test_bad_caption_folders_are_one_line_errors(folder, mistake, message):
+    if mistake == "uncaptioned":
+        for i in range(1, 6):
+            (folder / f"toy_0{i}.txt").write_text("a toy")
+    elif mistake == "orphan caption":
+        (folder / "dog.txt").write_text("a dog")
+    elif mistake == "orphan metadata":
+        (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "dog.png", "text": "a dog"}) + "\n")
+    elif mistake == "two captions":
+        (folder / "toy_01.txt").write_text("a toy")
+        (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "toy_01.png", "text": "a cat"}) + "\n")
+    elif mistake == "no column":
+        (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "toy_01.png", "caption": "x"}) + "\n")
+    else:
+        (folder / "metadata.jsonl").write_text("{file_name: toy_01.png}\n")
+    with pytest.raises(UserError) as err:
+        prompts_of(folder)
+    assert message.format(folder=folder) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_each_sample_takes_its_images_prompt_and_the_random_streams_stay_as_without():
+    common = dict(seed=3, num_images=3, repeats=4, prompt_ids=torch.arange(3)[:, None].expand(3, 77),
+                  latent_shape=(4, 8, 8), num_train_timesteps=1000, flip_p=0.5)
+    own = SamplePlan(prompt_of_image=[2, 0, 1], **common).batch(list(range(12)))
+    drawn = SamplePlan(**common).batch(list(range(12)))
+    assert own.prompt_index.tolist() == [[2, 0, 1][i] for i in own.image_index.tolist()]
+    assert (own.input_ids[:, 0] == own.prompt_index).all()
+    assert drawn.prompt_index.tolist() != own.prompt_index.tolist()  # templates are drawn at random
+    for name in ("image_index", "flip", "noise", "latent_eps", "timesteps"):
+        assert torch.equal(getattr(own, name), getattr(drawn, name)), name
+
+
+# --- through the trainer ------------------------------------------------------------------------------
+
+
+def train_args(model, data, out, *more):
+    return ["train", "--model", str(model), "--data-dir", str(data), "--resolution", "64", "--max-train-steps",
+            "2", "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision", "fp32",
+            "--output-dir", str(out), *more]
+
+
+LORA = ("--method", "lora", "--learning-rate", "1e-3")
+TI = ("--placeholder-token", "<sks>", "--initializer-token", "toy", "--num-vectors", "2")
+
+
+@pytest.mark.slow
+def test_lora_trains_on_captions_alone_and_its_text_encoder_reads_each_caption(tiny_model, folder, tmp_path,
+                                                                               monkeypatch):
+    for i in range(6):
+        (folder / f"toy_0{i}.txt").write_text(f"a photo of sks toy {['red', 'blue'][i % 2]}")
+    seen: list[str] = []
+    encode = loop.Run.encode_prompts
+
+    def recording(run, input_ids, input_ids_2):
+        seen.extend(run.components.tokenizer.batch_decode(input_ids, skip_special_tokens=True))
+        return encode(run, input_ids, input_ids_2)
+
+    monkeypatch.setattr(loop.Run, "encode_prompts", recording)
+    assert main(train_args(tiny_model, folder, tmp_path / "out", *LORA)) == 0
+    assert sorted(seen) == ["a photo of sks toy blue", "a photo of sks toy red"]  # cached once per caption
+    weights = load_file(tmp_path / "out" / "pytorch_lora_weights.safetensors")
+    assert max(float(v.abs().max()) for k, v in weights.items() if "lora.up" in k) > 1e-4  # up weights start at 0
+
+
+@pytest.mark.slow
+def test_textual_inversion_reads_captions_with_every_vector_of_its_token(tiny_model, folder, tmp_path, monkeypatch):
+    for i in range(6):
+        (folder / f"toy_0{i}.txt").write_text("a photo of a <sks> on a table")
+    seen: list[str] = []
+    encode = loop.Run.encode_prompts
+
+    def recording(run, input_ids, input_ids_2):
+        seen.extend(run.components.tokenizer.batch_decode(input_ids, skip_special_tokens=True))
+        return encode(run, input_ids, input_ids_2)
+
+    monkeypatch.setattr(loop.Run, "encode_prompts", recording)
+    assert main(train_args(tiny_model, folder, tmp_path / "out", *TI)) == 0
+    # (added tokens decode without the spaces around them)
+    assert {text.replace(" ", "") for text in seen} == {"aphotoofa<sks><sks>_1onatable"}
+
+
+def one_line_error(capsys, args) -> str:
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    return errors[0]
+
+
+def test_prompts_that_do_not_suit_the_method_are_one_line_errors(tiny_model, folder, tmp_path, capsys):
+    line = one_line_error(capsys, train_args(tiny_model, folder, tmp_path / "a", *LORA))
+    assert "--method lora needs --instance-prompt, or a caption per image" in line
+    (folder / "toy_03.txt").write_text("a photo of a toy")
+    line = one_line_error(capsys, train_args(tiny_model, folder, tmp_path / "b", *TI, "--instance-prompt", "a <sks>"))
+    assert "'a photo of a toy'" in line and "toy_03.txt" in line and "--placeholder-token <sks>" in line
+    line = one_line_error(capsys, train_args(tiny_model, folder, tmp_path / "c", *LORA))
+    assert "toy_00.png has no caption" in line
+
+
+# --- masked loss --------------------------------------------------------------------------------------
+
+
+def test_a_mask_weighs_the_loss_per_latent_pixel():
+    pred, target = torch.randn(2, 4, 8, 8, requires_grad=True), torch.randn(2, 4, 8, 8)
+    white = torch.ones(2, 1, 8, 8)
+    assert torch.equal(masked_mse(pred, target, white), masked_mse(pred, target, None))  # exactly
+    half = white.clone()
+    half[..., :4] = 0
+    masked_mse(pred, target, half).backward()
+    assert float(pred.grad[..., :4].abs().max()) == 0.0 and float(pred.grad[..., 4:].abs().min()) > 0
+    # a grey pixel (w = 0.25, given as its root 0.5) counts a quarter
+    grey = torch.full((2, 1, 8, 8), 0.5)
+    assert torch.allclose(masked_mse(pred, target, grey), 0.25 * masked_mse(pred, target, None))
+
+
+def test_masks_are_cropped_and_scaled_as_their_images_and_mirrored_with_them(folder):
+    left_black = Image.new("L", (64, 64), 255)
+    left_black.paste(0, (0, 0, 32, 64))
+    left_black.save(folder / "toy_01.mask.png")
+    _, paths, _ = load_images_with_crops(folder, 64, False)
+    assert [p.name for p in paths] == [f"toy_0{i}.png" for i in range(6)]  # a mask is not a training image
+    masks = load_masks(paths, 64, False)
+    assert masks.shape == (6, 1, 8, 8)
+    assert torch.equal(masks[1, 0, :, :4], torch.zeros(8, 4)) and torch.equal(masks[1, 0, :, 4:], torch.ones(8, 4))
+    assert torch.equal(masks[[0, 2, 3, 4, 5]], torch.ones(5, 1, 8, 8))  # no mask: all of it counts
+    assert load_masks([p for p in paths if p.name != "toy_01.png"], 64, False) is None
+    Image.new("L", (32, 32), 255).save(folder / "toy_02.mask.png")
+    with pytest.raises(UserError, match="a mask must match its image's size"):
+        load_masks(paths, 64, False)
+
+
+@pytest.mark.slow
+def test_all_white_masks_train_exactly_as_no_masks(tiny_model, folder, tmp_path):
+    args = (*LORA, "--instance-prompt", "a photo of sks toy")
+    assert main(train_args(tiny_model, folder, tmp_path / "plain", *args)) == 0
+    for i in range(6):
+        Image.new("L", (64, 64), 255).save(folder / f"toy_0{i}.mask.png")
+    assert main(train_args(tiny_model, folder, tmp_path / "white", *args)) == 0
+    plain = load_file(tmp_path / "plain" / "pytorch_lora_weights.safetensors")
+    white = load_file(tmp_path / "white" / "pytorch_lora_weights.safetensors")
+    assert plain.keys() == white.keys() and all(torch.equal(plain[k], white[k]) for k in plain)
+    assert max(float(v.abs().max()) for k, v in plain.items() if "lora.up" in k) > 1e-4  # and they trained
