@@ -303,6 +303,7 @@ def train_step(run: Run, step: int) -> torch.Tensor:
         run.reduce_gradients()
     with phase("optimizer"):
         run.check_gradient_once()
+        run.method.before_update(step, run.max_steps)
         if run.opts.max_grad_norm:
             run.accelerator.clip_grad_norm_(run.method.parameters(), run.opts.max_grad_norm)
         run.optimizer.step()

@@ -45,9 +45,11 @@ class TrainOptions:
     data_dir: str | None = opt(None, "folder of training images (required)",
                                aliases=("--train_data_dir", "--instance_data_dir"),
                                group="model and data")
-    placeholder_token: str | None = opt(None, "the new token to learn, e.g. '<cat-toy>' (required)",
+    placeholder_token: str | None = opt(None, "the new token to learn, e.g. '<cat-toy>' (required; with "
+                                        "--method lora: pivotal tuning, the token trains with the adapters)",
                                         group="textual inversion")
-    initializer_token: str | None = opt(None, "one existing token to start from, e.g. 'toy' (required)",
+    initializer_token: str | None = opt(None, "one existing token to start from, e.g. 'toy' (required "
+                                        "with --placeholder-token)",
                                         group="textual inversion")
     learnable_property: str = opt("object", "what the token captures; picks the prompt templates",
                                   choices=("object", "style"), group="textual inversion")
@@ -65,6 +67,9 @@ class TrainOptions:
     lora_targets: str = opt("to_q,to_k,to_v,to_out.0", "the UNet's modules that get adapters, comma-separated "
                             "(names as they end in the UNet)", group="lora")
     lora_dropout: float = opt(0.0, "dropout on the adapters' input while training", group="lora")
+    train_token_fraction: float = opt(1.0, "pivotal tuning (--method lora with --placeholder-token): the share of "
+                                      "the steps in which the token trains beside the adapters; after it, only "
+                                      "the adapters train", group="lora")
     train_text_encoder: bool = opt(False, "also put adapters on the text encoder(s)' q_proj, k_proj, v_proj and "
                                    "out_proj (else their outputs are computed once per prompt)", group="lora")
     repeats: int = opt(100, "times each image appears per epoch", group="model and data")
@@ -350,6 +355,10 @@ def read_options(argv: list[str]) -> tuple[TrainOptions, set[str]]:
 # one-line error: it would be silently ignored.
 METHOD_GROUPS = {"textual_inversion": "textual inversion", "lora": "lora"}
 METHOD_ONLY = {"save_format": "textual_inversion", "train_full_table": "textual_inversion"}
+# Options of one method that another takes too: LoRA trains textual inversion's token beside its
+# adapters when given --placeholder-token (pivotal tuning).
+SHARED_WITH = {"placeholder_token": ("lora",), "initializer_token": ("lora",), "num_vectors": ("lora",),
+               "learnable_property": ("lora",)}
 METHOD_REQUIRED = {"textual_inversion": ("placeholder_token", "initializer_token"), "lora": ()}
 METHOD_DEFAULTS = {
     "textual_inversion": {"learning_rate": 5e-4, "output_dir": "textual_inversion_output"},
@@ -366,7 +375,8 @@ def method_of_option(f: dataclasses.Field) -> str | None:
 def _check_method_options(o: TrainOptions) -> None:
     for f in _fields():
         owner = method_of_option(f)
-        if owner not in (None, o.method) and getattr(o, f.name) != f.default:
+        shared = o.method in SHARED_WITH.get(f.name, ())
+        if owner not in (None, o.method) and not shared and getattr(o, f.name) != f.default:
             flag = "--" + f.name.replace("_", "-")
             raise UserError(f"{flag} is an option of --method {owner}, not of --method {o.method}")
     for name, value in METHOD_DEFAULTS[o.method].items():
@@ -420,6 +430,11 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.rank >= 1, f"--rank must be at least 1, got {o.rank}"),
         (o.lora_alpha is None or (finite(o.lora_alpha) and o.lora_alpha > 0), "--lora-alpha must be positive"),
         (0.0 <= o.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)"),
+        (0.0 < o.train_token_fraction <= 1.0, "--train-token-fraction must be in (0, 1]"),
+        (o.train_token_fraction == 1.0 or o.placeholder_token is not None,
+         "--train-token-fraction needs --placeholder-token (pivotal tuning)"),
+        (o.method != "lora" or (o.placeholder_token is None) == (o.initializer_token is None),
+         "pivotal tuning needs both --placeholder-token and --initializer-token"),
         (bool(o.lora_target_names), "--lora-targets must name at least one module"),
     ]
     for ok, message in checks:

@@ -14,7 +14,8 @@ METRICS = "metrics.jsonl"
 # Per method: the stems of its learned files, the first one being its result (what `fetch` reports).
 METHOD_FILES = {
     "textual_inversion": ("learned_embeds",),
-    "lora": ("pytorch_lora_weights", "pytorch_lora_weights_kohya"),  # diffusers' key layout, then kohya's
+    # diffusers' key layout, kohya's, and with pivotal tuning (--placeholder-token) the token's embedding
+    "lora": ("pytorch_lora_weights", "pytorch_lora_weights_kohya", "learned_embeds"),
 }
 RESULT_FILES = {method: f"{stems[0]}.safetensors" for method, stems in METHOD_FILES.items()}
 

@@ -103,9 +103,10 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True) -> int:
 
 def uses_text_encoders(opts: TrainOptions) -> bool:
     """Whether a rank keeps the text encoders through the steps: not a LoRA whose frozen encoders'
-    outputs are computed once (loop.TextCache) and that makes no sample image and saves no pipeline.
+    outputs are computed once (loop.TextCache: no pivotal token) and that makes no sample image and saves
+    no pipeline.
     (A LoRA's own adapters and their optimizer state are a few to ~100 MB: within the activations' margin.)"""
-    if opts.method != "lora" or opts.train_text_encoder or not opts.cache_text:
+    if opts.method != "lora" or opts.train_text_encoder or opts.placeholder_token or not opts.cache_text:
         return True
     return bool(opts.validation_prompt or opts.save_as_full_pipeline)
 

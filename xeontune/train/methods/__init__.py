@@ -10,8 +10,8 @@ A method is made from the options (``create``) and then, in this order, asked to
 into the loaded models (having checked the images' prompts with ``check_prompts`` before anything
 loaded), for the ``prompts`` the samples draw from, for its trainable ``parameters``
 (the optimizer's) and the modules DDP wraps (``ddp_modules`` / ``use_ddp``; parameters outside them
-are all-reduced by the loop), once for ``check_gradient`` after the first backward, after every
-optimizer step (``after_step``, ``finite``), for its checkpoint ``state`` / ``load_state``, to
+are all-reduced by the loop), once for ``check_gradient`` after the first backward, before every
+optimizer step (``before_update``) and after it (``after_step``, ``finite``), for its checkpoint ``state`` / ``load_state``, to
 ``save`` its learned files, to apply itself for sample images (``inference``) and to merge itself into
 a pipeline being saved (``merged_into``). Its options are its own group of TrainOptions
 (options.METHOD_GROUPS); its file names are declared in train/outputs.py (torch-free, for `fetch`).
@@ -84,6 +84,11 @@ class Method:
 
     def check_gradient(self) -> None:
         """After the first backward: raise TrainingError unless every trainable part got a usable gradient."""
+
+    def before_update(self, step: int, max_steps: int) -> None:
+        """Gradients complete (all-reduced), before clipping and the optimizer step ``step`` (0-based) of
+        ``max_steps``: a part whose gradients it sets to None is left alone by the optimizer (AdamW
+        moves neither it nor its state)."""
 
     def after_step(self) -> None:
         """After each optimizer step."""

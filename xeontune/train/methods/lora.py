@@ -7,6 +7,10 @@ small Linear layers beside it. The adapters and their optimizer state are fp32 w
 (autocast runs their matmuls in bf16 where the run is bf16). Their initial values come from --seed,
 so every rank starts from the same adapters without a broadcast.
 
+Pivotal tuning (``--placeholder-token``): textual inversion's token trains beside the adapters (the
+recipe of diffusers' advanced SDXL DreamBooth-LoRA script), for the first ``--train-token-fraction`` of
+the steps, and is saved as ``learned_embeds.safetensors`` (SDXL: ``clip_l`` / ``clip_g``).
+
 Files: ``pytorch_lora_weights.safetensors`` in diffusers' layout (``pipeline.load_lora_weights``), the
 same weights in kohya's layout (``pytorch_lora_weights_kohya.safetensors``: ``lora_unet_...``,
 ``lora_te_`` / ``lora_te1_`` / ``lora_te2_`` and ``.alpha``), which A1111 and ComfyUI read.
@@ -27,9 +31,10 @@ from torch import nn
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_path
 from xeontune.train.methods import Method
+from xeontune.train.methods.textual_inversion import TextualInversion
 from xeontune.train.outputs import METHOD_FILES, learned_file
 
-DIFFUSERS_STEM, KOHYA_STEM = METHOD_FILES["lora"]
+DIFFUSERS_STEM, KOHYA_STEM = METHOD_FILES["lora"][:2]
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIP's attention, as diffusers' examples
 ENCODER_NAMES = ("text_encoder", "text_encoder_2")
 
@@ -41,13 +46,22 @@ class Lora(Method):
 
     models: dict[str, nn.Module]  # "unet", "text_encoder", "text_encoder_2": the models holding adapters
 
+    def __init__(self, opts: Any) -> None:
+        super().__init__(opts)
+        # pivotal tuning: the token is textual inversion's, trained beside the adapters
+        self.token = TextualInversion(opts) if opts.placeholder_token else None
+
+    def token_steps(self, max_steps: int) -> int:
+        """The steps in which a pivotal-tuning token trains (the first ones)."""
+        return max(1, round(self.opts.train_token_fraction * max_steps))
+
     @property
     def alpha(self) -> float:
         return float(self.opts.lora_alpha or self.opts.rank)
 
     @property
     def trains_text_encoders(self) -> bool:
-        return self.opts.train_text_encoder
+        return self.opts.train_text_encoder or self.token is not None
 
     @property
     def modified_parts(self) -> set[str]:
@@ -65,6 +79,8 @@ class Lora(Method):
 
         opts = self.opts
         self.family = components.family
+        if self.token:
+            self.token.install(components)  # its rows are spliced in before peft wraps the encoders' layers
         self.models = {"unet": components.unet}
         if opts.train_text_encoder:
             self.models.update(zip(ENCODER_NAMES, components.text_encoders, strict=False))
@@ -79,10 +95,8 @@ class Lora(Method):
                     inject_adapter_in_model(self.config(targets), model, adapter_name="default")
                 except NoMatchingPeftModuleError as exc:  # "Target modules {...} not found in the base model"
                     raise UserError(f"--lora-targets {opts.lora_targets}: {str(exc).splitlines()[0]}") from None
-        for model in self.models.values():
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.data = p.data.float()
+        for _, p in self.named_parameters():
+            p.data = p.data.float()
         # Loaded models are in eval mode, which would switch the adapters' dropout off while training.
         self.dropouts = [m for model in self.models.values() for name, m in model.named_modules()
                          if ".lora_dropout." in name and isinstance(m, nn.Dropout)]
@@ -90,19 +104,43 @@ class Lora(Method):
             dropout.train()
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The adapters' parameters (not a pivotal token's rows, which live in a text encoder too)."""
         return [(f"{model_name}.{name}", p) for model_name, model in self.models.items()
-                for name, p in model.named_parameters() if p.requires_grad]
+                for name, p in model.named_parameters() if p.requires_grad and ".lora_" in name]
 
     def check_prompts(self, given: Any) -> None:
-        if given is None:
+        """Captions or an instance prompt; with a pivotal token, at least one of them must name it (else
+        textual inversion's templates, which do)."""
+        if self.token is None and given is None:
             raise UserError("--method lora needs --instance-prompt, or a caption per image (IMAGE.txt or "
                             "metadata.jsonl in the data dir; see docs/training.md)")
+        token = self.opts.placeholder_token
+        if self.token and given and not any(token in text for text in given.texts):
+            raise UserError(f"pivotal tuning: no prompt contains --placeholder-token {token} ({given.where[0]}: "
+                            f"{given.texts[0]!r}), so the token would never train")
 
     def prompts(self, given: Any) -> list[str]:
-        return list(given.texts)
+        return self.token.prompts(given) if self.token else list(given.texts)
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for _, p in self.named_parameters()]
+        return [p for _, p in self.named_parameters()] + (self.token.parameters() if self.token else [])
+
+    def ddp_modules(self) -> list[nn.Module]:
+        return self.token.ddp_modules() if self.token else []  # the adapters are all-reduced flat by the loop
+
+    def use_ddp(self, wrapped: list[nn.Module]) -> None:
+        if self.token:
+            self.token.use_ddp(wrapped)
+
+    def before_update(self, step: int, max_steps: int) -> None:
+        """After --train-token-fraction of the steps the token stops: without gradients AdamW leaves it."""
+        if self.token and step >= self.token_steps(max_steps):
+            for p in self.token.parameters():
+                p.grad = None
+
+    def after_step(self) -> None:
+        if self.token:
+            self.token.after_step()
 
     def check_gradient(self) -> None:
         """The adapters' up weights (zero at the start) must get a finite gradient, not zero for a whole model.
@@ -114,13 +152,19 @@ class Lora(Method):
             if any(not torch.isfinite(g).all() for g in grads) or not any(bool(g.abs().sum() > 0) for g in grads):
                 raise TrainingError(f"the LoRA adapters of the {model_name} received no usable gradient after the "
                                     "first backward pass; a backend broke the gradient path")
+        if self.token:
+            self.token.check_gradient()
 
     def learned(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone() for name, p in self.named_parameters()}
+        """The adapters by name; a pivotal token's vectors as ``token``."""
+        adapters = {name: p.detach().clone() for name, p in self.named_parameters()}
+        return adapters | ({"token": self.token.learned()} if self.token else {})
 
     def state(self) -> dict[str, Any]:
-        return {"learned": {"tensors": self.learned(), "rank": self.opts.rank, "alpha": self.alpha,
-                            "targets": list(self.opts.lora_target_names), "models": list(self.models)}}
+        adapters = {name: p.detach().clone() for name, p in self.named_parameters()}
+        return {"learned": {"tensors": adapters, "rank": self.opts.rank, "alpha": self.alpha,
+                            "targets": list(self.opts.lora_target_names), "models": list(self.models)},
+                **(self.token.state() if self.token else {})}
 
     def load_state(self, state: Any, where: str) -> None:
         saved = state.learned or {}
@@ -131,9 +175,14 @@ class Lora(Method):
             have = ", ".join(f"{k} {saved.get(k)}" for k in settings)
             want = ", ".join(f"{k} {mine[k]}" for k in settings)
             raise UserError(f"checkpoint {where} holds other adapters ({have}) than this run makes ({want})")
+        if (state.vectors is not None) != (self.token is not None):
+            raise UserError(f"checkpoint {where} was trained {'with' if state.vectors is not None else 'without'} a "
+                            "pivotal token (--placeholder-token); this run must be too")
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(saved["tensors"][name])
+        if self.token:
+            self.token.load_state(state, where)
 
     # --- files -------------------------------------------------------------------------------------
 
@@ -162,6 +211,8 @@ class Lora(Method):
             with atomic_path(path, durable=True) as target:  # its mode, fsync and rename, as every file's
                 os.replace(Path(tmp) / path.name, target)
         self.save_kohya(layers, output_dir / learned_file(KOHYA_STEM, None if final else step), step)
+        if self.token:
+            self.token.save(output_dir, step, final)
         if final:
             self.final_path = path
         return path
@@ -198,7 +249,8 @@ class Lora(Method):
         for dropout in self.dropouts:
             dropout.eval()
         try:
-            yield
+            with self.token.inference(components) if self.token else contextlib.nullcontext():
+                yield
         finally:
             for dropout in self.dropouts:
                 dropout.train()
@@ -211,4 +263,5 @@ class Lora(Method):
         pipeline.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name="xeontune")
         pipeline.fuse_lora(components=list(self.models), lora_scale=1.0)
         pipeline.unload_lora_weights()
-        yield
+        with self.token.merged_into(pipeline) if self.token else contextlib.nullcontext():
+            yield

@@ -1,0 +1,108 @@
+"""Pivotal tuning: `--method lora --placeholder-token` trains textual inversion's token beside the
+adapters, stops the token after `--train-token-fraction` of the steps, and writes both files, which
+load into diffusers together. fp32 throughout (the tests compare runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xeontune.cli import main
+
+pytestmark = pytest.mark.slow
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def pivotal_args(model, data, out, *more) -> list[str]:
+    return ["train", "--method", "lora", "--placeholder-token", "<sks>", "--initializer-token", "toy",
+            "--model", str(model), "--data-dir", str(data), "--resolution", "64", "--mixed-precision", "fp32",
+            "--learning-rate", "1e-2", "--checkpointing-steps", "0", "--output-dir", str(out), *more]
+
+
+def test_the_token_stops_after_its_fraction_while_the_adapters_go_on_and_both_files_load(tiny_model,
+                                                                                        sample_images, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    out = tmp_path / "out"
+    # no --instance-prompt and no captions: textual inversion's templates, which name the token
+    assert main(pivotal_args(tiny_model, sample_images, out, "--max-train-steps", "4", "--save-steps", "1",
+                             "--train-token-fraction", "0.5", "--num-vectors", "2",
+                             "--save-as-full-pipeline")) == 0
+    names = {p.name for p in out.glob("*.safetensors")}
+    assert {"learned_embeds.safetensors", LORA_FILE, "pytorch_lora_weights_kohya.safetensors"} <= names
+    token = [load_file(out / f"learned_embeds-steps-{s}.safetensors")["<sks>"] for s in (1, 2, 3, 4)]
+    lora = [load_file(out / f"pytorch_lora_weights-steps-{s}.safetensors") for s in (1, 2, 3, 4)]
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(tiny_model))
+    toy = pipe.text_encoder.get_input_embeddings().weight[pipe.tokenizer.convert_tokens_to_ids("toy")]
+    moved = float((token[1] - toy).abs().max())
+    print(f"token moved {moved:.2e} in 2 steps; steps 3-4 changed it by "
+          f"{float((token[3] - token[1]).abs().max()):.1e}")
+    assert moved > 1e-3 and float((token[1] - token[0]).abs().max()) > 1e-4  # trained in steps 1 and 2
+    assert torch.equal(token[2], token[1]) and torch.equal(token[3], token[1])  # then not at all
+    assert max(float((lora[3][k] - lora[2][k]).abs().max()) for k in lora[3]) > 1e-5  # the adapters went on
+
+    pipe.load_lora_weights(str(out), weight_name=LORA_FILE)
+    pipe.load_textual_inversion(str(out / "learned_embeds.safetensors"))
+    ids = pipe.tokenizer.convert_tokens_to_ids(["<sks>", "<sks>_1"])
+    assert pipe.tokenizer.unk_token_id not in ids
+    assert torch.equal(pipe.text_encoder.get_input_embeddings().weight[ids].detach(), token[3])
+    image = pipe("a photo of <sks>", num_inference_steps=1, height=64, width=64).images[0]
+    assert image.size == (64, 64)
+    full = StableDiffusionPipeline.from_pretrained(str(out / "pipeline"))  # the token and the fused LoRA
+    assert torch.equal(full.text_encoder.get_input_embeddings().weight[ids].detach(), token[3])
+    assert not torch.equal(full.unet.state_dict()["down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight"],
+                           pipe.unet.state_dict()["down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.base_layer.weight"])
+
+
+def test_sdxl_pivotal_tuning_writes_clip_l_and_clip_g_and_resumes_exactly(sdxl_model, sample_images, tmp_path):
+    from diffusers import StableDiffusionXLPipeline
+
+    args = ["--instance-prompt", "a photo of <sks>", "--max-train-steps", "4", "--train-token-fraction", "0.5",
+            "--save-steps", "0"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(pivotal_args(sdxl_model, sample_images, straight, *args)) == 0
+    # stopped after step 1 (the token still training), resumed through the token's stop at step 2
+    assert main(pivotal_args(sdxl_model, sample_images, resumed, *args[:-4], "--max-train-steps", "1",
+                             "--checkpointing-steps", "1", "--save-steps", "0")) == 0
+    assert main(pivotal_args(sdxl_model, sample_images, resumed, *args, "--resume-from-checkpoint", "latest")) == 0
+    for name in ("learned_embeds.safetensors", LORA_FILE):
+        want, got = load_file(straight / name), load_file(resumed / name)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+    embeds = load_file(straight / "learned_embeds.safetensors")
+    assert sorted(embeds) == ["clip_g", "clip_l"]
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(sdxl_model))
+    initial = [enc.get_input_embeddings().weight[tok.convert_tokens_to_ids("toy")].clone()
+               for tok, enc in ((pipe.tokenizer, pipe.text_encoder), (pipe.tokenizer_2, pipe.text_encoder_2))]
+    pipe.load_lora_weights(str(straight), weight_name=LORA_FILE)
+    for key, tokenizer, encoder, start in (("clip_l", pipe.tokenizer, pipe.text_encoder, initial[0]),
+                                           ("clip_g", pipe.tokenizer_2, pipe.text_encoder_2, initial[1])):
+        pipe.load_textual_inversion(embeds[key], token="<sks>", text_encoder=encoder, tokenizer=tokenizer)
+        row = encoder.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("<sks>")].detach()
+        assert torch.equal(row, embeds[key][0]) and float((row - start).abs().max()) > 1e-4, key
+    assert pipe("a photo of <sks>", num_inference_steps=1, height=64, width=64).images[0].size == (64, 64)
+
+
+def one_line_error(capsys, args) -> str:
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    return errors[0]
+
+
+def test_pivotal_mistakes_are_one_line_errors(tiny_model, sample_images, tmp_path, capsys):
+    base = pivotal_args(tiny_model, sample_images, tmp_path / "out")
+    at = base.index("--initializer-token")
+    assert "needs both --placeholder-token and --initializer-token" in one_line_error(capsys, base[:at] + base[at + 2:])
+    assert "--train-token-fraction must be in (0, 1]" in one_line_error(capsys, base + ["--train-token-fraction", "0"])
+    lora_only = ["train", "--method", "lora", "--instance-prompt", "x", *base[base.index("--model"):]]
+    assert "--train-token-fraction needs --placeholder-token" in one_line_error(
+        capsys, lora_only + ["--train-token-fraction", "0.5"])
+    line = one_line_error(capsys, base + ["--instance-prompt", "a photo of a toy"])
+    assert "no prompt contains --placeholder-token <sks>" in line
+    assert not (tmp_path / "out").exists()
