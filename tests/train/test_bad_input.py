@@ -278,13 +278,18 @@ def test_optimizer_schedule_and_timeout_values_are_checked_up_front(capsys, base
 def test_config_file_values_are_not_coerced(capsys, base_args, tmp_path):
     config = tmp_path / "run.yaml"
     for text, fragment in (("placeholder_token: 2024\n", "must be text"), ("num_vectors: 2.7\n", "whole number"),
-                           ("center_crop: treu\n", "true or false"), ("validation_prompt: [a, b]\n", "must be text")):
+                           ("center_crop: treu\n", "true or false"), ("validation_prompt: [a, 2]\n", "must be text or a list of texts"),
+                           ("initializer_token: [a, b]\n", "must be text")):
         config.write_text(text)
         args = [a for a in base_args if a != "<toy-bot>" and a != "--placeholder-token"] \
             if "placeholder_token" in text else base_args
         assert_one_line_error(capsys, args + ["--config", str(config)], tmp_path / "out", fragment)
-    config.write_text("mixed_precision: no\n")  # YAML's false: the example script's spelling
     from xeontune.train.options import parse_args
+
+    for text in ("validation_prompt: [a b, c]\n", "validation_prompt: a b\n"):  # a list of prompts, or one
+        config.write_text(text)
+        assert parse_args(base_args + ["--config", str(config)]).validation_prompt == (["a b", "c"] if "[" in text else ["a b"])
+    config.write_text("mixed_precision: no\n")  # YAML's false: the example script's spelling
 
     assert parse_args(base_args + ["--config", str(config)]).mixed_precision == "fp32"
     config.write_text("adam_epsilon: 1e-8\nnum_vectors: '3'\ncenter_crop: 'yes'\n")  # YAML 1.1 reads 1e-8 as text

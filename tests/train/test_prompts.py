@@ -206,3 +206,24 @@ def test_all_white_masks_train_exactly_as_no_masks(tiny_model, folder, tmp_path)
     white = load_file(tmp_path / "white" / "pytorch_lora_weights.safetensors")
     assert plain.keys() == white.keys() and all(torch.equal(plain[k], white[k]) for k in plain)
     assert max(float(v.abs().max()) for k, v in plain.items() if "lora.up" in k) > 1e-4  # and they trained
+
+
+# --- sample images ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_several_validation_prompts_and_a_first_set_before_training(tiny_model, sample_images, tmp_path):
+    import numpy as np
+
+    out = tmp_path / "out"
+    assert main(train_args(tiny_model, sample_images, out, *LORA, "--instance-prompt", "a photo of sks toy",
+                           "--learning-rate", "5e-2", "--validation-prompt", "a photo of sks toy",
+                           "--validation-prompt", "sks toy on a beach", "--num-validation-images", "1",
+                           "--validation-steps", "0", "--validate-at-start", "--validation-inference-steps", "2")) == 0
+    names = sorted(p.name for p in (out / "validation").glob("*.png"))
+    assert names == ["step-000000-0.png", "step-000000-1.png", "step-000002-0.png", "step-000002-1.png"]
+    images = {name: Image.open(out / "validation" / name) for name in names}
+    assert [images[n].text["prompt"] for n in names] == ["a photo of sks toy", "sks toy on a beach"] * 2
+    assert [images[n].text["step"] for n in names] == ["0", "0", "2", "2"]
+    before, after = (np.asarray(images[f"step-00000{s}-0.png"], dtype=np.int16) for s in (0, 2))
+    assert int(np.abs(after - before).max()) > 0  # the adapters changed what the model draws

@@ -605,6 +605,8 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             keep_metrics_up_to(out / METRICS, start_step)
         if opts.report_to == "tensorboard":
             writer = _tensorboard_writer(out / opts.logging_dir)
+        if opts.validate_at_start and opts.validation_prompt and not start_step:
+            run_validation(run, 0, writer)  # before anything trained: what the base model draws
     run.sync.wait()  # rank 0 may have cleared a large previous run
     metrics = open(out / METRICS, "a") if main else None  # noqa: SIM115 (closed below)
 
@@ -693,7 +695,7 @@ def _between_steps(run: Run, step: int, writer) -> None:
         run.method.save(out, step, final=False)
     if opts.checkpointing_steps and step % opts.checkpointing_steps == 0:
         save_checkpoint(run, step)
-    if opts.validation_prompt and step % opts.validation_steps == 0:
+    if opts.validation_prompt and opts.validation_steps and step % opts.validation_steps == 0:
         run_validation(run, step, writer)
 
 
@@ -706,13 +708,18 @@ def save_checkpoint(run: Run, step: int) -> Path:
 
 
 def run_validation(run: Run, step: int, writer) -> list[Path]:
+    """--num-validation-images per --validation-prompt, numbered on across the prompts (each PNG names its
+    prompt in its metadata); every set from the same seeds, so sets of two steps compare image for image."""
     opts = run.opts
-    images = validation.generate(
-        run.components, run.method, opts.validation_prompt,
-        num_images=opts.num_validation_images, steps=opts.validation_inference_steps,
-        resolution=opts.resolution, seed=opts.seed, autocast=run.autocast,
-    )
-    paths = validation.save_images(images, run.output_dir / "validation", step)
+    images, prompts = [], []
+    for prompt in opts.validation_prompt or []:
+        images += validation.generate(
+            run.components, run.method, prompt,
+            num_images=opts.num_validation_images, steps=opts.validation_inference_steps,
+            resolution=opts.resolution, seed=opts.seed, autocast=run.autocast,
+        )
+        prompts += [prompt] * opts.num_validation_images
+    paths = validation.save_images(images, run.output_dir / "validation", step, prompts)
     if writer:
         import numpy as np
 

@@ -139,10 +139,14 @@ class TrainOptions:
     checkpoints_total_limit: int | None = opt(None, "keep at most this many checkpoints", group="outputs")
     resume_from_checkpoint: str | None = opt(None, "a checkpoint dir, or 'latest' in --output-dir",
                                              group="outputs")
-    validation_prompt: str | None = opt(None, "prompt for sample images, e.g. 'a photo of a <cat-toy>'",
-                                        group="outputs")
-    num_validation_images: int = opt(4, "sample images per validation", group="outputs")
-    validation_steps: int = opt(100, "make sample images every N steps (and at the end)", group="outputs")
+    validation_prompt: list[str] | None = opt(None, "prompt for sample images, e.g. 'a photo of a <cat-toy>'; "
+                                              "give it again for more prompts", group="outputs")
+    num_validation_images: int = opt(4, "sample images per prompt per validation", group="outputs")
+    validation_steps: int = opt(100, "make sample images every N steps (and at the end; 0: only at the end)",
+                                group="outputs")
+    validate_at_start: bool = opt(False, "also make sample images before the first step: the base model's (with "
+                                  "its adapters at zero, or the token at its initializer), to compare against",
+                                  group="outputs")
     validation_inference_steps: int = opt(25, "denoising steps per sample image", group="outputs")
     report_to: str = opt("jsonl", "metrics sink besides metrics.jsonl's always-on log",
                          choices=("tensorboard", "jsonl", "none"), group="outputs")
@@ -182,6 +186,10 @@ def _fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(TrainOptions) if f.name != "config"]
 
 
+def _is_list(f: dataclasses.Field) -> bool:
+    return str(f.type).startswith("list[")
+
+
 def _base_type(f: dataclasses.Field) -> type:
     annotation = str(f.type)
     for name, typ in (("bool", bool), ("int", int), ("float", float)):
@@ -218,6 +226,9 @@ def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
                 continue
             if typ is bool:
                 group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, help=shown)
+            elif _is_list(f):  # given again for more values
+                group.add_argument(*names, dest=f.name, action="append", type=typ, help=shown,
+                                   metavar=f.name.upper())
             else:
                 group.add_argument(*names, dest=f.name, type=typ, choices=meta["choices"], help=shown,
                                    metavar=f.name.upper() if not meta["choices"] else None)
@@ -262,7 +273,11 @@ def load_config_file(path: str) -> dict[str, Any]:
             value = "no"
         if name == "nproc_per_node" and isinstance(value, int) and not isinstance(value, bool):
             value = str(value)  # a count, or "auto"
-        if value is not None:
+        if _is_list(known[name]) and value is not None:  # one value or a list of them
+            value = value if isinstance(value, list) else [value]
+            if not all(isinstance(v, str) for v in value):
+                raise UserError(f"config file {p}: {key} must be text or a list of texts, got {value!r}")
+        elif value is not None:
             try:
                 value = _config_value(value, typ)
             except ValueError:
@@ -416,7 +431,7 @@ def validate(o: TrainOptions) -> TrainOptions:
         (finite(o.adam_weight_decay) and o.adam_weight_decay >= 0, "--adam-weight-decay must be >= 0"),
         (0.0 <= o.flip_p <= 1.0, "--flip-p must be between 0 and 1"),
         (o.num_validation_images >= 1, "--num-validation-images must be at least 1"),
-        (o.validation_steps >= 1, "--validation-steps must be at least 1"),
+        (o.validation_steps >= 0, "--validation-steps must be >= 0"),
         (o.validation_inference_steps >= 1, "--validation-inference-steps must be at least 1"),
         (o.save_steps >= 0 and o.checkpointing_steps >= 0, "--save-steps and --checkpointing-steps must be >= 0"),
         (o.checkpoints_total_limit is None or o.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1"),

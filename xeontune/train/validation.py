@@ -39,11 +39,18 @@ def generate(
         return images
 
 
-def save_images(images: list, out_dir: Path, step: int) -> list[Path]:
+def save_images(images: list, out_dir: Path, step: int, prompts: list[str] | None = None) -> list[Path]:
+    """``step-NNNNNN-I.png``, each with its prompt and step as PNG text (``prompt``, ``step``)."""
+    from PIL.PngImagePlugin import PngInfo
+
     paths = []
     for i, image in enumerate(images):
         path = out_dir / f"step-{step:06d}-{i}.png"
+        info = PngInfo()
+        info.add_text("step", str(step))
+        if prompts:
+            info.add_text("prompt", prompts[i])
         with atomic_path(path) as tmp:
-            image.save(tmp, format="PNG")
+            image.save(tmp, format="PNG", pnginfo=info)
         paths.append(path)
     return paths
