@@ -76,16 +76,17 @@ def load_images(data_dir: str | Path, resolution: int, center_crop: bool) -> tup
 
 
 def load_images_with_crops(
-    data_dir: str | Path, resolution: int, center_crop: bool
+    data_dir: str | Path, resolution: int, center_crop: bool, limit: int | None = None
 ) -> tuple[torch.Tensor, list[Path], torch.Tensor]:
-    """``load_images`` plus each image's crop, (N, 5) long: see ``crop_of``."""
+    """``load_images`` plus each image's crop, (N, 5) long: see ``crop_of``. ``limit``: the first so
+    many images by name (prior preservation's --num-class-images)."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"data dir {root} does not exist or is not a directory")
     if not any(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
         raise UserError(f"data dir {root} is empty")
     images, paths, crops = [], [], []
-    for path in sorted(p for p in root.iterdir() if is_image_file(p)):
+    for path in sorted(p for p in root.iterdir() if is_image_file(p))[:limit]:
         try:
             with Image.open(path) as img:
                 img.load()
@@ -183,10 +184,18 @@ class Batch:
     noise: torch.Tensor  # (B, 4, h, w)
     timesteps: torch.Tensor  # (B,)
     prompt_index: torch.Tensor | None = None  # (B,): each sample's row of the plan's prompts
+    instance_count: int | None = None  # prior preservation: the first this many are instance samples, the rest class
+
+
+CLASS_STREAM = 0x5EED_C1A55  # prior preservation's class samples draw from streams of their own
 
 
 class SamplePlan:
-    """Maps global sample positions to samples; epochs are shuffled by a seeded permutation."""
+    """Maps global sample positions to samples; epochs are shuffled by a seeded permutation.
+
+    With prior preservation (``num_class_images``) each position also gets a class sample: a class
+    image (images ``num_images`` on, in their own seeded order), the class prompt (the last prompt row)
+    and draws of its own; a batch holds the instance samples, then the class samples."""
 
     def __init__(
         self,
@@ -200,8 +209,12 @@ class SamplePlan:
         latent_shape: tuple[int, int, int],
         num_train_timesteps: int,
         flip_p: float,
+        num_class_images: int = 0,
     ) -> None:
         self.seed = seed
+        self.num_class_images = num_class_images
+        # the rows instance samples draw templates from: all but a class prompt's
+        self.instance_rows = len(prompt_ids) - (1 if num_class_images else 0)
         self.num_images = num_images
         self.epoch_len = num_images * repeats
         self.prompt_ids = prompt_ids
@@ -220,16 +233,31 @@ class SamplePlan:
             self._perm_epoch = epoch
         return self._perm
 
+    def _class_image(self, position: int) -> int:
+        epoch, offset = divmod(position, self.num_class_images)
+        order = torch.randperm(self.num_class_images, generator=torch.Generator().manual_seed(
+            (self.seed ^ CLASS_STREAM) * 7919 + epoch))
+        return self.num_images + int(order[offset])
+
     def batch(self, positions: list[int]) -> Batch:
         image_index, flips, ids, template, eps, noise, timesteps = [], [], [], [], [], [], []
-        for pos in positions:
-            epoch, offset = divmod(pos, self.epoch_len)
-            image_index.append(int(self._permutation(epoch)[offset]) % self.num_images)
-            gen = sample_generator(self.seed, pos)
+        samples = [(pos, False) for pos in positions] + [(pos, True) for pos in positions if self.num_class_images]
+        for pos, is_class in samples:
+            if is_class:
+                image_index.append(self._class_image(pos))
+                gen = sample_generator(self.seed ^ CLASS_STREAM, pos)
+            else:
+                epoch, offset = divmod(pos, self.epoch_len)
+                image_index.append(int(self._permutation(epoch)[offset]) % self.num_images)
+                gen = sample_generator(self.seed, pos)
             flips.append(bool(torch.rand((), generator=gen) < self.flip_p))
-            drawn = int(torch.randint(len(self.prompt_ids), (), generator=gen))  # drawn always: the same streams
-            template.append(drawn if self.prompt_of_image is None else self.prompt_of_image[image_index[-1]])
-            ids.append(self.prompt_ids[template[-1]])
+            drawn = int(torch.randint(self.instance_rows, (), generator=gen))  # drawn always: the same streams
+            if is_class:
+                drawn = len(self.prompt_ids) - 1
+            elif self.prompt_of_image is not None:
+                drawn = self.prompt_of_image[image_index[-1]]
+            template.append(drawn)
+            ids.append(self.prompt_ids[drawn])
             eps.append(torch.randn(self.latent_shape, generator=gen))
             noise.append(torch.randn(self.latent_shape, generator=gen))
             timesteps.append(int(torch.randint(self.num_train_timesteps, (), generator=gen)))
@@ -243,6 +271,7 @@ class SamplePlan:
             noise=torch.stack(noise),
             timesteps=torch.tensor(timesteps, dtype=torch.long),
             prompt_index=torch.tensor(template, dtype=torch.long),
+            instance_count=len(positions) if self.num_class_images else None,
         )
 
 
@@ -320,6 +349,18 @@ class Latents:
             pixels = torch.where(batch.flip[:, None, None, None], pixels.flip(-1), pixels)
             mean, std = self._encode(pixels)
         return (mean + std * batch.latent_eps) * self.scaling
+
+
+def sample_loss(pred: torch.Tensor, target: torch.Tensor, root_weight: torch.Tensor | None, batch: Batch,
+                prior_loss_weight: float) -> torch.Tensor:
+    """The step's loss: ``masked_mse`` over the batch; with prior preservation, the instance samples'
+    plus ``prior_loss_weight`` times the class samples' mean squared error (as diffusers' DreamBooth
+    example computes it; class images have no masks)."""
+    k = batch.instance_count
+    if k is None:
+        return masked_mse(pred, target, root_weight)
+    prior = masked_mse(pred[k:], target[k:], None)
+    return masked_mse(pred[:k], target[:k], None if root_weight is None else root_weight[:k]) + prior_loss_weight * prior
 
 
 def masked_mse(pred: torch.Tensor, target: torch.Tensor, root_weight: torch.Tensor | None) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text, file_in_the_way
-from xeontune.train import checkpoint, methods, preempt, validation
+from xeontune.train import checkpoint, methods, preempt, prior, validation
 from xeontune.train.components import (
     Components,
     cast_text_encoder_linears,
@@ -43,7 +43,7 @@ from xeontune.train.data import (
     image_set_digest,
     load_images_with_crops,
     load_masks,
-    masked_mse,
+    sample_loss,
 )
 from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
@@ -295,7 +295,8 @@ def train_step(run: Run, step: int) -> torch.Tensor:
                     hidden, added = run.encode_text(batch)  # SDXL: both encoders, text_embeds, time_ids
                 with phase("unet_forward"):
                     pred = unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
-            loss = masked_mse(pred, run.target(latents, batch.noise, batch.timesteps), run.latents.mask(batch))
+            loss = sample_loss(pred, run.target(latents, batch.noise, batch.timesteps), run.latents.mask(batch),
+                               batch, run.opts.prior_loss_weight)
             with phase("backward"):
                 run.accelerator.backward(loss)  # divides by the accumulation steps; DDP all-reduces
             losses.append(loss.detach())
@@ -462,17 +463,29 @@ def setup(
     if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
 
+    num_class_images = 0
+    if opts.with_prior_preservation:  # the class images join the instance images after them
+        prior.ensure_class_images(components, method, opts, sync, accelerator.process_index, world,
+                                  lambda: precision_autocast(precision))
+        more, class_paths, class_crops = load_images_with_crops(opts.class_data_dir, opts.resolution,
+                                                                opts.center_crop, limit=opts.num_class_images)
+        sync.check_same(image_set_digest(class_paths), "class images")
+        num_class_images = len(class_paths)
+        images, crops = torch.cat([images, more]), torch.cat([crops, class_crops])
+        if masks is not None:
+            masks = torch.cat([masks, torch.ones(len(more), *masks.shape[1:])])
     latents = Latents(components.vae, images, cached=opts.cache_latents, crops=crops, masks=masks)
     if opts.cache_latents and not shared:
         release_vae_parts(components, latents, opts)
-    prompts = method.prompts(given)
+    prompts = method.prompts(given) + ([opts.class_prompt] if num_class_images else [])
     prompt_ids, *more_ids = [t(prompts, padding="max_length", truncation=True, max_length=t.model_max_length,
                                return_tensors="pt").input_ids for t in components.tokenizers]
     plan = SamplePlan(
-        seed=opts.seed, num_images=len(images), repeats=opts.repeats, prompt_ids=prompt_ids,
+        seed=opts.seed, num_images=len(images) - num_class_images, repeats=opts.repeats, prompt_ids=prompt_ids,
         prompt_ids_2=more_ids[0] if more_ids else None, prompt_of_image=given.of_image if given else None,
         latent_shape=latents.latent_shape(),
         num_train_timesteps=components.noise_scheduler.config.num_train_timesteps, flip_p=opts.flip_p,
+        num_class_images=num_class_images,
     )
 
     global_batch = opts.train_batch_size * world * opts.gradient_accumulation_steps

@@ -70,6 +70,16 @@ class TrainOptions:
     train_token_fraction: float = opt(1.0, "pivotal tuning (--method lora with --placeholder-token): the share of "
                                       "the steps in which the token trains beside the adapters; after it, only "
                                       "the adapters train", group="lora")
+    with_prior_preservation: bool = opt(False, "DreamBooth's prior preservation: train on class images too "
+                                        "(--class-data-dir, --class-prompt), so the model keeps drawing the class "
+                                        "as it did", group="lora")
+    class_data_dir: str | None = opt(None, "folder of class images; the missing ones (of --num-class-images) are "
+                                     "generated there by the base model before training", group="lora")
+    class_prompt: str | None = opt(None, "the class images' prompt, e.g. 'a photo of a dog'", group="lora")
+    num_class_images: int = opt(100, "class images to train on (the folder's first by name; generated up to "
+                                "this many)", group="lora")
+    prior_loss_weight: float = opt(1.0, "weight of the class images' loss beside the instance images'", group="lora")
+    class_inference_steps: int = opt(25, "denoising steps per generated class image", group="lora")
     train_text_encoder: bool = opt(False, "also put adapters on the text encoder(s)' q_proj, k_proj, v_proj and "
                                    "out_proj (else their outputs are computed once per prompt)", group="lora")
     repeats: int = opt(100, "times each image appears per epoch", group="model and data")
@@ -446,6 +456,13 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.lora_alpha is None or (finite(o.lora_alpha) and o.lora_alpha > 0), "--lora-alpha must be positive"),
         (0.0 <= o.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)"),
         (0.0 < o.train_token_fraction <= 1.0, "--train-token-fraction must be in (0, 1]"),
+        (not o.with_prior_preservation or (o.class_data_dir and o.class_prompt),
+         "--with-prior-preservation needs --class-data-dir and --class-prompt"),
+        (o.with_prior_preservation or (o.class_data_dir is None and o.class_prompt is None),
+         "--class-data-dir and --class-prompt need --with-prior-preservation"),
+        (o.num_class_images >= 1, "--num-class-images must be at least 1"),
+        (finite(o.prior_loss_weight) and o.prior_loss_weight >= 0, "--prior-loss-weight must be >= 0"),
+        (o.class_inference_steps >= 1, "--class-inference-steps must be at least 1"),
         (o.train_token_fraction == 1.0 or o.placeholder_token is not None,
          "--train-token-fraction needs --placeholder-token (pivotal tuning)"),
         (o.method != "lora" or (o.placeholder_token is None) == (o.initializer_token is None),

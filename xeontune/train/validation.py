@@ -4,31 +4,38 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from xeontune.io import atomic_path
 
 
+def make_pipeline(components) -> Any:
+    """A diffusers pipeline (SDXL's for an SDXL model) over the run's frozen models, DPM-Solver++."""
+    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    common = {"vae": components.vae, "text_encoder": components.text_encoder, "tokenizer": components.tokenizer,
+              "unet": components.unet_for_inference,
+              "scheduler": DPMSolverMultistepScheduler.from_config(components.noise_scheduler.config)}
+    if components.family == "sdxl":
+        pipe = StableDiffusionXLPipeline(**common, text_encoder_2=components.text_encoder_2,
+                                         tokenizer_2=components.tokenizer_2, add_watermarker=False)
+    else:
+        pipe = StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 @torch.no_grad()
 def generate(
     components, method, prompt: str, *, num_images: int, steps: int, resolution: int, seed: int, autocast
 ) -> list:
-    """Run the pipeline (SDXL's for an SDXL model) on the frozen models with what ``method`` learned
-    applied (train/methods: ``inference``). Return PIL images."""
-    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
-
+    """Run the pipeline on the frozen models with what ``method`` learned applied (train/methods:
+    ``inference``). Return PIL images."""
     with method.inference(components):
-        common = {"vae": components.vae, "text_encoder": components.text_encoder, "tokenizer": components.tokenizer,
-                  "unet": components.unet_for_inference,
-                  "scheduler": DPMSolverMultistepScheduler.from_config(components.noise_scheduler.config)}
-        if components.family == "sdxl":
-            pipe = StableDiffusionXLPipeline(**common, text_encoder_2=components.text_encoder_2,
-                                             tokenizer_2=components.tokenizer_2, add_watermarker=False)
-        else:
-            pipe = StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
-                                           requires_safety_checker=False)
-        pipe.set_progress_bar_config(disable=True)
+        pipe = make_pipeline(components)
         generator = torch.Generator().manual_seed(seed)
         images = []
         with autocast() if autocast else contextlib.nullcontext():

@@ -1,0 +1,94 @@
+"""Prior preservation (DreamBooth): class images, and the base model generating the missing ones.
+
+``--with-prior-preservation --class-data-dir DIR --class-prompt "a photo of a dog"`` trains each
+step on class images too (``data.sample_loss`` adds ``--prior-loss-weight`` times their loss), so the
+model keeps drawing the class as it did. The class images are the first ``--num-class-images`` images
+of DIR by name. When DIR holds fewer, the missing ones are generated before training by the frozen base
+pipeline on the CPU, spread over the ranks, each written as it is done (``class-NNNNN.png``): a run
+stopped half-way generates only what is still missing. Image i is drawn from its own seed, so which rank
+draws it changes nothing, and every node ends with the whole set (the ranks exchange what they drew,
+for nodes without a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xeontune.io import atomic_path
+from xeontune.train.data import is_image_file, sample_generator
+
+log = logging.getLogger("xeontune.train")
+
+GENERATED = "class-{:05d}.png"
+CLASS_IMAGE_SEED = 0xC1A55_1A6E  # the class images' seeds, apart from every training stream
+
+
+def class_image_names(class_dir: Path) -> list[str]:
+    return sorted(p.name for p in class_dir.iterdir() if is_image_file(p)) if class_dir.is_dir() else []
+
+
+def missing_names(have: list[str], wanted: int) -> list[str]:
+    """The generated names that would bring ``have`` up to ``wanted`` images."""
+    others = [n for n in have if _generated_index(n) is None]
+    names = [GENERATED.format(i) for i in range(max(0, wanted - len(others)))]
+    return [n for n in names if n not in have]
+
+
+def _generated_index(name: str) -> int | None:
+    stem = name.removeprefix("class-").removesuffix(".png")
+    return int(stem) if name.startswith("class-") and name.endswith(".png") and stem.isdigit() else None
+
+
+def ensure_class_images(components: Any, method: Any, opts: Any, sync: Any, rank: int, world: int,
+                        autocast: Any) -> None:
+    """Generate what DIR lacks (on any node) of ``--num-class-images``, each rank its share, then give
+    every node every image."""
+    from tqdm.auto import tqdm
+
+    class_dir = Path(opts.class_data_dir)
+    class_dir.mkdir(parents=True, exist_ok=True)
+    missing = missing_names(class_image_names(class_dir), opts.num_class_images)
+    if sync.group is not None:  # what any node lacks is generated (every node computes the same list)
+        lists: list[Any] = [None] * world
+        torch.distributed.all_gather_object(lists, missing, group=sync.group)
+        missing = sorted(set().union(*lists))
+    if not missing:
+        return
+    mine = missing[rank::world]
+    if rank == 0:
+        log.info("generating %d class images for %r with the base model, over %d rank(s), into %s",
+                 len(missing), opts.class_prompt, world, class_dir)
+    drawn: dict[str, bytes] = {}
+    from xeontune.train.validation import make_pipeline
+
+    with method.inference(components):
+        pipe = make_pipeline(components)
+        for name in tqdm(mine, desc="class images", unit="image", disable=rank != 0):
+            index = _generated_index(name)
+            with torch.no_grad(), autocast():
+                image = pipe(opts.class_prompt, num_inference_steps=opts.class_inference_steps,
+                             generator=sample_generator(opts.seed ^ CLASS_IMAGE_SEED, index),
+                             height=opts.resolution, width=opts.resolution).images[0]
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            drawn[name] = buffer.getvalue()
+            write(class_dir / name, drawn[name])
+    if sync.group is not None:
+        shares: list[Any] = [None] * world
+        torch.distributed.all_gather_object(shares, drawn, group=sync.group)
+        for share in shares:
+            for name, data in share.items():
+                if not (class_dir / name).exists():  # a node without a shared filesystem
+                    write(class_dir / name, data)
+
+
+def write(path: Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
