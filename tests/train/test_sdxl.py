@@ -94,7 +94,7 @@ def test_time_ids_record_the_crop_that_was_taken(tmp_path):
                       latent_shape=(4, 4, 4), num_train_timesteps=1000, flip_p=0.5)
     batch = plan.batch(list(range(8)))
     assert batch.flip.any() and not batch.flip.all()
-    ids = latents.time_ids(batch, 32)
+    ids = latents.time_ids(batch)
     for flip, row in zip(batch.flip.tolist(), ids.tolist(), strict=True):
         assert row == [64, 96, 0, 8 if not flip else mirror_left, 32, 32]
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,29 +82,50 @@ def load_images_with_crops(
 ) -> tuple[torch.Tensor, list[Path], torch.Tensor]:
     """``load_images`` plus each image's crop, (N, 5) long: see ``crop_of``. ``limit``: the first so
     many images by name (prior preservation's --num-class-images)."""
+    images, paths, crops = [], [], []
+    for path, upright in read_images(data_dir, limit):
+        images.append(preprocess(upright, resolution, center_crop))
+        crops.append(crop_of(upright.width, upright.height, resolution, center_crop))
+        paths.append(path)
+    return torch.stack(images), paths, torch.tensor(crops, dtype=torch.long)
+
+
+def read_images(data_dir: str | Path, limit: int | None = None) -> Iterator[tuple[Path, Image.Image]]:
+    """Each readable image of the folder, upright, by name (the first ``limit``); unreadable files are
+    skipped with a warning, and a folder with none is a one-line error."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"data dir {root} does not exist or is not a directory")
     if not any(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
         raise UserError(f"data dir {root} is empty")
-    images, paths, crops = [], [], []
+    found = 0
     for path in sorted(p for p in root.iterdir() if is_image_file(p))[:limit]:
         try:
             with Image.open(path) as img:
                 img.load()
                 # Phone photos are stored sideways with an EXIF orientation tag: train on what a viewer shows.
                 upright = ImageOps.exif_transpose(img)
-                images.append(preprocess(upright, resolution, center_crop))
-                crops.append(crop_of(upright.width, upright.height, resolution, center_crop))
-                paths.append(path)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             log.warning("skipping %s: not a readable image (%s)", path, exc.__class__.__name__)
+            continue
         except Image.DecompressionBombError:
             # A declared size beyond PIL's limit (Image.MAX_IMAGE_PIXELS x 2): possibly a bomb, never decoded.
             log.warning("skipping %s: its declared size is too large to decode safely (DecompressionBombError)", path)
-    if not images:
+            continue
+        found += 1
+        yield path, upright
+    if not found:
         raise UserError(f"no readable image in {root} (looked for {', '.join(sorted(IMAGE_SUFFIXES))})")
-    return torch.stack(images), paths, torch.tensor(crops, dtype=torch.long)
+
+
+def cover_box(width: int, height: int, size: tuple[int, int]) -> tuple[tuple[float, float, float, float], float]:
+    """The centered part of a width x height image that, scaled by the returned factor, exactly covers
+    ``size`` (width, height): the image is scaled to cover an aspect-ratio bucket and the excess cut on
+    both sides (train/buckets.py)."""
+    scale = max(size[0] / width, size[1] / height)
+    crop_w, crop_h = size[0] / scale, size[1] / scale
+    left, top = (width - crop_w) / 2, (height - crop_h) / 2
+    return (left, top, left + crop_w, top + crop_h), scale
 
 
 def crop_of(width: int, height: int, resolution: int, center_crop: bool) -> tuple[int, int, int, int, int]:
@@ -118,18 +141,20 @@ def crop_of(width: int, height: int, resolution: int, center_crop: bool) -> tupl
     return height, width, top, left, round(width * scale) - resolution - left
 
 
-def load_masks(paths: list[Path], resolution: int, center_crop: bool) -> torch.Tensor | None:
+def load_masks(paths: list[Path], resolution: int, center_crop: bool,
+               bucket: tuple[int, int] | None = None) -> torch.Tensor | None:
     """Each image's loss weights at latent resolution, (N, 1, R/8, R/8) in [0, 1], from ``IMAGE.mask.png``
     (cropped as its image is, then area-averaged, so a mask's edge weighs in between); an image without
-    a mask weighs 1 everywhere. None when no image has a mask: the loss is then computed as always."""
+    a mask weighs 1 everywhere. None when no image has a mask: the loss is then computed as always.
+    ``bucket``: the images' bucket (width, height), which they were fitted to (``fit_to_bucket``)."""
     if not any(mask_path(p).is_file() for p in paths):
         return None
-    side = resolution // 8
+    width, height = bucket or (resolution, resolution)
     masks = []
     for path in paths:
         mask = mask_path(path)
         if not mask.is_file():
-            masks.append(torch.ones(1, side, side))
+            masks.append(torch.ones(1, height // 8, width // 8))
             continue
         try:
             with Image.open(mask) as img, Image.open(path) as image:
@@ -137,11 +162,15 @@ def load_masks(paths: list[Path], resolution: int, center_crop: bool) -> torch.T
                 if upright.size != ImageOps.exif_transpose(image).size:
                     raise UserError(f"mask {mask} is {upright.width}x{upright.height}, its image "
                                     f"{image.width}x{image.height}: a mask must match its image's size")
-                if center_crop:
-                    edge = min(upright.size)
-                    left, top = (upright.width - edge) // 2, (upright.height - edge) // 2
-                    upright = upright.crop((left, top, left + edge, top + edge))
-                small = upright.resize((side, side), Image.BOX)
+                if bucket:
+                    box, _ = cover_box(upright.width, upright.height, bucket)
+                    small = upright.resize((width // 8, height // 8), Image.BOX, box=box)
+                else:
+                    if center_crop:
+                        edge = min(upright.size)
+                        left, top = (upright.width - edge) // 2, (upright.height - edge) // 2
+                        upright = upright.crop((left, top, left + edge, top + edge))
+                    small = upright.resize((width // 8, height // 8), Image.BOX)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise UserError(f"mask {mask} is not a readable image ({exc.__class__.__name__})") from None
         masks.append(torch.from_numpy(np.asarray(small, dtype=np.float32) / 255.0)[None])
@@ -185,6 +214,7 @@ class Batch:
     timesteps: torch.Tensor  # (B,)
     prompt_index: torch.Tensor | None = None  # (B,): each sample's row of the plan's prompts
     instance_count: int | None = None  # prior preservation: the first this many are instance samples, the rest class
+    bucket: int = 0  # the aspect-ratio bucket of every sample (image_index counts within it)
 
 
 CLASS_STREAM = 0x5EED_C1A55  # prior preservation's class samples draw from streams of their own
@@ -195,7 +225,13 @@ class SamplePlan:
 
     With prior preservation (``num_class_images``) each position also gets a class sample: a class
     image (images ``num_images`` on, in their own seeded order), the class prompt (the last prompt row)
-    and draws of its own; a batch holds the instance samples, then the class samples."""
+    and draws of its own; a batch holds the instance samples, then the class samples.
+
+    With aspect-ratio buckets (``buckets``: each bucket's images, by their index in the folder) an
+    epoch is a seeded order of chunks of ``group`` positions (the global micro-batch: per-rank batch x
+    ranks), each chunk from one bucket: a bucket's images x repeats in a seeded order, its last chunk
+    filled from its start. ``image_index`` then counts within the batch's ``bucket`` (instance images,
+    then class images)."""
 
     def __init__(
         self,
@@ -210,13 +246,24 @@ class SamplePlan:
         num_train_timesteps: int,
         flip_p: float,
         num_class_images: int = 0,
+        buckets: list[list[int]] | None = None,
+        bucket_latent_shapes: list[tuple[int, int, int]] | None = None,
+        group: int = 1,
     ) -> None:
         self.seed = seed
+        self.repeats = repeats
+        self.buckets = buckets if buckets and len(buckets) > 1 else None
+        self.bucket_latent_shapes = bucket_latent_shapes
+        self.group = group
+        self._layout_epoch = -1
+        self._layout: list[tuple[int, int]] = []
         self.num_class_images = num_class_images
         # the rows instance samples draw templates from: all but a class prompt's
         self.instance_rows = len(prompt_ids) - (1 if num_class_images else 0)
         self.num_images = num_images
         self.epoch_len = num_images * repeats
+        if self.buckets:
+            self.epoch_len = sum(math.ceil(len(b) * repeats / group) * group for b in self.buckets)
         self.prompt_ids = prompt_ids
         self.prompt_ids_2 = prompt_ids_2
         self.prompt_of_image = prompt_of_image
@@ -237,29 +284,60 @@ class SamplePlan:
         epoch, offset = divmod(position, self.num_class_images)
         order = torch.randperm(self.num_class_images, generator=torch.Generator().manual_seed(
             (self.seed ^ CLASS_STREAM) * 7919 + epoch))
-        return self.num_images + int(order[offset])
+        return int(order[offset])
+
+    def _bucket_layout(self, epoch: int) -> list[tuple[int, int]]:
+        """(bucket, image within it) of each position of the epoch."""
+        assert self.buckets is not None
+        if epoch != self._layout_epoch:
+            gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            chunks = []
+            for bucket, members in enumerate(self.buckets):
+                order = [int(i) % len(members) for i in torch.randperm(len(members) * self.repeats, generator=gen)]
+                order += [order[k % len(order)] for k in range(-len(order) % self.group)]
+                chunks += [(bucket, order[k:k + self.group]) for k in range(0, len(order), self.group)]
+            self._layout = [(bucket, i) for c in torch.randperm(len(chunks), generator=gen).tolist()
+                            for bucket, items in [chunks[c]] for i in items]
+            self._layout_epoch = epoch
+        return self._layout
 
     def batch(self, positions: list[int]) -> Batch:
         image_index, flips, ids, template, eps, noise, timesteps = [], [], [], [], [], [], []
         samples = [(pos, False) for pos in positions] + [(pos, True) for pos in positions if self.num_class_images]
+        bucket, shape, instances = 0, self.latent_shape, self.num_images
+        if self.buckets:
+            epoch, offset = divmod(positions[0], self.epoch_len)
+            bucket = self._bucket_layout(epoch)[offset][0]
+            shape, instances = self.bucket_latent_shapes[bucket], len(self.buckets[bucket])
         for pos, is_class in samples:
+            image = None  # the instance image's index in the folder
             if is_class:
-                image_index.append(self._class_image(pos))
+                image_index.append(instances + self._class_image(pos))
                 gen = sample_generator(self.seed ^ CLASS_STREAM, pos)
+            elif self.buckets:
+                epoch, offset = divmod(pos, self.epoch_len)
+                in_bucket, local = self._bucket_layout(epoch)[offset]
+                if in_bucket != bucket:
+                    raise ValueError(f"positions {positions[0]}..{positions[-1]} span two buckets: a batch must lie "
+                                     f"within one global micro-batch of {self.group}")
+                image_index.append(local)
+                image = self.buckets[bucket][local]
+                gen = sample_generator(self.seed, pos)
             else:
                 epoch, offset = divmod(pos, self.epoch_len)
-                image_index.append(int(self._permutation(epoch)[offset]) % self.num_images)
+                image = int(self._permutation(epoch)[offset]) % self.num_images
+                image_index.append(image)
                 gen = sample_generator(self.seed, pos)
             flips.append(bool(torch.rand((), generator=gen) < self.flip_p))
             drawn = int(torch.randint(self.instance_rows, (), generator=gen))  # drawn always: the same streams
             if is_class:
                 drawn = len(self.prompt_ids) - 1
             elif self.prompt_of_image is not None:
-                drawn = self.prompt_of_image[image_index[-1]]
+                drawn = self.prompt_of_image[image]
             template.append(drawn)
             ids.append(self.prompt_ids[drawn])
-            eps.append(torch.randn(self.latent_shape, generator=gen))
-            noise.append(torch.randn(self.latent_shape, generator=gen))
+            eps.append(torch.randn(shape, generator=gen))
+            noise.append(torch.randn(shape, generator=gen))
             timesteps.append(int(torch.randint(self.num_train_timesteps, (), generator=gen)))
         return Batch(
             positions=list(positions),
@@ -272,6 +350,7 @@ class SamplePlan:
             timesteps=torch.tensor(timesteps, dtype=torch.long),
             prompt_index=torch.tensor(template, dtype=torch.long),
             instance_count=len(positions) if self.num_class_images else None,
+            bucket=bucket,
         )
 
 
@@ -327,10 +406,11 @@ class Latents:
         mean, _ = self._encode(self.images[:1])
         return tuple(mean.shape[1:])  # type: ignore[return-value]
 
-    def time_ids(self, batch: Batch, resolution: int) -> torch.Tensor:
-        """SDXL's six size conditions per sample: original size, crop top-left, target size (B, 6)."""
+    def time_ids(self, batch: Batch) -> torch.Tensor:
+        """SDXL's six size conditions per sample: original size, crop top-left, target size (B, 6): the
+        images' own (height, width), the resolution or their bucket's."""
         crops = self.crops[batch.image_index + batch.flip.long() * len(self.images)]
-        target = torch.tensor([resolution, resolution]).expand(len(crops), 2)
+        target = torch.tensor(list(self.images.shape[-2:])).expand(len(crops), 2)
         return torch.cat([crops, target], dim=1).float()
 
     def mask(self, batch: Batch) -> torch.Tensor | None:

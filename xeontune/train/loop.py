@@ -27,6 +27,7 @@ from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text, file_in_the_way
 from xeontune.train import checkpoint, methods, preempt, prior, validation
+from xeontune.train.buckets import BucketLatents, load_training_images
 from xeontune.train.components import (
     Components,
     cast_text_encoder_linears,
@@ -41,8 +42,8 @@ from xeontune.train.data import (
     Latents,
     SamplePlan,
     image_set_digest,
-    load_images_with_crops,
     load_masks,
+    read_images,
     sample_loss,
 )
 from xeontune.train.forecast import Forecast
@@ -182,7 +183,7 @@ class Run:
     method: methods.Method
     ddp_modules: list[torch.nn.Module]  # the method's modules that DDP wraps when there are several ranks
     plan: SamplePlan
-    latents: Latents
+    latents: BucketLatents
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     precision: str
@@ -230,7 +231,7 @@ class Run:
             hidden, pooled = self.encode_prompts(batch.input_ids, batch.input_ids_2)
         if pooled is None:
             return hidden, None
-        return hidden, {"text_embeds": pooled, "time_ids": self.latents.time_ids(batch, self.opts.resolution)}
+        return hidden, {"text_embeds": pooled, "time_ids": self.latents.time_ids(batch)}
 
     def encode_prompts(self, input_ids: torch.Tensor,
                        input_ids_2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -425,9 +426,11 @@ def setup(
     resume_data: bytes | None = None
     if opts.resume_from_checkpoint and main:
         resume_path, resume_data = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
-    images, image_paths, crops = load_images_with_crops(opts.data_dir, opts.resolution, opts.center_crop)
+    images = load_training_images(opts)  # in aspect-ratio buckets where --buckets says so
+    image_paths = images.paths
     sync.check_same(image_set_digest(image_paths), "training images")
-    masks = load_masks(image_paths, opts.resolution, opts.center_crop)
+    masks = [load_masks([image_paths[i] for i in part.members], opts.resolution, opts.center_crop,
+                        part.size if images.bucketed else None) for part in images.parts]
     given = image_prompts(opts.data_dir, image_paths, instance_prompt=opts.instance_prompt,
                           caption_column=opts.caption_column)
     sync.check_same(prompts_digest(given), "training prompts")
@@ -467,23 +470,27 @@ def setup(
     if opts.with_prior_preservation:  # the class images join the instance images after them
         prior.ensure_class_images(components, method, opts, sync, accelerator.process_index, world,
                                   lambda: precision_autocast(precision))
-        more, class_paths, class_crops = load_images_with_crops(opts.class_data_dir, opts.resolution,
-                                                                opts.center_crop, limit=opts.num_class_images)
-        sync.check_same(image_set_digest(class_paths), "class images")
-        num_class_images = len(class_paths)
-        images, crops = torch.cat([images, more]), torch.cat([crops, class_crops])
-        if masks is not None:
-            masks = torch.cat([masks, torch.ones(len(more), *masks.shape[1:])])
-    latents = Latents(components.vae, images, cached=opts.cache_latents, crops=crops, masks=masks)
+        read = list(read_images(opts.class_data_dir, limit=opts.num_class_images))
+        sync.check_same(image_set_digest([path for path, _ in read]), "class images")
+        num_class_images = len(read)
+        images.add([img for _, img in read], opts)  # into every bucket (each batch is of one)
+        masks = [m if m is None else torch.cat([m, torch.ones(num_class_images, *m.shape[1:])]) for m in masks]
+    latents = BucketLatents([Latents(components.vae, part.pixels, cached=opts.cache_latents, crops=part.crops,
+                                     masks=mask) for part, mask in zip(images.parts, masks, strict=True)])
+    if main and images.bucketed:
+        log.info("aspect-ratio buckets (width x height: images): %s",
+                 ", ".join(f"{p.size[0]}x{p.size[1]}: {len(p.members)}" for p in images.parts))
     if opts.cache_latents and not shared:
         release_vae_parts(components, latents, opts)
     prompts = method.prompts(given) + ([opts.class_prompt] if num_class_images else [])
     prompt_ids, *more_ids = [t(prompts, padding="max_length", truncation=True, max_length=t.model_max_length,
                                return_tensors="pt").input_ids for t in components.tokenizers]
+    shapes = latents.latent_shapes()
     plan = SamplePlan(
-        seed=opts.seed, num_images=len(images) - num_class_images, repeats=opts.repeats, prompt_ids=prompt_ids,
+        seed=opts.seed, num_images=len(image_paths), repeats=opts.repeats, prompt_ids=prompt_ids,
         prompt_ids_2=more_ids[0] if more_ids else None, prompt_of_image=given.of_image if given else None,
-        latent_shape=latents.latent_shape(),
+        latent_shape=shapes[0], bucket_latent_shapes=shapes,
+        buckets=[part.members for part in images.parts], group=opts.train_batch_size * world,
         num_train_timesteps=components.noise_scheduler.config.num_train_timesteps, flip_p=opts.flip_p,
         num_class_images=num_class_images,
     )
@@ -544,7 +551,7 @@ def release_text_encoders(components: Components, opts: TrainOptions) -> None:
     hardware.release_freed_memory()
 
 
-def release_vae_parts(components: Components, latents: Latents, opts: TrainOptions) -> None:
+def release_vae_parts(components: Components, latents: BucketLatents, opts: TrainOptions) -> None:
     """With latents cached, the VAE's encoder has done its work: free what nothing will use again
     (the whole VAE without validation, the encoder with it; all of it is kept to save a pipeline)."""
     if opts.save_as_full_pipeline:

@@ -84,7 +84,13 @@ class TrainOptions:
                                    "out_proj (else their outputs are computed once per prompt)", group="lora")
     repeats: int = opt(100, "times each image appears per epoch", group="model and data")
     resolution: int = opt(512, "training image side in pixels (a multiple of 8)", group="model and data")
-    center_crop: bool = opt(False, "crop images to a centered square before resizing", group="model and data")
+    center_crop: bool = opt(False, "crop images to a centered square before resizing (without buckets)",
+                            group="model and data")
+    buckets: str = opt("auto", "aspect-ratio buckets: each image trains at the size of about --resolution squared "
+                       "pixels nearest its aspect ratio (1:2 to 2:1), each batch from one bucket; auto: on when "
+                       "some image is not nearest the square", choices=("auto", "on", "off"), group="model and data")
+    bucket_step: int = opt(64, "the buckets' sides are multiples of this (64: what SD's UNets need)",
+                           group="model and data")
     random_flip: bool = opt(True, "mirror images at random (flip probability --flip-p)", group="model and data")
     flip_p: float = opt(0.5, "probability of mirroring an image when --random-flip", group="model and data")
     # optimisation
@@ -428,6 +434,7 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.num_vectors >= 1, f"--num-vectors must be at least 1, got {o.num_vectors}"),
         (o.resolution > 0 and o.resolution % 8 == 0, f"--resolution must be a positive multiple of 8, got {o.resolution}"),
         (o.train_batch_size >= 1, "--train-batch-size must be at least 1"),
+        (o.bucket_step >= 8 and o.bucket_step % 8 == 0, "--bucket-step must be a positive multiple of 8"),
         (o.gradient_accumulation_steps >= 1, "--gradient-accumulation-steps must be at least 1"),
         (o.max_train_steps is None or o.max_train_steps >= 1, "--max-train-steps must be at least 1"),
         (o.num_train_epochs >= 1, "--num-train-epochs must be at least 1"),

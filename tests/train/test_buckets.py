@@ -1,0 +1,148 @@
+"""Aspect-ratio buckets: the sizes, which image goes where, batches that each hold one bucket (every
+image once an epoch, ranks agreeing), SDXL's time_ids from the real size and crop, and training: ranks
+equal one process with their batches together, and resume is exact across bucket changes (fp32)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from xeontune.cli import main
+from xeontune.train.buckets import bucket_sizes, fit_to_bucket, load_training_images, nearest_bucket
+from xeontune.train.data import Latents, SamplePlan
+from xeontune.train.options import parse_args
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def test_bucket_sizes_keep_about_the_pixels_in_multiples_of_the_step():
+    sizes = bucket_sizes(512, 64)
+    assert sizes[0] == (512, 512)
+    assert {(576, 448), (448, 576), (640, 384), (384, 640)} <= set(sizes)
+    for w, h in sizes:
+        assert w % 64 == 0 and h % 64 == 0 and 0.75 * 512**2 <= w * h <= 512**2 and max(w / h, h / w) <= 2
+    assert nearest_bucket(4032, 3024, sizes) == (576, 448)  # a 4:3 phone photo
+    assert nearest_bucket(3024, 4032, sizes) == (448, 576)
+    assert nearest_bucket(1000, 1000, sizes) == (512, 512)
+    assert nearest_bucket(1920, 1080, sizes) == (640, 384)  # 16:9 -> 5:3
+    assert bucket_sizes(64, 16) == [(64, 64), (48, 80), (80, 48)]  # the tiny models' (--bucket-step 16)
+
+
+def test_an_image_covers_its_bucket_and_sdxl_gets_its_real_size_and_crop():
+    img = Image.new("RGB", (200, 100), (255, 0, 0))
+    img.paste((0, 0, 255), (0, 0, 20, 100))  # a blue band on the left, cut by the crop
+    pixels, crop = fit_to_bucket(img, (80, 48))
+    assert pixels.shape == (3, 48, 80)
+    # scaled by 0.48 to 96 x 48, 8 px cut from each side: the crop's corner at (top 0, left 8)
+    assert crop == (100, 200, 0, 8, 8)
+    latents = Latents(NoVae(), pixels[None], cached=False, crops=torch.tensor([crop]))
+    plan = SamplePlan(seed=0, num_images=1, repeats=1, prompt_ids=torch.zeros(1, 77, dtype=torch.long),
+                      latent_shape=(4, 6, 10), num_train_timesteps=10, flip_p=0.0)
+    assert latents.time_ids(plan.batch([0])).tolist() == [[100.0, 200.0, 0.0, 8.0, 48.0, 80.0]]
+
+
+class NoVae(torch.nn.Module):
+    class config:
+        scaling_factor = 1.0
+
+    dtype = torch.float32
+
+
+def shaped_folder(sample_images, tmp_path, sizes):
+    """The sample images resized to ``sizes`` (width, height), one each."""
+    folder = tmp_path / "shaped"
+    folder.mkdir()
+    for i, (src, size) in enumerate(zip(sorted(sample_images.glob("*.png")), sizes, strict=False)):
+        Image.open(src).resize(size).save(folder / f"img_{i}.png")
+    return folder
+
+
+MIXED = [(96, 48), (64, 64), (40, 80), (90, 50), (64, 60), (50, 100)]  # 2:1, square, 1:2, ...
+
+
+def test_auto_buckets_only_where_some_image_is_not_nearest_the_square(sample_images, tmp_path):
+    def load(folder, *flags):
+        return load_training_images(parse_args(["--model", "m", "--data-dir", str(folder), "--placeholder-token",
+                                                "<t>", "--initializer-token", "t", "--resolution", "64",
+                                                "--bucket-step", "16", *flags]))
+
+    square = load(sample_images)
+    assert not square.bucketed and len(square.parts) == 1 and square.parts[0].pixels.shape == (6, 3, 64, 64)
+    mixed = load(shaped_folder(sample_images, tmp_path, MIXED))
+    assert mixed.bucketed
+    assert {p.size: p.members for p in mixed.parts} == {(64, 64): [1, 4], (48, 80): [2, 5], (80, 48): [0, 3]}
+    assert all(p.pixels.shape == (len(p.members), 3, p.size[1], p.size[0]) for p in mixed.parts)
+    assert not load(tmp_path / "shaped", "--buckets", "off").bucketed
+    assert load(sample_images, "--buckets", "on").bucketed
+
+
+def test_each_global_micro_batch_is_one_bucket_and_every_image_comes_once_an_epoch():
+    buckets = [[1, 4], [2, 5, 6], [0, 3, 7]]
+    plan = SamplePlan(seed=3, num_images=8, repeats=1, prompt_ids=torch.zeros(1, 77, dtype=torch.long),
+                      latent_shape=(4, 8, 8), bucket_latent_shapes=[(4, 8, 8), (4, 10, 6), (4, 6, 10)],
+                      num_train_timesteps=10, flip_p=0.5, buckets=buckets, group=2)
+    assert plan.epoch_len == 2 + 4 + 4  # each bucket's images, its last chunk of 2 filled
+    seen, order = [], []
+    for start in range(0, plan.epoch_len, 2):
+        ranks = [plan.batch([p]) for p in (start, start + 1)]  # 2 ranks of batch 1: the same bucket
+        assert ranks[0].bucket == ranks[1].bucket
+        together = plan.batch([start, start + 1])  # = 1 process with batch 2
+        assert together.bucket == ranks[0].bucket
+        assert together.noise.shape[-2:] == torch.Size(plan.bucket_latent_shapes[together.bucket][1:])
+        assert torch.equal(together.noise, torch.cat([r.noise for r in ranks]))
+        seen += [buckets[together.bucket][i] for i in together.image_index.tolist()]
+        order.append(together.bucket)
+    assert set(seen) == set(range(8)) and len(seen) == 10  # all of them, two twice (the filled chunks)
+    assert len(set(order)) == 3
+    with pytest.raises(ValueError, match="span two buckets"):
+        plan.batch([1, 2])
+
+
+def lora_args(model, data, out, *more):
+    return ["train", "--method", "lora", "--instance-prompt", "a photo of sks toy", "--model", str(model),
+            "--data-dir", str(data), "--resolution", "64", "--bucket-step", "16", "--mixed-precision", "fp32",
+            "--learning-rate", "1e-3", "--save-steps", "0", "--adam-epsilon", "1e-5", "--output-dir", str(out), *more]
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+def test_bucketed_training_resumes_exactly_across_bucket_changes(family, request, sample_images, tmp_path):
+    model = request.getfixturevalue({"sd1": "tiny_model", "sdxl": "sdxl_model"}[family])
+    data = shaped_folder(sample_images, tmp_path, MIXED)
+    common = ["--max-train-steps", "4", "--checkpointing-steps", "2"]
+    assert main(lora_args(model, data, tmp_path / "straight", *common)) == 0
+    assert main(lora_args(model, data, tmp_path / "resumed", "--max-train-steps", "2", "--checkpointing-steps",
+                          "2")) == 0
+    assert main(lora_args(model, data, tmp_path / "resumed", *common, "--resume-from-checkpoint", "latest")) == 0
+    straight, resumed = (load_file(tmp_path / d / LORA_FILE) for d in ("straight", "resumed"))
+    assert max(float(v.abs().max()) for k, v in straight.items() if "lora.up" in k) > 1e-4
+    assert max_diff(straight, resumed) == 0
+
+
+@pytest.mark.slow
+def test_two_ranks_train_what_one_process_does_with_both_batches(tiny_model, sample_images, tmp_path):
+    """(3 ranks on the namespace cluster: tests/cluster/test_lora_cluster.py.)"""
+    data = shaped_folder(sample_images, tmp_path, MIXED)
+    common = ["--max-train-steps", "3", "--checkpointing-steps", "0", "--no-random-flip", "--scale-lr"]
+    proc = subprocess.run([sys.executable, "-m", "xeontune.cli", *lora_args(tiny_model, data, tmp_path / "ranks", *common,
+                                                                             "--nproc-per-node", "2")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert main(lora_args(tiny_model, data, tmp_path / "one", *common, "--train-batch-size", "2")) == 0
+    got, want = (load_file(tmp_path / d / LORA_FILE) for d in ("ranks", "one"))
+    diff = max_diff(got, want)
+    print(f"buckets, 2 ranks vs 1 process x2: max abs diff {diff:.3g}")
+    assert diff <= 1e-5
+    shutil.rmtree(data)

@@ -1,0 +1,136 @@
+"""Aspect-ratio buckets: photos of any shape trained near their own aspect ratio, not squeezed or cut
+to a square.
+
+``--buckets`` (auto: on when some image's nearest bucket is not the square) puts each image in the
+bucket of nearest aspect ratio among a few sizes of about ``--resolution`` squared pixels, multiples of
+``--bucket-step`` (64), from 1:2 to 2:1; the image is scaled to cover its bucket and the excess cut
+evenly from both sides. Latents are cached per bucket (``BucketLatents``: one ``Latents`` each), the
+sample plan draws every global micro-batch from one bucket (data.SamplePlan), and SDXL's time_ids carry
+each image's original size, its crop and its bucket's size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from xeontune.errors import UserError
+from xeontune.train.data import Batch, Latents, cover_box, crop_of, preprocess, read_images
+
+
+def bucket_sizes(resolution: int, step: int, max_ratio: float = 2.0) -> list[tuple[int, int]]:
+    """The buckets' (width, height): multiples of ``step`` of about ``resolution`` squared pixels (not
+    more), from 1:``max_ratio`` to ``max_ratio``:1; the square one first."""
+    area = resolution * resolution
+    sizes = [(resolution, resolution)] if resolution % step == 0 else []
+    for width in range(step, int(resolution * max_ratio) + 1, step):
+        height = area // width // step * step
+        if height >= step and max(width / height, height / width) <= max_ratio and (width, height) not in sizes:
+            sizes.append((width, height))
+    return sizes
+
+
+def nearest_bucket(width: int, height: int, sizes: list[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket whose aspect ratio is nearest the image's (on a log scale; the larger on a tie)."""
+    aspect = math.log(width / height)
+    return min(sizes, key=lambda s: (abs(math.log(s[0] / s[1]) - aspect), -s[0] * s[1]))
+
+
+def fit_to_bucket(img: Image.Image, size: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
+    """The image scaled to cover ``size`` and center-cropped to it, in [-1, 1], and its crop in SDXL's
+    terms (as data.crop_of: original height and width, crop top and left in the scaled image, the
+    mirrored image's crop left)."""
+    box, scale = cover_box(img.width, img.height, size)
+    pixels = img.convert("RGB").resize(size, Image.BICUBIC, box=box)
+    array = np.asarray(pixels, dtype=np.float32) / 127.5 - 1.0
+    top, left = round(box[1] * scale), round(box[0] * scale)
+    mirrored_left = max(0, round(img.width * scale) - size[0] - left)
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous(), (img.height, img.width, top, left, mirrored_left)
+
+
+@dataclass
+class BucketImages:
+    """The images of one bucket: pixels (n, 3, H, W), crops (n, 5) and each one's index in the folder."""
+
+    size: tuple[int, int]  # (width, height)
+    pixels: torch.Tensor
+    crops: torch.Tensor
+    members: list[int]
+
+
+@dataclass
+class TrainingImages:
+    paths: list[Path]  # every readable image of --data-dir, by name
+    parts: list[BucketImages]  # one part of all the images at --resolution without buckets
+    bucketed: bool
+
+    def add(self, upright: list[Image.Image], opts: Any) -> None:
+        """Prior preservation's class images, after each part's own images, fitted as they are."""
+        for part in self.parts:
+            if self.bucketed:
+                fitted = [fit_to_bucket(img, part.size) for img in upright]
+            else:
+                fitted = [(preprocess(img, opts.resolution, opts.center_crop),
+                           crop_of(img.width, img.height, opts.resolution, opts.center_crop)) for img in upright]
+            part.pixels = torch.cat([part.pixels, torch.stack([f[0] for f in fitted])])
+            part.crops = torch.cat([part.crops, torch.tensor([f[1] for f in fitted], dtype=torch.long)])
+
+
+def load_training_images(opts: Any) -> TrainingImages:
+    """--data-dir's images, in buckets when --buckets says so (auto: when some image's nearest bucket is
+    not the square one)."""
+    read = list(read_images(opts.data_dir))
+    paths, upright = [p for p, _ in read], [img for _, img in read]
+    sizes = bucket_sizes(opts.resolution, opts.bucket_step)
+    if opts.buckets == "on" and (opts.resolution, opts.resolution) not in sizes:
+        raise UserError(f"--buckets on: --resolution {opts.resolution} must be a multiple of --bucket-step "
+                        f"{opts.bucket_step}")
+    chosen = [nearest_bucket(img.width, img.height, sizes) for img in upright] if sizes[:1] else []
+    square = (opts.resolution, opts.resolution)
+    if opts.buckets == "off" or not chosen or (opts.buckets == "auto" and all(c == square for c in chosen)):
+        pixels = torch.stack([preprocess(img, opts.resolution, opts.center_crop) for img in upright])
+        crops = torch.tensor([crop_of(img.width, img.height, opts.resolution, opts.center_crop) for img in upright],
+                             dtype=torch.long)
+        return TrainingImages(paths, [BucketImages(square, pixels, crops, list(range(len(paths))))], bucketed=False)
+    parts = []
+    for size in sizes:
+        members = [i for i, c in enumerate(chosen) if c == size]
+        if members:
+            fitted = [fit_to_bucket(upright[i], size) for i in members]
+            parts.append(BucketImages(size, torch.stack([f[0] for f in fitted]),
+                                      torch.tensor([f[1] for f in fitted], dtype=torch.long), members))
+    return TrainingImages(paths, parts, bucketed=True)
+
+
+class BucketLatents:
+    """One ``Latents`` per bucket; a batch (all of one bucket) is served by its bucket's."""
+
+    def __init__(self, parts: list[Latents]) -> None:
+        self.parts = parts
+
+    @property
+    def vae(self) -> Any:
+        return self.parts[0].vae
+
+    @vae.setter
+    def vae(self, value: Any) -> None:  # loop.release_vae_parts frees the encoder once every latent is cached
+        for part in self.parts:
+            part.vae = value
+
+    def latent_shapes(self) -> list[tuple[int, int, int]]:
+        return [part.latent_shape() for part in self.parts]
+
+    def sample(self, batch: Batch) -> torch.Tensor:
+        return self.parts[batch.bucket].sample(batch)
+
+    def mask(self, batch: Batch) -> torch.Tensor | None:
+        return self.parts[batch.bucket].mask(batch)
+
+    def time_ids(self, batch: Batch) -> torch.Tensor:
+        return self.parts[batch.bucket].time_ids(batch)
