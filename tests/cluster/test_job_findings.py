@@ -523,6 +523,37 @@ def test_run_resumes_on_a_reused_cluster_in_its_last_jobs_output_dir(fake, monke
     assert terminations(fake) == 0  # a reused cluster is kept
 
 
+def test_run_copies_a_class_folder_to_remote_nodes_and_leaves_a_missing_one_to_them(fake, monkeypatch, tmp_path):
+    """Prior preservation on a cloud: class photos here are synced as --data-dir is; a --class-data-dir that
+    does not exist here is where the ranks generate the class images on the nodes (their work dir)."""
+    from xeontune.job import run
+
+    fake_record(fake)
+    synced = []
+    monkeypatch.setattr(run, "sync_data", lambda rec, folder: synced.append(folder) or f"/srv/data/{Path(folder).name}")
+    seen = []
+
+    def started(rec, launch_spec, detached, local_output_dir=None, say=print, hold_for_fetch=False):
+        seen.append(launch_spec)
+        return JobInfo(id="new", cluster="c", output_dir=launch_spec.output_dir, local_output_dir="",
+                       job_dir="/j"), 1
+
+    monkeypatch.setattr(start, "start", started)
+    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: 1)
+    use_head(monkeypatch, FolderHead())
+    classes = tmp_path / "dogs"
+    classes.mkdir()
+    lora = ["--method", "lora", "--model", "org/model", "--instance-prompt", "a photo of sks dog",
+            "--with-prior-preservation", "--class-prompt", "a photo of a dog", "--data-dir", DATA]
+    for class_dir, want in ((str(classes), "/srv/data/dogs"), ("dog-class", "dog-class")):
+        synced.clear()
+        assert run_cli("--name", "c", "--", *lora, "--class-data-dir", class_dir, "--output-dir",
+                       str(tmp_path / f"o{len(seen)}")) == 1
+        args = seen[-1].rank_args
+        assert args[args.index("--class-data-dir") + 1] == want
+        assert synced == ([DATA, str(classes)] if want != class_dir else [DATA])
+
+
 # --- the behaviour to reach: the job runs detached, `run` re-attaches -------------------------------
 
 

@@ -140,6 +140,17 @@ def remote_data_dir(record: ClusterRecord, data_dir: str) -> str:
     return bootstrap.data_target(record, data_dir)  # as `cluster up`'s bootstrap put it
 
 
+def class_data_target(record: ClusterRecord, class_dir: str | None) -> str | None:
+    """Prior preservation's --class-data-dir on a remote cluster: a folder here (your own class photos,
+    or images an earlier run generated) is copied to every node as --data-dir is; a path that does not
+    exist here is left to the nodes, where the ranks generate the class images (relative to the
+    cluster's work dir, so a reused cluster finds them)."""
+    if not class_dir or not Path(class_dir).expanduser().is_dir():
+        return None
+    _say(f"[2/4] syncing the class images of {class_dir} to {len(record.nodes)} node(s)")
+    return sync_data(record, class_dir)
+
+
 def run(opts: RunOptions) -> int:
     from xeontune.job import fetch, start
     from xeontune.job.spec import launch_spec, read_request
@@ -188,10 +199,11 @@ def run(opts: RunOptions) -> int:
                     _say(f"[2/4] data synced to {target} at bootstrap")
             else:
                 _say("[2/4] the nodes read --data-dir from this disk" if not provider.remote else "[2/4] no --data-dir")
+            class_target = class_data_target(record, request.options.class_data_dir) if provider.remote else None
             run_id = new_run_id()
             # resuming: in the output dir of the cluster's last job, where its checkpoints are
             head_out = resume_in or (posixpath.join(record.work_dir, "runs", run_id) if provider.uses_ssh else None)
-            spec = launch_spec(record, request, data_dir=target, output_dir=head_out)
+            spec = launch_spec(record, request, data_dir=target, output_dir=head_out, class_data_dir=class_target)
             _say(f"[3/4] training: {spec.ranks} rank(s) on cluster {name!r}")
             stopped_by: str | None = None  # the signal that stopped the job, if one did
             lost = False

@@ -184,15 +184,16 @@ def resolve_ppn(record: ClusterRecord, request: JobRequest) -> int:
 
 
 def launch_spec(record: ClusterRecord, request: JobRequest, num_processes: int | None = None,
-                data_dir: str | None = None, output_dir: str | None = None) -> LaunchSpec:
-    """The job on ``record``: ``data_dir`` / ``output_dir`` replace the options' (where `run` put the
-    data on the nodes, and where the head writes its outputs)."""
+                data_dir: str | None = None, output_dir: str | None = None,
+                class_data_dir: str | None = None) -> LaunchSpec:
+    """The job on ``record``: ``data_dir`` / ``output_dir`` / ``class_data_dir`` replace the options'
+    (where `run` put the data on the nodes, and where the head writes its outputs)."""
     provider = providers.get(record.provider)
     ppn = resolve_ppn(record, request)
     ranks = provider.slots(record, ppn) if num_processes is None else num_processes
     options = dataclasses.replace(request.options)
     given = set(request.given)
-    for name, value in (("data_dir", data_dir), ("output_dir", output_dir)):
+    for name, value in (("data_dir", data_dir), ("output_dir", output_dir), ("class_data_dir", class_data_dir)):
         if value is not None:
             setattr(options, name, value)
             given.add(name)
