@@ -60,6 +60,11 @@ SDXL_TARGETS = {"speedup_min": 2.0, "rss_ratio_max": {"bf16": 0.6, "fp32": 0.9}}
 # (1.8x on an AVX2-only CPU in fp32 at 256 px), peak RSS <= 0.6x its own.
 LORA_TARGETS = {"speedup_min": {"bf16": 1.5, "fp32": 1.8}, "rss_ratio_max": 0.6}
 INSTANCE_PROMPT = "a photo of sks toy"
+CLASS_PROMPT = "a photo of a toy"
+
+
+def prior_flag(args: argparse.Namespace) -> list[str]:
+    return ["--with-prior-preservation"] if getattr(args, "with_prior_preservation", False) else []
 
 
 def targets_for(family: str, precision: str, method: str = "textual_inversion") -> dict[str, float]:
@@ -136,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what trains (default textual_inversion); lora's baseline is diffusers' "
                    "train_dreambooth_lora(_sdxl).py: instance prompt, rank --rank, VAE and text encoder every step")
     p.add_argument("--rank", type=int, default=4, help="--method lora: the adapters' rank (default 4)")
+    p.add_argument("--with-prior-preservation", action="store_true",
+                   help="--method lora: DreamBooth's prior preservation, a class sample beside each instance sample "
+                   "(the bench's images serve as the class images), against the example's --with_prior_preservation")
     p.add_argument("--model", default="tiny", help=f"{', '.join(BUILT_IN)} (built once and cached), "
                    "or a pipeline path (SD1.x, SD2 or SDXL)")
     p.add_argument("--models-dir", default="models", help="where the built-in models are cached (default: models)")
@@ -278,7 +286,10 @@ def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace
     method = getattr(args, "method", "textual_inversion")
     own = ({"placeholder_token": TOKEN, "initializer_token": "toy", "train_full_table": variant == "baseline"}
            if method == "textual_inversion" else
-           {"instance_prompt": INSTANCE_PROMPT, "rank": args.rank, "cache_text": variant != "baseline"})
+           {"instance_prompt": INSTANCE_PROMPT, "rank": args.rank, "cache_text": variant != "baseline",
+            **({"with_prior_preservation": True, "class_data_dir": str(data), "class_prompt": CLASS_PROMPT,
+                "num_class_images": len(list(data.iterdir()))} if getattr(args, "with_prior_preservation", False)
+               else {})})
     return validate(TrainOptions(
         method=method, model=str(model), data_dir=str(data), **own,
         resolution=args.resolution, train_batch_size=args.batch_size, max_train_steps=args.warmup + args.steps,
@@ -461,7 +472,7 @@ class BaselineWorker:
             "--resolution", str(args.resolution), "--batch-size", str(args.batch_size),
             "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--mixed-precision", args.mixed_precision, "--allocator", "none",  # inherits ours via the env
-            "--method", args.method, "--rank", str(args.rank),
+            "--method", args.method, "--rank", str(args.rank), *prior_flag(args),
         ]
         self.log_path = tmp / "baseline-worker.log"
         self._log = self.log_path.open("w")
@@ -696,6 +707,7 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             "allocator": loaded_allocator(), "torch": torch.__version__, "cpu": _cpu_model(),
             "backend_notes": notes, "family": family, "targets": targets_for(family, precision, args.method),
             "method": args.method, **({"rank": args.rank} if args.method == "lora" else {}),
+            "prior_preservation": bool(getattr(args, "with_prior_preservation", False)),
         },
         model_compute_times_s=[round(t, 4) for t in times["compute"]],
         core_peak_gflops=core_peak,
@@ -724,7 +736,7 @@ def rss_in_child(args: argparse.Namespace, variant: str, model: Path) -> dict[st
         "--resolution", str(args.resolution), "--batch-size", str(args.batch_size),
         "--steps", str(min(args.steps, 2)), "--warmup", str(min(args.warmup, 1)),
         "--mixed-precision", args.mixed_precision, "--ipex", args.ipex, "--pack-weights", args.pack_weights,
-        "--allocator", "none", "--method", args.method, "--rank", str(args.rank),
+        "--allocator", "none", "--method", args.method, "--rank", str(args.rank), *prior_flag(args),
         *(["--compile"] if args.compile else []),
         *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
     ]

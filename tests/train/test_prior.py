@@ -130,3 +130,23 @@ def test_prior_preservation_mistakes_are_one_line_errors(tiny_model, sample_imag
           "--data-dir", str(sample_images)]
     assert "is an option of --method lora" in one_line_error(capsys, ti)
     assert not (tmp_path / "class").exists()
+
+
+@pytest.mark.slow
+def test_bench_times_prior_preservation_against_the_examples_with_a_class_sample_per_instance_sample(tiny_model,
+                                                                                                   tmp_path):
+    """`xeontune bench --method lora --with-prior-preservation`: both variants step on instance and class
+    samples: the counted model FLOPs per step double."""
+    import json
+
+    figures = {}
+    for prior in (False, True):
+        out = tmp_path / f"bench-{prior}.json"
+        assert main(["bench", "--method", "lora", "--model", str(tiny_model), "--resolution", "64", "--steps", "1",
+                     "--warmup", "1", "--allocator", "none", "--matmul-size", "256", "--ranks-per-node", "none",
+                     "--no-rss", "--mixed-precision", "fp32", "--json-out", str(out),
+                     *(["--with-prior-preservation"] if prior else [])]) == 0
+        figures[prior] = json.loads(out.read_text())
+    assert figures[True]["config"]["prior_preservation"] is True
+    ratio = figures[True]["model_gflop_per_step"] / figures[False]["model_gflop_per_step"]
+    assert 1.9 < ratio < 2.1, ratio
