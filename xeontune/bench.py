@@ -141,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what trains (default textual_inversion); lora's baseline is diffusers' "
                    "train_dreambooth_lora(_sdxl).py: instance prompt, rank --rank, VAE and text encoder every step")
     p.add_argument("--rank", type=int, default=4, help="--method lora: the adapters' rank (default 4)")
+    p.add_argument("--class-images", type=int, default=0, metavar="N",
+                   help="instead of training steps: time generating N prior-preservation class images as the "
+                   "trainer does (one rank) against diffusers' pipeline as train_dreambooth_lora.py calls it "
+                   "(batches of 4), both at --resolution and --class-inference-steps")
+    p.add_argument("--class-inference-steps", type=int, default=25, help="denoising steps per class image (25)")
     p.add_argument("--with-prior-preservation", action="store_true",
                    help="--method lora: DreamBooth's prior preservation, a class sample beside each instance sample "
                    "(the bench's images serve as the class images), against the example's --with_prior_preservation")
@@ -182,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.class_images < 0 or args.class_inference_steps < 1:
+        raise UserError("--class-images must be >= 0 and --class-inference-steps at least 1")
     for name in ("steps", "batch_size", "matmul_size", "rank"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
@@ -591,6 +598,53 @@ def alternate(
     return times, warmups, phases
 
 
+def bench_class_images(args: argparse.Namespace, log=print) -> dict[str, Any]:
+    """Images/s of class-image generation: the trainer's (its prepared frozen models: packed, the bf16
+    copy under bf16; DPM-Solver++; one image a call, each from its own seed) against diffusers' pipeline
+    loaded and called as train_dreambooth_lora.py does (its own scheduler, batches of 4), at the same
+    size and number of steps. One after the other, each after one warm-up call."""
+    import torch
+
+    from xeontune import models
+    from xeontune.hardware import choose_precision
+    from xeontune.train import loop, prior
+
+    model = resolve_model(args.model, args.models_dir)
+    precision = choose_precision(args.mixed_precision)[0]
+    count, size, steps = args.class_images, args.resolution, args.class_inference_steps
+    with tempfile.TemporaryDirectory(prefix="xeontune-bench-") as tmp:
+        data = Path(tmp) / "data"
+        models.write_sample_data(data, count=1, size=size)
+        args.method, args.with_prior_preservation = "lora", False
+        opts = replace(variant_options(model, data, Path(tmp) / "out", args, "optimized"),
+                       validation_prompt=["x"], class_prompt=CLASS_PROMPT, class_inference_steps=steps)
+        run, _ = loop.setup(opts, loop.make_accelerator(opts))  # the frozen models as training prepares them
+        autocast = run.autocast
+        warm = replace(opts, class_data_dir=str(Path(tmp) / "warm"), num_class_images=1)
+        prior.ensure_class_images(run.components, run.method, warm, run.sync, 0, 1, autocast)
+        timed = replace(opts, class_data_dir=str(Path(tmp) / "class"), num_class_images=count)
+        start = time.perf_counter()
+        prior.ensure_class_images(run.components, run.method, timed, run.sync, 0, 1, autocast)
+        ours = time.perf_counter() - start
+        log(f"xeontune: {count} class images in {ours:.1f} s")
+        del run
+
+        from diffusers import DiffusionPipeline
+
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        pipe = DiffusionPipeline.from_pretrained(str(model), torch_dtype=dtype, safety_checker=None)
+        pipe.set_progress_bar_config(disable=True)
+        pipe(CLASS_PROMPT, num_inference_steps=steps, height=size, width=size)
+        start = time.perf_counter()
+        for first in range(0, count, 4):
+            pipe([CLASS_PROMPT] * min(4, count - first), num_inference_steps=steps, height=size, width=size)
+        example = time.perf_counter() - start
+        log(f"diffusers' pipeline as the example calls it: {count} class images in {example:.1f} s")
+    return {"images": count, "resolution": size, "steps": steps, "precision": precision,
+            "xeontune_images_per_s": count / ours, "example_images_per_s": count / example,
+            "speedup": example / ours, "threads": torch.get_num_threads(), "cpu": _cpu_model()}
+
+
 def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
     import torch
 
@@ -847,6 +901,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    if args.class_images:
+        figures = bench_class_images(args, log)
+        print(json.dumps(figures, indent=2) if args.json else
+              f"class images, {figures['images']} at {figures['resolution']} px, {figures['steps']} steps "
+              f"({figures['precision']}): xeontune {figures['xeontune_images_per_s']:.3f} images/s, diffusers' "
+              f"pipeline as the example calls it {figures['example_images_per_s']:.3f} images/s: "
+              f"{figures['speedup']:.2f}x")
+        return 0
     if args.json_out:  # checked before minutes of benchmarking, not after
         target = Path(args.json_out)
         if target.is_dir():

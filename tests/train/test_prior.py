@@ -150,3 +150,15 @@ def test_bench_times_prior_preservation_against_the_examples_with_a_class_sample
     assert figures[True]["config"]["prior_preservation"] is True
     ratio = figures[True]["model_gflop_per_step"] / figures[False]["model_gflop_per_step"]
     assert 1.9 < ratio < 2.1, ratio
+
+
+@pytest.mark.slow
+def test_bench_times_class_image_generation_against_the_examples_pipeline(tiny_model, capsys):
+    import json
+
+    assert main(["bench", "--class-images", "2", "--model", str(tiny_model), "--resolution", "64",
+                 "--class-inference-steps", "2", "--mixed-precision", "fp32", "--allocator", "none", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["images"] == 2 and figures["steps"] == 2 and figures["resolution"] == 64
+    assert figures["xeontune_images_per_s"] > 0 and figures["example_images_per_s"] > 0
+    assert figures["speedup"] == pytest.approx(figures["xeontune_images_per_s"] / figures["example_images_per_s"])
