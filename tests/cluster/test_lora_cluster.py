@@ -1,8 +1,9 @@
 """LoRA across a real 3-host local cluster: `launch -n 3` and `run --provider local -n 3`, each
 family's adapters loaded into diffusers in both layouts (pytorch_lora_weights and its kohya twin).
 
-3 ranks of batch 1 equal one process of batch 3 (fp32): the adapters start from --seed on every rank
-and their gradients are averaged by one flat all-reduce of the adapters' size."""
+3 ranks of batch 1 equal one process of batch 3 (fp32), with aspect-ratio buckets too: the adapters start
+from --seed on every rank and their gradients are averaged by one flat all-reduce of the adapters' size.
+A DreamBooth run (captions, a pivotal token, prior preservation, buckets) goes through `run` on 3 nodes."""
 
 from __future__ import annotations
 
@@ -68,15 +69,35 @@ def assert_loads_in_both_layouts(model, family: str, out, text_encoder: bool) ->
         assert moved > 1e-6, f"{part}: the fused LoRA left it as the base"
 
 
+def mixed_shapes(sample_images, folder):
+    """The sample images as photos of mixed aspect ratios (2:1, square, 1:2, ...): three buckets at 64 px
+    with --bucket-step 16."""
+    from PIL import Image
+
+    folder.mkdir()
+    shapes = [(96, 48), (64, 64), (40, 80), (90, 50), (64, 60), (50, 100)]
+    for i, (src, size) in enumerate(zip(sorted(sample_images.glob("*.png")), shapes, strict=True)):
+        Image.open(src).resize(size).save(folder / f"toy_0{i}.png")
+    return folder
+
+
+BUCKETS = ("--resolution", "64", "--bucket-step", "16")
+
+
 @pytest.mark.parametrize("family", ["sd", "sd2", "sdxl"])
 def test_lora_on_three_ranks_matches_one_process_and_loads_in_both_layouts(local_cluster, families, sample_images,
                                                                           tmp_path, family):
+    """SD1.x's photos are of mixed shapes: every step's global batch comes from one aspect-ratio bucket."""
     model = families[family]
     extra = ("--train-text-encoder",) if family != "sd2" else ()
+    data = mixed_shapes(sample_images, tmp_path / "mixed") if family == "sd" else sample_images
+    extra += BUCKETS if family == "sd" else ()
     dist = cli("launch", "-n", "3", "--name", local_cluster.name, "--",
-               *lora_args(model, sample_images, tmp_path / "dist", 1, 3, "--scale-lr", *extra), env=OFFLINE)
+               *lora_args(model, data, tmp_path / "dist", 1, 3, "--scale-lr", *extra), env=OFFLINE)
     assert dist.returncode == 0, dist.stdout[-3000:] + dist.stderr[-3000:]
-    train_alone(lora_args(model, sample_images, tmp_path / "one", 3, 3, "--scale-lr", *extra))
+    if family == "sd":
+        assert "aspect-ratio buckets (width x height: images): 64x64: 2, 48x80: 2, 80x48: 2" in dist.stdout + dist.stderr
+    train_alone(lora_args(model, data, tmp_path / "one", 3, 3, "--scale-lr", *extra))
     got, want = load_file(tmp_path / "dist" / DIFFUSERS_FILE), load_file(tmp_path / "one" / DIFFUSERS_FILE)
     assert got.keys() == want.keys()
     assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
@@ -132,17 +153,12 @@ def test_run_on_three_nodes_trains_dreambooth_with_captions_a_pivotal_token_and_
 
     from xeontune.cli import main
 
-    data = tmp_path / "data"
-    data.mkdir()
-    shapes = [(96, 48), (64, 64), (40, 80), (90, 50), (64, 60), (50, 100)]  # 2:1, square, 1:2, ...
-    for i, (src, size) in enumerate(zip(sorted(sample_images.glob("*.png")), shapes, strict=True)):
-        Image.open(src).resize(size).save(data / f"toy_0{i}.png")
+    data = mixed_shapes(sample_images, tmp_path / "data")
     for i in (0, 2, 4):
         (data / f"toy_0{i}.png").with_suffix(".txt").write_text(f"<sks> toy number {i} on a table")
     dreambooth = ["--placeholder-token", "<sks>", "--initializer-token", "toy", "--instance-prompt",
                   "a photo of <sks> toy", "--with-prior-preservation", "--class-prompt", "a photo of a toy",
-                  "--num-class-images", "3", "--class-inference-steps", "2", "--resolution", "64",
-                  "--bucket-step", "16"]
+                  "--num-class-images", "3", "--class-inference-steps", "2", *BUCKETS]
     out = tmp_path / "out"
     args = lora_args(families["sd"], data, out, 1, 2, *dreambooth, "--class-data-dir", str(tmp_path / "class3"))
     proc = cli("run", "--provider", "local", "-n", "3", "--name", cluster_name, "--", *args, env=OFFLINE)
