@@ -493,6 +493,19 @@ def test_job_record_round_trips(fake):
     assert json.loads(record.record_path("c").read_text())["version"] == record.RECORD_VERSION
 
 
+def recording_starts(monkeypatch) -> list:
+    """Every launch spec `run` starts (start.start faked: the job is "new", exit 1 when followed)."""
+    seen = []
+
+    def started(rec, launch_spec, detached, local_output_dir=None, say=print, hold_for_fetch=False):
+        seen.append(launch_spec)
+        return JobInfo(id="new", cluster="c", output_dir=launch_spec.output_dir, local_output_dir="",
+                       job_dir="/j"), 1
+
+    monkeypatch.setattr(start, "start", started)
+    return seen
+
+
 def test_run_resumes_on_a_reused_cluster_in_its_last_jobs_output_dir(fake, monkeypatch, tmp_path, capsys):
     """Finding 5: `run` could not resume at all on SSH providers (each run wrote a new runs/<id>,
     where `--resume-from-checkpoint latest` found nothing)."""
@@ -502,14 +515,7 @@ def test_run_resumes_on_a_reused_cluster_in_its_last_jobs_output_dir(fake, monke
     record.save_job(JobInfo(id="old", cluster="c", output_dir="/srv/fake/work/runs/old", local_output_dir="/l",
                             job_dir="/srv/fake/work/jobs/old"))
     monkeypatch.setattr(run, "sync_data", lambda rec, data_dir: "/srv/fake/work/data/d")
-    seen = []
-
-    def started(rec, launch_spec, detached, local_output_dir=None, say=print, hold_for_fetch=False):
-        seen.append(launch_spec)
-        return JobInfo(id="new", cluster="c", output_dir=launch_spec.output_dir, local_output_dir="",
-                       job_dir="/j"), 1
-
-    monkeypatch.setattr(start, "start", started)
+    seen = recording_starts(monkeypatch)
     monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: 1)
     use_head(monkeypatch, FolderHead())  # the failed job's fetch finds nothing written
     assert run_cli("--name", "c", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(tmp_path / "o"),
@@ -531,14 +537,7 @@ def test_run_copies_a_class_folder_to_remote_nodes_and_leaves_a_missing_one_to_t
     fake_record(fake)
     synced = []
     monkeypatch.setattr(run, "sync_data", lambda rec, folder: synced.append(folder) or f"/srv/data/{Path(folder).name}")
-    seen = []
-
-    def started(rec, launch_spec, detached, local_output_dir=None, say=print, hold_for_fetch=False):
-        seen.append(launch_spec)
-        return JobInfo(id="new", cluster="c", output_dir=launch_spec.output_dir, local_output_dir="",
-                       job_dir="/j"), 1
-
-    monkeypatch.setattr(start, "start", started)
+    seen = recording_starts(monkeypatch)
     monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: 1)
     use_head(monkeypatch, FolderHead())
     classes = tmp_path / "dogs"

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.held_out import held_out_loss
+from tests.one_line import one_line_error as one_line
 from xeontune.cli import main
 from xeontune.train import loop, validation
 from xeontune.train import packed as packed_layers
@@ -342,12 +343,7 @@ def test_validation_images_are_made_with_the_adapters(lora_args, tmp_path, runs)
 
 
 def one_line_error(capsys, args) -> str:
-    capsys.readouterr()
-    assert main(["train", *args]) == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    return errors[0]
+    return one_line(capsys, ["train", *args])
 
 
 def test_bad_options_are_one_line_errors(lora_args, base_args, capsys, tmp_path):

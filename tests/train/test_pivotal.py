@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.one_line import one_line_error
 from xeontune.cli import main
 
 pytestmark = pytest.mark.slow
@@ -84,15 +85,6 @@ def test_sdxl_pivotal_tuning_writes_clip_l_and_clip_g_and_resumes_exactly(sdxl_m
         row = encoder.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("<sks>")].detach()
         assert torch.equal(row, embeds[key][0]) and float((row - start).abs().max()) > 1e-4, key
     assert pipe("a photo of <sks>", num_inference_steps=1, height=64, width=64).images[0].size == (64, 64)
-
-
-def one_line_error(capsys, args) -> str:
-    capsys.readouterr()
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    return errors[0]
 
 
 def test_pivotal_mistakes_are_one_line_errors(tiny_model, sample_images, tmp_path, capsys):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file
 
+from tests.one_line import one_line_error
 from xeontune.cli import main
 from xeontune.train.data import Batch, SamplePlan, sample_loss
 from xeontune.train.prior import GENERATED, missing_names
@@ -108,15 +109,6 @@ def test_two_ranks_generate_the_same_class_images_and_train_what_one_process_doe
     diff = max(float((got[k] - want[k]).abs().max()) for k in want)
     print(f"prior preservation, 2 ranks vs 1 process x2: max abs diff {diff:.3g}")
     assert diff <= 1e-5
-
-
-def one_line_error(capsys, args) -> str:
-    capsys.readouterr()
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    return errors[0]
 
 
 def test_prior_preservation_mistakes_are_one_line_errors(tiny_model, sample_images, tmp_path, capsys):

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from tests.one_line import one_line_error
 from xeontune.cli import main
 from xeontune.errors import UserError
 from xeontune.train import loop
@@ -108,19 +109,24 @@ LORA = ("--method", "lora", "--learning-rate", "1e-3")
 TI = ("--placeholder-token", "<sks>", "--initializer-token", "toy", "--num-vectors", "2")
 
 
-@pytest.mark.slow
-def test_lora_trains_on_captions_alone_and_its_text_encoder_reads_each_caption(tiny_model, folder, tmp_path,
-                                                                               monkeypatch):
-    for i in range(6):
-        (folder / f"toy_0{i}.txt").write_text(f"a photo of sks toy {['red', 'blue'][i % 2]}")
-    seen: list[str] = []
+@pytest.fixture
+def seen(monkeypatch) -> list[str]:
+    """The prompts the text encoder reads (as the first tokenizer decodes them), in order."""
+    read: list[str] = []
     encode = loop.Run.encode_prompts
 
     def recording(run, input_ids, input_ids_2):
-        seen.extend(run.components.tokenizer.batch_decode(input_ids, skip_special_tokens=True))
+        read.extend(run.components.tokenizer.batch_decode(input_ids, skip_special_tokens=True))
         return encode(run, input_ids, input_ids_2)
 
     monkeypatch.setattr(loop.Run, "encode_prompts", recording)
+    return read
+
+
+@pytest.mark.slow
+def test_lora_trains_on_captions_alone_and_its_text_encoder_reads_each_caption(tiny_model, folder, tmp_path, seen):
+    for i in range(6):
+        (folder / f"toy_0{i}.txt").write_text(f"a photo of sks toy {['red', 'blue'][i % 2]}")
     assert main(train_args(tiny_model, folder, tmp_path / "out", *LORA)) == 0
     assert sorted(seen) == ["a photo of sks toy blue", "a photo of sks toy red"]  # cached once per caption
     weights = load_file(tmp_path / "out" / "pytorch_lora_weights.safetensors")
@@ -128,29 +134,12 @@ def test_lora_trains_on_captions_alone_and_its_text_encoder_reads_each_caption(t
 
 
 @pytest.mark.slow
-def test_textual_inversion_reads_captions_with_every_vector_of_its_token(tiny_model, folder, tmp_path, monkeypatch):
+def test_textual_inversion_reads_captions_with_every_vector_of_its_token(tiny_model, folder, tmp_path, seen):
     for i in range(6):
         (folder / f"toy_0{i}.txt").write_text("a photo of a <sks> on a table")
-    seen: list[str] = []
-    encode = loop.Run.encode_prompts
-
-    def recording(run, input_ids, input_ids_2):
-        seen.extend(run.components.tokenizer.batch_decode(input_ids, skip_special_tokens=True))
-        return encode(run, input_ids, input_ids_2)
-
-    monkeypatch.setattr(loop.Run, "encode_prompts", recording)
     assert main(train_args(tiny_model, folder, tmp_path / "out", *TI)) == 0
     # (added tokens decode without the spaces around them)
     assert {text.replace(" ", "") for text in seen} == {"aphotoofa<sks><sks>_1onatable"}
-
-
-def one_line_error(capsys, args) -> str:
-    capsys.readouterr()
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    return errors[0]
 
 
 def test_prompts_that_do_not_suit_the_method_are_one_line_errors(tiny_model, folder, tmp_path, capsys):
