@@ -42,7 +42,9 @@ class TrainOptions:
                             aliases=("--pretrained_model_name_or_path",), group="model and data")
     revision: str | None = opt(None, "model revision (branch, tag or commit) on the hub", group="model and data")
     variant: str | None = opt(None, "weights variant, e.g. fp16", group="model and data")
-    data_dir: str | None = opt(None, "folder of training images (required)",
+    data_dir: str | None = opt(None, "folder of training images (required); beside them, optional captions "
+                               "(IMAGE.txt, metadata.jsonl) and loss masks (IMAGE.mask.png: white learns, black "
+                               "is ignored); see docs/training.md",
                                aliases=("--train_data_dir", "--instance_data_dir"),
                                group="model and data")
     placeholder_token: str | None = opt(None, "the new token to learn, e.g. '<cat-toy>' (required; with "
