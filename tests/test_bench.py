@@ -1,7 +1,7 @@
 """`xeontune bench` on the tiny model: the JSON contract, the peak-RSS child, bad input.
 
 Speeds are not asserted here (a shared 2-core machine makes timed tests flaky); the targets live in
-`make bench` and docs/performance.md.
+`make bench` and docs/performance.md. The tests that run a bench (training steps) are marked slow.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ FAST = ["--resolution", "64", "--steps", "1", "--warmup", "1", "--allocator", "n
         "--ranks-per-node", "none"]
 
 
+@pytest.mark.slow
 def test_bench_json_has_the_documented_keys(tiny_model, capsys, tmp_path, fake_cpu):
     out = tmp_path / "bench.json"
     assert main(["bench", "--model", str(tiny_model), *FAST, "--no-rss", "--json", "--json-out", str(out)]) == 0
@@ -38,6 +39,7 @@ def test_bench_json_has_the_documented_keys(tiny_model, capsys, tmp_path, fake_c
     assert result["config"]["precision"] == {"amx-xeon": "bf16", "avx2-only": "fp32"}[fake_cpu]
 
 
+@pytest.mark.slow
 def test_bench_table_and_no_baseline(tiny_model, capsys):
     assert main(["bench", "--model", str(tiny_model), *FAST, "--no-rss", "--no-baseline"]) == 0
     out = capsys.readouterr().out
@@ -45,6 +47,7 @@ def test_bench_table_and_no_baseline(tiny_model, capsys):
     assert "GFLOP per step" in out
 
 
+@pytest.mark.slow
 def test_ranks_per_node_sweep_and_mfu(tiny_model, capsys, tmp_path):
     """Each count is a real `xeontune train --nproc-per-node R` run; auto is marked with what it chose,
     and the table judges it against its target."""
@@ -82,6 +85,7 @@ def test_ranks_per_node_sweep_and_mfu(tiny_model, capsys, tmp_path):
         assert r["mfu"] == pytest.approx(r["images_per_s"] * result["model_gflop_per_step"] / batch / node_peak)
 
 
+@pytest.mark.slow
 def test_peak_rss_child_reports_its_own_peak(tiny_model):
     done = subprocess.run(
         [sys.executable, "-m", "xeontune.bench", "--rss-child", "baseline", "--model", str(tiny_model),
@@ -131,6 +135,7 @@ def test_loaded_allocator_reads_this_process():
     assert bench.loaded_allocator() in ("tcmalloc", "jemalloc", "glibc malloc", "unknown")
 
 
+@pytest.mark.slow
 def test_baseline_worker_counts_the_same_model_flops_as_the_trainer(tiny_model, capsys):
     """The FLOPs come from the baseline worker when there is one. Its step encodes latents with the
     VAE every step; that encode is input preparation, so it must not be counted (it once tripled
@@ -186,6 +191,7 @@ def test_sdxl_baseline_holds_the_models_as_the_sdxl_example_does(tmp_path):
     assert {p.dtype for m in (fp32.unet, fp32.vae, fp32.text_encoder_2) for p in m.parameters()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_sdxl_bench_counts_flops_and_takes_sdxl_targets(tmp_path, capsys):
     assert main(["bench", "--model", "sdxl-tiny", "--models-dir", str(tmp_path), *FAST, "--no-rss", "--json",
                  "--mixed-precision", "fp32", "--gradient-checkpointing"]) == 0
@@ -200,6 +206,7 @@ def test_sdxl_bench_counts_flops_and_takes_sdxl_targets(tmp_path, capsys):
     assert bench.targets_for("sd", "bf16") == bench.TARGETS
 
 
+@pytest.mark.slow
 def test_one_at_a_time_steps_the_baseline_after_the_optimized_variant(tiny_model, capsys):
     """For models whose two copies do not fit together (sdxl-arch in fp32 on 24 GB): the same result keys,
     the baseline stepped in its own process once the optimized variant is done."""
@@ -221,6 +228,7 @@ def test_an_unwritable_json_out_is_refused_before_the_bench_runs(tiny_model, tmp
         assert "warm-up" not in err and "step 1" not in err, err  # refused up front: not one step ran
 
 
+@pytest.mark.slow
 def test_lora_bench_baseline_runs_the_vae_and_the_text_encoder_every_step(tiny_model, capsys):
     """diffusers' train_dreambooth_lora.py: VAE and text encoder every step; ours caches both."""
     assert main(["bench", "--method", "lora", "--model", str(tiny_model), *FAST, "--no-rss", "--json",

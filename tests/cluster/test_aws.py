@@ -1,7 +1,8 @@
 """The aws provider against moto's EC2 server on 127.0.0.1, over real HTTP through boto3.
 
 boto3 honours AWS_ENDPOINT_URL, so the provider code runs unchanged; every assertion reads the
-emulated account back through a separate boto3 client.
+emulated account back through a separate boto3 client. The tests that bring a cluster up (emulated,
+2 to 40 s each) are marked slow: `make test-fast` starts no cluster.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def teardown(name: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, s
     return rc, out, err
 
 
+@pytest.mark.slow
 def test_up_creates_tagged_nodes_two_rules_key_and_files_then_teardown_removes_all(env, capsys):
     assert cli.main(up_argv("t1", 3)) == 0
     out = capsys.readouterr().out
@@ -177,6 +179,7 @@ def test_up_creates_tagged_nodes_two_rules_key_and_files_then_teardown_removes_a
     assert rc == 0 and "deleted" not in out
 
 
+@pytest.mark.slow
 def test_spot_subnet_and_ami_options(env, capsys):
     c = ec2()
     vpc = c.create_vpc(CidrBlock="10.77.0.0/16")["Vpc"]["VpcId"]
@@ -196,6 +199,7 @@ def test_spot_subnet_and_ami_options(env, capsys):
     assert leftovers("opts") == {"instances": [], "security_groups": [], "key_pairs": []}
 
 
+@pytest.mark.slow
 def test_teardown_from_tags_alone_when_state_file_is_lost(env, capsys):
     assert cli.main(up_argv("lost", 2)) == 0
     other = cli.main(up_argv("other", 1))  # a second cluster that must survive
@@ -233,6 +237,7 @@ def _interrupt_after(monkeypatch: pytest.MonkeyPatch, k: int) -> list[str]:
     return seen
 
 
+@pytest.mark.slow
 def test_interrupting_up_at_each_cloud_call_then_teardown_leaves_nothing(env, capsys, monkeypatch):
     calls = _interrupt_after(monkeypatch, 0)
     assert cli.main(up_argv("f", 2)) == 0
@@ -342,6 +347,7 @@ def _quota_at(n: int):
     return answer
 
 
+@pytest.mark.slow
 def test_quota_error_is_one_line_and_leaves_nothing_running(env, capsys, monkeypatch):
     proxy = _Proxy(env, _quota_at(2))
     with proxy as url:
@@ -422,6 +428,7 @@ def _ec2_error(code: str, message: str) -> tuple[int, bytes]:
                  f"<Message>{message}</Message></Error></Errors><RequestID>r</RequestID></Response>").encode()
 
 
+@pytest.mark.slow
 def test_teardown_retries_a_busy_group_and_names_what_it_could_not_delete(env, capsys, monkeypatch):
     assert cli.main(up_argv("dep", 2)) == 0
     capsys.readouterr()
@@ -447,6 +454,7 @@ def test_teardown_retries_a_busy_group_and_names_what_it_could_not_delete(env, c
     assert leftovers("dep") == {"instances": [], "security_groups": [], "key_pairs": []}
 
 
+@pytest.mark.slow
 def test_teardown_terminates_instances_ec2_does_not_show_yet(env, capsys, monkeypatch):
     """EC2 is eventually consistent: right after RunInstances, DescribeInstances may not know the
     id yet (a quota error on the next node triggers exactly such a teardown). Those ids from the
@@ -515,6 +523,7 @@ def test_without_the_aws_extra_the_error_says_what_to_install(env, capsys, monke
 # --- two users, one account: names are shared, cluster ids are not -------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_up_of_the_same_name_from_another_state_dir_is_refused_and_harms_nothing(env, capsys, monkeypatch,
                                                                                            tmp_path):
     assert cli.main(up_argv("default", 2)) == 0
@@ -544,6 +553,7 @@ def _foreign_instance(name: str, cluster_id: str) -> str:
                                              {"Key": "xeontune-cluster-id", "Value": cluster_id}]}])["Instances"][0]["InstanceId"]
 
 
+@pytest.mark.slow
 def test_teardown_with_a_record_deletes_only_what_carries_its_id(env, capsys, monkeypatch, tmp_path):
     assert cli.main(up_argv("shared", 2)) == 0
     foreign = _foreign_instance("shared", "0123456789abcdef")
@@ -559,6 +569,7 @@ def test_teardown_with_a_record_deletes_only_what_carries_its_id(env, capsys, mo
     assert live_instances("shared") == []
 
 
+@pytest.mark.slow
 def test_a_failure_after_the_instances_exist_rolls_back_unless_keep_on_failure(env, capsys, monkeypatch):
     def no_ssh(self, record, timeout_s):
         raise UserError(f"node node1 of cluster {record.name!r} did not answer SSH within 600s")
@@ -610,6 +621,7 @@ def test_a_corrupt_record_falls_back_to_the_name_tag_with_a_warning(env, capsys)
     assert not state.exists("broken")
 
 
+@pytest.mark.slow
 def test_run_instances_carries_an_idempotency_token_from_the_cluster_id(env, capsys, monkeypatch):
     tokens: list[str] = []
 

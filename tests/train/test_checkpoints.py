@@ -158,6 +158,7 @@ def test_a_damaged_state_file_is_a_one_line_error(tmp_path):
         checkpoint.read(path)
 
 
+@pytest.mark.slow
 def test_resuming_at_or_past_the_last_step_and_the_final_outputs(base_args, tmp_path, capsys):
     """A checkpoint at the last step: the run writes its outputs and says nothing was left to train
     (it crashed on the missing loss). Past the last step: a one-line error (it wrote the later step's

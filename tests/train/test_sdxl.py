@@ -336,6 +336,7 @@ def test_sdxl_bf16_trains_with_both_encoders_linears_mapped_from_bf16_copies(xl_
     assert torch.equal(state[table][-2:], split(result.vectors)[1])
 
 
+@pytest.mark.slow
 def test_a_half_precision_variant_trains_as_its_values_in_fp32(xl_args, sdxl_model, tmp_path, monkeypatch):
     """`--variant fp16` (SDXL's usual download) or a model saved in fp16: transformers 5 loads the text
     encoders in their files' dtype, and an fp16 encoder broke the step. The parts are upcast: a fp32 run
