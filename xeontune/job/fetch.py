@@ -483,9 +483,17 @@ def _status(rc_text: bytes | None) -> int | None:
     return int(rc_text) if rc_text is not None and rc_text.strip().lstrip(b"-").isdigit() else None
 
 
+def _dropped_if(lenient: bool) -> contextlib.AbstractContextManager[object]:
+    """Output that cannot be written, dropped where ``lenient``: `run`'s terminal may be gone (a hang-up,
+    a closed window: every write to it fails), and the job's end, its fetch and the teardown matter
+    more than the job's output."""
+    return contextlib.suppress(OSError) if lenient else contextlib.nullcontext()
+
+
 def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | None = None,
-            connected: Callable[[], None] | None = None) -> int:
-    """Print the log from ``pos[0]`` on (kept there across connections); return the job's status."""
+            connected: Callable[[], None] | None = None, lenient: bool = False) -> int:
+    """Print the log from ``pos[0]`` on (kept there across connections); return the job's status.
+    ``lenient`` (`run`): output that cannot be written is dropped (``_dropped_if``)."""
     from xeontune.cluster import providers
 
     out = sys.stdout.buffer
@@ -499,12 +507,14 @@ def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | 
             rc_text = head.read(job.rc_path)  # read before the log: the log is then complete
             chunk = head.read(job.log_path, pos[0]) or b""
             if chunk:
-                out.write(chunk)
-                out.flush()
+                with _dropped_if(lenient):
+                    out.write(chunk)
+                    out.flush()
                 pos[0] += len(chunk)
             if (rc := _status(rc_text)) is not None:
                 if follow:
-                    print(f"xeontune: job {job.id} exited with status {rc}", file=sys.stderr, flush=True)
+                    with _dropped_if(lenient):
+                        print(f"xeontune: job {job.id} exited with status {rc}", file=sys.stderr, flush=True)
                 return rc
             if not follow:
                 return 0
@@ -512,15 +522,17 @@ def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | 
             if ended is not None:
                 time.sleep(0.5)  # its script may have written its status just now
                 if _status(head.read(job.rc_path)) is None:
-                    print(f"xeontune: job {job.id} ({record.provider} job {job.scheduler_id}) ended {ended} "
-                          "without an exit status (cancelled, or killed at its time limit?)", file=sys.stderr)
+                    with _dropped_if(lenient):
+                        print(f"xeontune: job {job.id} ({record.provider} job {job.scheduler_id}) ended {ended} "
+                              "without an exit status (cancelled, or killed at its time limit?)", file=sys.stderr)
                     return 1
                 continue
             pid = (head.read(job.pid_path) or b"").strip()
             if pid.isdigit() and not head.exists(f"/proc/{int(pid)}"):
                 time.sleep(0.5)  # it may have written its status just now
                 if _status(head.read(job.rc_path)) is None:  # none, or not a number: it waited forever on that
-                    print(f"xeontune: job {job.id} ended without an exit status (killed?)", file=sys.stderr)
+                    with _dropped_if(lenient):
+                        print(f"xeontune: job {job.id} ended without an exit status (killed?)", file=sys.stderr)
                     return 1
                 continue
             time.sleep(FOLLOW_INTERVAL_S)
@@ -540,7 +552,7 @@ def follow_job(record: ClusterRecord, job: JobInfo, reconnect_s: float, say: Cal
 
     while True:
         try:
-            return _follow(record, job, True, pos, connected)
+            return _follow(record, job, True, pos, connected, lenient=True)
         except HeadError as exc:
             now = time.monotonic()
             if not lost_since:
