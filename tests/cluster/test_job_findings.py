@@ -73,7 +73,7 @@ def write_outputs(where: Path, tag: bytes = b"vectors", pipeline: bool = False) 
 def fake_start(monkeypatch, head_dir: Path, before_end=None, rc: int = 0, write: bool = True) -> None:
     """`start.start` that "trains" by writing outputs into ``head_dir`` (the head's output dir; with
     ``write`` False, nothing), and a job that ends with ``rc`` as `run` follows it."""
-    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: rc)
+    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say, pos=None: rc)
 
     def started(rec, launch_spec, detached, local_output_dir=None, say=print, hold_for_fetch=False):
         job = JobInfo(id="job1", cluster=rec.name, output_dir=str(head_dir), local_output_dir=str(local_output_dir),
@@ -516,7 +516,7 @@ def test_run_resumes_on_a_reused_cluster_in_its_last_jobs_output_dir(fake, monke
                             job_dir="/srv/fake/work/jobs/old"))
     monkeypatch.setattr(run, "sync_data", lambda rec, data_dir: "/srv/fake/work/data/d")
     seen = recording_starts(monkeypatch)
-    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: 1)
+    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say, pos=None: 1)
     use_head(monkeypatch, FolderHead())  # the failed job's fetch finds nothing written
     assert run_cli("--name", "c", "--", *REQUIRED, "--data-dir", DATA, "--output-dir", str(tmp_path / "o"),
                    "--resume-from-checkpoint", "latest") == 1
@@ -538,7 +538,7 @@ def test_run_copies_a_class_folder_to_remote_nodes_and_leaves_a_missing_one_to_t
     synced = []
     monkeypatch.setattr(run, "sync_data", lambda rec, folder: synced.append(folder) or f"/srv/data/{Path(folder).name}")
     seen = recording_starts(monkeypatch)
-    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: 1)
+    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say, pos=None: 1)
     use_head(monkeypatch, FolderHead())
     classes = tmp_path / "dogs"
     classes.mkdir()
@@ -604,7 +604,7 @@ def test_a_connection_that_does_not_come_back_keeps_the_cluster(fake, monkeypatc
     """Issue 18 finding 1 (the lost SSH connection): ssh exited 255 after ~45 s of silence and that
     ended the job and the cluster. Now the job goes on on the head and the cluster stays."""
     fake_start(monkeypatch, tmp_path / "head")
-    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say: None)
+    monkeypatch.setattr(fetch, "follow_job", lambda rec, job, reconnect_s, say, pos=None: None)
     assert run_cli("--name", "gone", "--", *REQUIRED, "--data-dir", DATA,
                    "--output-dir", str(tmp_path / "o")) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -620,7 +620,7 @@ def test_ctrl_c_while_following_stops_the_job_on_the_head_then_tears_down(fake, 
     use_head(monkeypatch, FolderHead())
     calls: list[str] = []
 
-    def follow(rec, job, reconnect_s, say):
+    def follow(rec, job, reconnect_s, say, pos=None):
         calls.append("follow")
         if len(calls) == 1:
             raise KeyboardInterrupt

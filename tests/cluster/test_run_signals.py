@@ -241,6 +241,9 @@ def test_sigterm_to_run_stops_the_job_fetches_what_it_wrote_and_deletes_the_clus
     assert f"interrupted (SIGTERM); fetched what it wrote into {out}: " in text, text[-3000:]
     assert text.strip().splitlines()[-1].startswith(f"deleted cluster {cluster_name!r} (local)"), text[-3000:]
     assert "Traceback" not in text, text[-3000:]
+    # the log goes on after the signal, not again from its start
+    first_line = next(line for line in text.splitlines() if line.startswith("[0]"))
+    assert text.count(first_line + "\n") == 1, text[-3000:]
     assert_fetched_and_nothing_left(cluster_name, out, at_signal)
     print(f"SIGTERM to `run`: stopped, fetched and deleted, exit 143, in {took:.1f} s")
 

@@ -538,11 +538,14 @@ def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | 
             time.sleep(FOLLOW_INTERVAL_S)
 
 
-def follow_job(record: ClusterRecord, job: JobInfo, reconnect_s: float, say: Callable[[str], None]) -> int | None:
+def follow_job(record: ClusterRecord, job: JobInfo, reconnect_s: float, say: Callable[[str], None],
+               pos: list[int] | None = None) -> int | None:
     """`run`'s view of its detached job: the log until the job ends, then its exit status. A lost
     connection is tried again (every RECONNECT_INTERVAL_S) for ``reconnect_s`` from when it was
-    lost, and the log goes on where it stopped; None when it did not come back (the job goes on)."""
-    pos = [0]
+    lost, and the log goes on where it stopped; None when it did not come back (the job goes on).
+    ``pos``: where the log goes on from, kept there (`run` follows again after stopping the job on a
+    signal: the log goes on, not from its start)."""
+    pos = [0] if pos is None else pos
     lost_since: list[float] = []
 
     def connected() -> None:

@@ -302,9 +302,10 @@ def follow_detached(record: ClusterRecord, job: JobInfo) -> int | None:
 
     reconnect_s = float(os.environ.get(RECONNECT_ENV) or 600)
     first: KeyboardInterrupt | None = None
+    shown = [0]  # how much of the log was printed: after a signal it goes on from there
     while True:
         try:
-            rc = fetch.follow_job(record, job, reconnect_s, _say)
+            rc = fetch.follow_job(record, job, reconnect_s, _say, pos=shown)
         except KeyboardInterrupt as exc:
             what = exc.args[0] if exc.args else "SIGINT"
             _say(f"interrupted ({what}): stopping the job on every rank" if first is None
