@@ -23,6 +23,7 @@ def terminate_from_inside(name: str) -> None:
     assert live_instances(name) == []
 
 
+@pytest.mark.slow
 def test_status_notices_terminated_instances_and_deletes_the_rest(capsys):
     assert cli.main(up_argv("gone", 3)) == 0
     capsys.readouterr()
@@ -50,6 +51,7 @@ def test_status_leaves_running_clusters_alone(capsys):
     assert state.exists("live") and len(live_instances("live")) == 2
 
 
+@pytest.mark.slow
 def test_teardown_after_autostop_deletes_the_rest(capsys):
     assert cli.main(up_argv("gone2", 3)) == 0
     terminate_from_inside("gone2")

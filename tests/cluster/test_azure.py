@@ -171,6 +171,7 @@ class _InterruptAfter(SansIOHTTPPolicy):
                 time.sleep(1)  # the handler raises KeyboardInterrupt here, at the latest
 
 
+@pytest.mark.slow
 def test_interrupting_up_at_each_cloud_call_then_teardown_leaves_nothing(arm, capsys, monkeypatch):
     plain = azure._client_kwargs
 

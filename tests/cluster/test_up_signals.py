@@ -104,6 +104,7 @@ def finished(proc: subprocess.Popen, timeout: float = 120) -> int:
             proc.wait()
 
 
+@pytest.mark.slow
 def test_sigterm_while_up_waits_rolls_back_everything(tmp_path):
     """SIGTERM 3 instances in (the nodes exist, `up` waits for them) left the instances, the security
     group and the key pair running, exit 143 and not a word. Now it rolls back as Ctrl-C does."""
@@ -121,6 +122,7 @@ def test_sigterm_while_up_waits_rolls_back_everything(tmp_path):
     assert leftovers("term") == NOTHING and not state.exists("term")
 
 
+@pytest.mark.slow
 def test_a_closed_terminal_rolls_back_everything():
     """SIGHUP, as closing the terminal sends it (the pty's master closed: the kernel hangs up the
     process's controlling terminal, and every write to it fails from then on): rolled back, exit 129."""
@@ -146,6 +148,7 @@ def test_a_closed_terminal_rolls_back_everything():
     assert leftovers("hup") == NOTHING and not state.exists("hup")
 
 
+@pytest.mark.slow
 def test_an_interrupted_rollback_says_what_is_left_and_how_to_delete_it(tmp_path):
     """A second signal while `up` rolls back stops the rollback (Ctrl-C's way out): the last line
     names every resource that may be left and the teardown that deletes them, and it does."""
@@ -172,6 +175,7 @@ def test_an_interrupted_rollback_says_what_is_left_and_how_to_delete_it(tmp_path
     assert leftovers("half") == NOTHING and not state.exists("half")
 
 
+@pytest.mark.slow
 def test_run_whose_up_rollback_is_interrupted_ends_with_what_is_left(tmp_path):
     """`run`'s last line said "cluster 'X' was not created by this run and is kept" when its own
     `up` was interrupted while rolling back: it must say what may be left and how to delete it."""

@@ -50,6 +50,7 @@ def test_no_readable_image(capsys, base_args, tmp_path):
     assert_one_line_error(capsys, replace(base_args, "--data-dir", str(bad)), tmp_path / "out", "no readable image")
 
 
+@pytest.mark.slow
 def test_corrupt_file_is_skipped_with_a_warning(caplog, base_args, sample_images, tmp_path):
     caplog.set_level(logging.WARNING, logger="xeontune.train.data")
     mixed = tmp_path / "mixed"
@@ -156,6 +157,7 @@ def test_gated_hub_id_says_login(capsys, base_args, tmp_path, monkeypatch):
     assert "gated" in errors[0] and "huggingface-cli login" in errors[0] and "mirror" not in errors[0]
 
 
+@pytest.mark.slow
 def test_output_dir_holding_another_run(capsys, base_args, tmp_path):
     args = replace(base_args, "--max-train-steps", "1")
     assert main(["train", *args]) == 0
@@ -225,6 +227,7 @@ def test_exif_orientation_is_applied(tmp_path):
     assert not torch.equal(images[0], preprocess(stored, 32, False))
 
 
+@pytest.mark.slow
 def test_overwrite_clears_only_a_runs_own_outputs(base_args, tmp_path):
     """--overwrite in a dir that never held a run touches nothing; in a run's dir, only what it wrote."""
     mine = tmp_path / "project"
@@ -297,6 +300,7 @@ def test_config_file_values_are_not_coerced(capsys, base_args, tmp_path):
     assert (read.adam_epsilon, read.num_vectors, read.center_crop) == (1e-8, 3, True)
 
 
+@pytest.mark.slow
 def test_a_run_whose_vectors_become_non_finite_stops_without_writing_them(capsys, base_args, tmp_path, monkeypatch):
     """The loss is checked at every step; vectors that overflowed in the optimizer step were written
     anyway (all inf, exit 0) when the last step's loss was still finite."""
