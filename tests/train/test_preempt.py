@@ -9,34 +9,37 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
+from tests.checks import EMBEDS, References, assert_same_vectors, lines, wait_for_lines
 from xeontune.train import preempt
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _args(tiny_model, sample_images, out: Path, steps: int) -> list[str]:
+def _args(tiny_model, sample_images, steps: int) -> list[str]:
     return ["--model", str(tiny_model), "--data-dir", str(sample_images), "--placeholder-token", "<cat-toy>",
-            "--initializer-token", "toy", "--resolution", "32", "--max-train-steps", str(steps), "--output-dir",
-            str(out), "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision", "fp32"]
+            "--initializer-token", "toy", "--resolution", "32", "--max-train-steps", str(steps),
+            "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision", "fp32"]
 
 
-def _steps_done(out: Path) -> int:
-    path = out / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+# A step takes about 0.05 s here: the signal comes after step 3, the run is stopped a step or two
+# later, long before its last step (60 steps: 3 s of steps, a margin for a busy machine's wake-ups).
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> References:
+    """The straight run, trained once for both signals."""
+    return References(tmp_path_factory.mktemp("straight"))
 
 
 def _signal_mid_run(args: list[str], out: Path, signum: int, env: dict[str, str]) -> subprocess.CompletedProcess:
     proc = subprocess.Popen([sys.executable, "-m", "xeontune.train", *args], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 240
-    while _steps_done(out) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_lines(out / "metrics.jsonl", 3, timeout_s=240, poll_s=0.05, until=lambda: proc.poll() is not None)
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
@@ -45,29 +48,25 @@ def _signal_mid_run(args: list[str], out: Path, signum: int, env: dict[str, str]
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_a_signal_mid_run_checkpoints_stops_and_the_resumed_run_equals_a_straight_one(
-        signum, tiny_model, sample_images, tmp_path):
-    steps, out, mark = 200, tmp_path / "out", tmp_path / "preempted"
+        signum, tiny_model, sample_images, tmp_path, references):
+    steps, out, mark = STEPS, tmp_path / "out", tmp_path / "preempted"
+    args = _args(tiny_model, sample_images, steps)
     env = {**os.environ, preempt.ENV: "1", preempt.MARK_ENV: str(mark)}
-    stopped = _signal_mid_run(_args(tiny_model, sample_images, out, steps), out, signum, env)
+    stopped = _signal_mid_run([*args, "--output-dir", str(out)], out, signum, env)
     assert stopped.returncode == (75 if signum == signal.SIGUSR1 else 143), stopped.stderr[-3000:]
-    done = _steps_done(out)
+    done = len(lines(out / "metrics.jsonl"))
     assert 3 <= done < steps
     name = signal.Signals(signum).name
     assert f"checkpoint-{done} written on {name}: stopped, to resume from it" in stopped.stderr
-    assert (out / f"checkpoint-{done}").is_dir() and not (out / "learned_embeds.safetensors").exists()
+    assert (out / f"checkpoint-{done}").is_dir() and not (out / EMBEDS).exists()
     assert mark.exists() == (signum == signal.SIGUSR1)  # on SIGTERM Slurm requeues, not the batch script
 
-    resumed = subprocess.run([sys.executable, "-m", "xeontune.train", *_args(tiny_model, sample_images, out, steps),
+    resumed = subprocess.run([sys.executable, "-m", "xeontune.train", *args, "--output-dir", str(out),
                               "--resume-from-checkpoint", "latest"], cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    straight = subprocess.run([sys.executable, "-m", "xeontune.train",
-                               *_args(tiny_model, sample_images, tmp_path / "straight", steps)],
-                              cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=600)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    got = load_file(str(out / "learned_embeds.safetensors"))
-    want = load_file(str(tmp_path / "straight" / "learned_embeds.safetensors"))
-    assert got.keys() == want.keys() and all(float((got[k] - want[k]).abs().max()) == 0.0 for k in want)
+    straight = references.train([sys.executable, "-m", "xeontune.train", *args], cwd=REPO)
+    assert_same_vectors(out, straight, atol=0.0)
 
 
 def test_sigterm_waits_for_the_end_of_a_step_only_while_steps_run():

@@ -1,0 +1,69 @@
+"""Checks that many test files make, in one place: waiting for a run's metrics lines, comparing a run's
+learned vectors with a reference run's, and training each distinct reference run once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+EMBEDS = "learned_embeds.safetensors"
+
+
+def lines(path: Path) -> list[str]:
+    """The lines of ``path``; none while it does not exist yet."""
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def wait_for_lines(path: Path, count: int, timeout_s: float = 120.0, poll_s: float = 0.1,
+                   until: Callable[[], bool] | None = None) -> int:
+    """Poll ``path`` (a run's metrics.jsonl: one line a step) until it has ``count`` lines, ``timeout_s``
+    passed, or ``until()`` is true (say, the process ended); returns how many lines it has then."""
+    deadline = time.monotonic() + timeout_s
+    while len(lines(path)) < count and time.monotonic() < deadline and not (until and until()):
+        time.sleep(poll_s)
+    return len(lines(path))
+
+
+def _vectors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / EMBEDS if path.is_dir() else path))
+
+
+def assert_same_vectors(got: Path, want: Path, atol: float = 1e-5, trained: bool = True) -> float:
+    """The learned vectors of ``got`` (a run's output dir, or the file itself) are those of ``want``: the
+    same names, and no element further than ``atol`` apart (0: bit for bit). ``trained``: the reference's
+    vectors are not all zero (a run that trained nothing would match anything). Returns the largest
+    difference."""
+    have, expected = _vectors(got), _vectors(want)
+    assert have.keys() == expected.keys(), (sorted(have), sorted(expected))
+    diff = max(float((have[k].double() - expected[k].double()).abs().max()) for k in expected)
+    assert diff <= atol, f"learned vectors differ from the reference's by {diff:.3g} (allowed: {atol:g})"
+    if trained:
+        assert all(float(v.abs().max()) > 0 for v in expected.values()), "the reference learned nothing"
+    return diff
+
+
+class References:
+    """Reference ("straight") runs, each trained once per distinct command line and reused: a module
+    fixture holds one, so the tests that compare with the same run share it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[tuple[str, ...], Path] = {}
+
+    def train(self, argv: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 600,
+              cwd: Path | None = None) -> Path:
+        """The output dir of ``argv`` (a training command line, without --output-dir), trained the first
+        time it is asked for."""
+        key = tuple(argv)
+        if key not in self.done:
+            out = self.root / f"reference-{len(self.done)}"
+            proc = subprocess.run([*argv, "--output-dir", str(out)], capture_output=True, text=True,
+                                  timeout=timeout_s, env=dict(os.environ) if env is None else env, cwd=cwd)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            self.done[key] = out
+        return self.done[key]
