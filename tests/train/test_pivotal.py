@@ -4,6 +4,8 @@ load into diffusers together. fp32 throughout (the tests compare runs)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -98,3 +100,28 @@ def test_pivotal_mistakes_are_one_line_errors(tiny_model, sample_images, tmp_pat
     line = one_line_error(capsys, base + ["--instance-prompt", "a photo of a toy"])
     assert "no prompt contains --placeholder-token <sks>" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_bf16_dreambooth_with_every_part_trains_fp32_adapters_and_token(sdxl_model, sample_images, tmp_path):
+    """The bf16 path on every CPU (tiny SDXL): a pivotal token, prior preservation, photos of mixed shapes in
+    buckets and a mask, together: the adapters and the token stay fp32 and finite, and the adapters move."""
+    from PIL import Image
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, (src, size) in enumerate(zip(sorted(sample_images.glob("*.png")), [(96, 48), (64, 64), (40, 80)],
+                                        strict=False)):
+        Image.open(src).resize(size).save(data / f"toy_{i}.png")
+    Image.new("L", (64, 64), 255).save(data / "toy_1.mask.png")
+    out = tmp_path / "out"
+    assert main(pivotal_args(sdxl_model, data, out, "--mixed-precision", "bf16", "--max-train-steps", "2",
+                             "--save-steps", "0", "--bucket-step", "16", "--with-prior-preservation",
+                             "--class-data-dir", str(tmp_path / "class"), "--class-prompt", "a photo of a toy",
+                             "--num-class-images", "2", "--class-inference-steps", "1")) == 0
+    config = json.loads((out / "train_config.json").read_text())
+    assert config["precision"] == "bf16"
+    lora, embeds = load_file(out / LORA_FILE), load_file(out / "learned_embeds.safetensors")
+    assert all(v.dtype == torch.float32 for v in [*lora.values(), *embeds.values()])
+    assert max(float(v.abs().max()) for k, v in lora.items() if "lora.up" in k) > 1e-4
+    assert all(bool(v.isfinite().all()) for v in [*lora.values(), *embeds.values()])
+    assert len(list((tmp_path / "class").glob("class-*.png"))) == 2
