@@ -70,6 +70,15 @@ class Slurm:
         out = self.run("squeue", "-h", "-o", "%i %T").stdout
         return [line.split()[0] for line in out.splitlines() if line.strip()]
 
+    def client_env(self, **settings: object) -> dict[str, str]:
+        """``env`` with a slurm.conf of the commands' own (sbatch, scontrol, ...): the daemons' plus
+        ``settings`` (MessageTimeout=4: a command gives up on a silent slurmctld after about 3 s, 6 s for
+        `scontrol show job ID`, instead of 9 and 18). The daemons keep theirs, and so does a batch script
+        (slurmd sets its SLURM_CONF)."""
+        conf = self.root / f"client-{'-'.join(f'{k}{v}' for k, v in sorted(settings.items()))}.conf"
+        conf.write_text((self.root / "slurm.conf").read_text() + "".join(f"{k}={v}\n" for k, v in settings.items()))
+        return {**self.env, "SLURM_CONF": str(conf)}
+
     def log(self) -> str:
         return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((self.root / "log").glob("*.log")))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.checks import EMBEDS, References, assert_same_vectors, lines, wait_for_lines
 from tests.cluster import slurmlib
 from xeontune.errors import UserError
 from xeontune.train import world
@@ -75,6 +76,25 @@ def test_a_task_of_srun_with_pmi2_adopts_slurms_names_and_an_mpirun_inside_the_j
     assert not world.adopt_slurm(first) and "RANK" not in first
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> References:
+    """Straight runs (one process, 3x the batch), each trained once for the tests that compare with it."""
+    return References(tmp_path_factory.mktemp("straight"))
+
+
+def _srun_train(tiny_model, sample_images) -> list[str]:
+    """The training command line of the srun tests (fp32, a learning rate that moves the vectors)."""
+    return [sys.executable, "-m", "xeontune.cli", "train", "--model", str(tiny_model), "--data-dir",
+            str(sample_images), "--placeholder-token", "<toy-bot>", "--initializer-token", "toy", "--resolution",
+            "32", "--max-train-steps", "3", "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision",
+            "fp32", "--learning-rate", "5e-3", "--no-random-flip"]
+
+
+def _srun_straight(references: References, slurm, train: list[str]) -> Path:
+    return references.train([*train, "--train-batch-size", "3"],
+                            env={**slurm.env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+
+
 def _batch(tmp_path, name: str, body: str) -> str:
     script = tmp_path / f"{name}.sh"
     script.write_text("#!/bin/bash\nset -euo pipefail\n" + body)
@@ -84,36 +104,30 @@ def _batch(tmp_path, name: str, body: str) -> str:
 @pytest.mark.slow
 @pytest.mark.root
 def test_srun_in_a_hand_written_batch_script_trains_what_one_process_with_three_times_the_batch_does(
-        slurm, tiny_model, sample_images, tmp_path):
+        slurm, tiny_model, sample_images, tmp_path, references):
     """3 srun tasks on 3 Slurm nodes, batch 1 each = 1 process with batch 3 (fp32: exact), with no
     launcher: the ranks found each other from SLURM_* alone."""
-    common = ["--model", str(tiny_model), "--data-dir", str(sample_images), "--placeholder-token", "<toy-bot>",
-              "--initializer-token", "toy", "--resolution", "64", "--max-train-steps", "3", "--checkpointing-steps", "0", "--save-steps", "0",
-                          "--mixed-precision", "fp32", "--learning-rate", "5e-3", "--no-random-flip"]
-    train = [sys.executable, "-m", "xeontune.cli", "train", *common]
+    train = _srun_train(tiny_model, sample_images)
     body = ("export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1\n"
             f"srun --nodes 3 --ntasks 3 {shlex.join(train)} --train-batch-size 1 "
             f"--output-dir {shlex.quote(str(tmp_path / 'srun'))}\n")
     script = _batch(tmp_path, "train", body)
     out = tmp_path / "job.out"
-    done = slurm.run("sbatch", "--wait", "--nodes", "3", "--ntasks", "3", "--output", str(out),
-                     "--chdir", str(tmp_path), script, timeout=600)
+    # sbatch --wait looks again after 2, 8, then 32 s while that is under half of MinJobAge (its own
+    # slurm.conf's): told 4 s, every 2 s (the controller keeps its 300 s)
+    done = subprocess.run(["sbatch", "--wait", "--nodes", "3", "--ntasks", "3", "--output", str(out), "--chdir",
+                           str(tmp_path), script], capture_output=True, text=True, timeout=600,
+                          env=slurm.client_env(MinJobAge=4))
     log = out.read_text() if out.exists() else ""
     assert done.returncode == 0, done.stdout + done.stderr + log[-4000:] + slurm.log()
-    one = subprocess.run([*train, "--train-batch-size", "3", "--output-dir", str(tmp_path / "one")],
-                                  capture_output=True, text=True, timeout=600, env={**slurm.env, "HF_HUB_OFFLINE": "1"})
-    assert one.returncode == 0, one.stderr[-3000:]
-    got = load_file(str(tmp_path / "srun" / "learned_embeds.safetensors"))
-    want = load_file(str(tmp_path / "one" / "learned_embeds.safetensors"))
-    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
-    assert all(float(want[k].abs().max()) > 0 for k in want)
+    assert_same_vectors(tmp_path / "srun", _srun_straight(references, slurm, train))  # and the reference trained
     assert slurm.jobs() == []  # nothing left behind
 
 
 @pytest.mark.slow
 @pytest.mark.root
 def test_srun_with_the_pmi2_plugin_trains_what_one_process_with_three_times_the_batch_does(
-        slurm, tiny_model, sample_images, tmp_path):
+        slurm, tiny_model, sample_images, tmp_path, references):
     """Sites with MpiDefault=pmi2: Debian's Slurm has the plugin (mpi_pmi2.so), and `srun --mpi=pmi2`
     gives every task PMI_RANK and PMI_SIZE. The 3 tasks still train together (before: "MASTER_ADDR
     expected" on every rank), the same vectors as one process with 3x the batch (fp32: exact)."""
@@ -121,35 +135,30 @@ def test_srun_with_the_pmi2_plugin_trains_what_one_process_with_three_times_the_
     probe = slurm.run(*srun, "sh", "-c", 'echo "$SLURM_PROCID $PMI_RANK $PMI_SIZE"', timeout=120)
     assert probe.returncode == 0, probe.stderr + slurm.log()
     assert sorted(probe.stdout.splitlines()) == ["0 0 3", "1 1 3", "2 2 3"]
-    train = [sys.executable, "-m", "xeontune.cli", "train", "--model", str(tiny_model), "--data-dir",
-             str(sample_images), "--placeholder-token", "<toy-bot>", "--initializer-token", "toy", "--resolution", "32",
-             "--max-train-steps", "2", "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision", "fp32",
-             "--learning-rate", "5e-3", "--no-random-flip"]
+    train = _srun_train(tiny_model, sample_images)
     env = {**slurm.env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     ranks = subprocess.run([*srun, *train, "--train-batch-size", "1", "--output-dir", str(tmp_path / "pmi2")],
                            capture_output=True, text=True, timeout=600, env=env)
     assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-3000:]
     assert json.loads((tmp_path / "pmi2" / "train_config.json").read_text())["world_size"] == 3
-    one = subprocess.run([*train, "--train-batch-size", "3", "--output-dir", str(tmp_path / "one")],
-                         capture_output=True, text=True, timeout=600, env=env)
-    assert one.returncode == 0, one.stderr[-3000:]
-    _assert_same_vectors(tmp_path / "pmi2", tmp_path / "one")
+    assert_same_vectors(tmp_path / "pmi2", _srun_straight(references, slurm, train))
     assert slurm.jobs() == []
-
-
-def _assert_same_vectors(got_dir: Path, want_dir: Path) -> None:
-    got = load_file(str(got_dir / "learned_embeds.safetensors"))
-    want = load_file(str(want_dir / "learned_embeds.safetensors"))
-    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
 
 
 # --- `--provider slurm`: xeontune submits the batch job itself ----------------------------------
 
-def _options(tiny_model, sample_images, out, steps: int = 2, resolution: int = 64) -> list[str]:
+def _options(tiny_model, sample_images, out: Path | None, steps: int = 2, resolution: int = 32) -> list[str]:
+    """`--` and the training options (``out`` None: no --output-dir)."""
     return ["--", "--model", str(tiny_model), "--data-dir", str(sample_images), "--placeholder-token", "<toy-bot>",
             "--initializer-token", "toy", "--resolution", str(resolution), "--max-train-steps", str(steps),
             "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision", "fp32", "--no-random-flip",
-            "--output-dir", str(out)]
+            *(["--output-dir", str(out)] if out else [])]
+
+
+def _straight(references: References, tiny_model, sample_images, steps: int) -> Path:
+    """The requeue and preemption tests' reference: one process with 3x the batch, the same steps."""
+    return references.train([sys.executable, "-m", "xeontune.cli", "train", "--train-batch-size", "3",
+                             *_options(tiny_model, sample_images, None, steps)[1:]])
 
 
 @pytest.fixture
@@ -225,7 +234,7 @@ def test_run_provider_slurm_trains_three_ranks_and_leaves_no_job(on_slurm, tiny_
     assert rc == 0, text.out[-3000:] + text.err[-3000:] + on_slurm.log()
     assert "submitted slurm job" in text.out and "3 rank(s), 1 per node" in text.out  # auto: 1 CPU a node
     assert json.loads((out / "train_config.json").read_text())["world_size"] == 3
-    assert load_file(str(out / "learned_embeds.safetensors"))
+    assert load_file(str(out / EMBEDS))
     assert on_slurm.jobs() == [] and not state.exists("sl")
 
 
@@ -316,7 +325,7 @@ def test_a_killed_task_ends_the_job_with_a_clear_error_within_60s(on_slurm, tiny
 @pytest.mark.root
 @pytest.mark.parametrize("how", ["notice", "requeue"])
 def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
-        how, on_slurm, tiny_model, sample_images, tmp_path, capsys):
+        how, on_slurm, tiny_model, sample_images, tmp_path, capsys, references):
     """notice: SIGUSR1 to every task (what --signal=USR1@120 sends before the time limit; here scancel -s)
     makes rank 0 checkpoint, the ranks stop, and the batch script requeues the job. requeue: `scontrol
     requeue` mid-run (SIGTERM to the whole job, batch script included): rank 0 checkpoints in the grace
@@ -329,8 +338,7 @@ def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
     assert main(["launch", "--detach", "--name", "rq", *_options(tiny_model, sample_images, out, steps)]) == 0
     job = record.load_job("rq")
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(_lines(out / "metrics.jsonl")) < 5:
-        time.sleep(0.2)
+    wait_for_lines(out / "metrics.jsonl", 5, timeout_s=120)
     if how == "notice":
         assert on_slurm.run("scancel", "-s", "USR1", job.scheduler_id).returncode == 0
     else:
@@ -353,20 +361,18 @@ def test_a_requeued_job_resumes_by_itself_to_the_vectors_of_a_straight_run(
             "the newest checkpoint this job wrote") in log
     # the restarted run's forecast counts what the restart lost: at least the ~0.2+ s it waited to start again
     assert re.search(r"forecast: step \d+/16, .*; 1 restart lost about \d+ (s|min) \(waiting to start again", log)
-    straight = subprocess.run(
-        [sys.executable, "-m", "xeontune.cli", "train", *_options(tiny_model, sample_images, tmp_path / "one", steps)[1:],
-         "--train-batch-size", "3"], capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    got = load_file(str(out / "learned_embeds.safetensors"))
-    want = load_file(str(tmp_path / "one" / "learned_embeds.safetensors"))
-    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
+    assert_same_vectors(out, _straight(references, tiny_model, sample_images, steps))
     assert on_slurm.jobs() == []
     assert main(["teardown", "--name", "rq"]) == 0
 
 
-# slurmctld down for this long: an scontrol then fails after about 18 s (connect failure, Slurm 22.05),
-# and before, two failed looks 2 s apart (about 38 s) ended `run`
-OUTAGE_S = 45.0
+# The CLI's own slurm.conf (Slurm.client_env) says MessageTimeout=4: with slurmctld down, an `scontrol
+# show job ID` fails after about 6 s (connect failure; 18 s with Slurm's default of 10). Before, two such
+# failed looks 2 s apart ended `run`: the controller stays down long enough for that (2 x 6 + 2 = 14 s,
+# asserted below from `run`'s own count), with a margin, and the job outlives the outage.
+MESSAGE_TIMEOUT_S = 4
+FAILED_LOOK_S = 2 * (MESSAGE_TIMEOUT_S - 1)
+OUTAGE_S = 20.0
 
 
 @pytest.mark.slow
@@ -377,21 +383,23 @@ def test_slurm_not_answering_mid_run_is_not_the_end_of_the_job(on_slurm, tiny_mo
     `run` follows the job through it, says so, and the job trains to its end. Before, two failing
     scontrol calls 2 s apart counted as the job gone: `run` ended and cancelled the healthy job."""
     from xeontune.cli import main
+    from xeontune.cluster.providers import slurm as provider
 
     out, steps = tmp_path / "out", 20
+    client = on_slurm.client_env(MessageTimeout=MESSAGE_TIMEOUT_S)
+    monkeypatch.setenv("SLURM_CONF", client["SLURM_CONF"])
     # rank 0 waits this long before its final outputs: the job ends well after the controller is back
-    monkeypatch.setenv("XEONTUNE_TEST_PAUSE", f"alone:0:{OUTAGE_S + 20:.0f}")
+    monkeypatch.setenv("XEONTUNE_TEST_PAUSE", f"alone:0:{OUTAGE_S + 10:.0f}")
     seen: dict[str, object] = {}
 
     def outage_mid_run() -> None:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and len(_lines(out / "metrics.jsonl")) < 2:
-            time.sleep(0.1)
+        wait_for_lines(out / "metrics.jsonl", 2, timeout_s=180)
         slurmlib.stop_controller(on_slurm)
         down = time.monotonic()
         try:
-            seen["steps"] = len(_lines(out / "metrics.jsonl"))
-            seen["scontrol"] = on_slurm.run("scontrol", "show", "job", "-o").stderr
+            seen["steps"] = len(lines(out / "metrics.jsonl"))
+            seen["scontrol"] = subprocess.run(["scontrol", "show", "job", "-o"], capture_output=True, text=True,
+                                              timeout=60, env=client).stderr
             time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down)))
         finally:
             slurmlib.start_controller(on_slurm)
@@ -399,15 +407,17 @@ def test_slurm_not_answering_mid_run_is_not_the_end_of_the_job(on_slurm, tiny_mo
     outage = threading.Thread(target=outage_mid_run, daemon=True)
     outage.start()
     rc = main(["run", "--provider", "slurm", "-n", "3", "--name", "so",
-               *_options(tiny_model, sample_images, out, steps, resolution=32)])
+               *_options(tiny_model, sample_images, out, steps)])
     outage.join(120)
     text = capsys.readouterr()
     assert "Unable to contact slurm controller" in str(seen["scontrol"])  # Slurm said nothing, for real
     assert rc == 0, text.out[-3000:] + text.err[-3000:] + on_slurm.log()
     assert seen["steps"] < steps  # the job was training when the controller went
     assert re.search(r"Slurm did not answer about job \d+ \(.*\); following it until Slurm says it ended", text.err)
-    assert re.search(r"Slurm answers again about job \d+", text.err)
-    assert len(_lines(out / "metrics.jsonl")) == steps and load_file(str(out / "learned_embeds.safetensors"))
+    again = re.search(r"Slurm answers again about job \d+ \(after (\d+) s\)", text.err)
+    # silent from `run`'s first failed look for longer than the second look (SETTLE_S later) took to fail
+    assert again and int(again[1]) >= provider.SETTLE_S + FAILED_LOOK_S, text.err[-3000:]
+    assert len(lines(out / "metrics.jsonl")) == steps and load_file(str(out / EMBEDS))
     assert on_slurm.jobs() == []
 
 
@@ -428,7 +438,7 @@ def on_preemptible_slurm(tmp_path_factory, xeontune_home, monkeypatch, tmp_path)
 @pytest.mark.slow
 @pytest.mark.root
 def test_a_job_preempted_by_a_higher_priority_job_requeues_and_resumes_to_a_straight_runs_vectors(
-        on_preemptible_slurm, tiny_model, sample_images, tmp_path, capsys):
+        on_preemptible_slurm, tiny_model, sample_images, tmp_path, capsys, references):
     """A real preemption: a job of the `urgent` partition on the same three nodes. Slurm sends SIGTERM to
     the job's steps only; rank 0 checkpoints in the grace time, the ranks exit 143, and the batch script
     (which Slurm leaves running) requeues the job; the urgent job runs, then this one resumes from its
@@ -438,13 +448,11 @@ def test_a_job_preempted_by_a_higher_priority_job_requeues_and_resumes_to_a_stra
 
     slurm = on_preemptible_slurm
     out, steps = tmp_path / "out", 16
-    options = _options(tiny_model, sample_images, out, steps, resolution=32)
+    options = _options(tiny_model, sample_images, out, steps)
     assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", "pe"]) == 0
     assert main(["launch", "--detach", "--name", "pe", *options]) == 0
     job = record.load_job("pe")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(_lines(out / "metrics.jsonl")) < 5:
-        time.sleep(0.2)
+    wait_for_lines(out / "metrics.jsonl", 5, timeout_s=120)
     urgent = slurm.run("sbatch", "--parsable", "--partition", "urgent", "--nodes", "3", "--ntasks", "3",
                        "--output", str(tmp_path / "urgent.out"), "--wrap", "echo urgent ran on $SLURM_JOB_NODELIST")
     assert urgent.returncode == 0, urgent.stderr
@@ -469,12 +477,7 @@ def test_a_job_preempted_by_a_higher_priority_job_requeues_and_resumes_to_a_stra
                      log), log[-3000:]
     assert (f"xeontune: Slurm job {job.scheduler_id}, restart 1: resuming from {out}/checkpoint-{signalled[1]}, "
             "the newest checkpoint this job wrote") in log
-    straight = subprocess.run(
-        [sys.executable, "-m", "xeontune.cli", "train", "--train-batch-size", "3",
-         *_options(tiny_model, sample_images, tmp_path / "one", steps, resolution=32)[1:]],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    _assert_same_vectors(out, tmp_path / "one")
+    assert_same_vectors(out, _straight(references, tiny_model, sample_images, steps))
     assert slurm.jobs() == []
     assert main(["teardown", "--name", "pe"]) == 0
 
@@ -491,7 +494,7 @@ def test_the_env_file_of_a_cancelled_job_is_deleted_once_slurm_says_it_ended(on_
     out = tmp_path / "out"
     assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", "ev"]) == 0
     assert main(["launch", "--detach", "--name", "ev", "--env", "XT_SECRET=s3cret",
-                 *_options(tiny_model, sample_images, out, 100000, resolution=32)]) == 0
+                 *_options(tiny_model, sample_images, out, 100000)]) == 0
     job = record.load_job("ev")
     env_file = Path(job.job_dir) / "env"
     deadline = time.monotonic() + 120
@@ -698,7 +701,3 @@ def _stepds(job_id: str) -> list[str]:
         if proc.name.isdigit() and cmd.startswith(f"slurmstepd: [{job_id}."):
             found.append(cmd)
     return found
-
-
-def _lines(path: Path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
