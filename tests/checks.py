@@ -67,3 +67,17 @@ class References:
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
             self.done[key] = out
         return self.done[key]
+
+
+def rank_pids(marker: str) -> list[int]:
+    """The rank processes (``python -m xeontune.train``, not srun's or a launcher's, whose command lines
+    hold the rank's) whose command line names ``marker`` (e.g. their unique --output-dir)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and cmd[1:3] == [b"-m", b"xeontune.train"] and marker.encode() in cmd:
+            pids.append(int(proc.name))
+    return pids

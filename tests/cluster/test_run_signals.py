@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.checks import rank_pids
 from tests.cluster.clusterlib import REPO, leftovers, require_local_cluster
 from xeontune.cluster import state
 
@@ -72,19 +73,6 @@ def never_outlives(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
 
 
 # --- Ctrl-C of `run --provider slurm` --------------------------------------------------------------
-
-
-def rank_pids(marker: str) -> list[int]:
-    """The rank processes (``python -m xeontune.train``) whose command line names ``marker``."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if proc.name.isdigit() and cmd[1:3] == [b"-m", b"xeontune.train"] and marker.encode() in cmd:
-            pids.append(int(proc.name))
-    return pids
 
 
 @pytest.fixture

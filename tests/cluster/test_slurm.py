@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.checks import EMBEDS, References, assert_same_vectors, lines, wait_for_lines
+from tests.checks import EMBEDS, References, assert_same_vectors, lines, rank_pids, wait_for_lines
 from tests.cluster import slurmlib
 from xeontune.errors import UserError
 from xeontune.train import world
@@ -238,20 +238,6 @@ def test_run_provider_slurm_trains_three_ranks_and_leaves_no_job(on_slurm, tiny_
     assert on_slurm.jobs() == [] and not state.exists("sl")
 
 
-def _rank_pids(marker: str) -> list[int]:
-    """The rank processes whose command line names ``marker`` (their unique --output-dir)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        # not srun's own processes, whose command lines hold the rank's
-        if proc.name.isdigit() and cmd[1:3] == [b"-m", b"xeontune.train"] and marker.encode() in cmd:
-            pids.append(int(proc.name))
-    return pids
-
-
 def _start_long_job(name: str, tiny_model, sample_images, out, slurm, capsys) -> list[int]:
     from xeontune.cli import main
 
@@ -267,9 +253,9 @@ def _start_long_job(name: str, tiny_model, sample_images, out, slurm, capsys) ->
     assert srun[6:9] == [sys.executable, "-m", "xeontune.train"] and "<toy-bot>" in srun  # quoted in the script
     assert main(["launch", "--detach", "--name", name, *_options(tiny_model, sample_images, out, steps=100000)]) == 0
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(_rank_pids(str(out))) < 3:
+    while time.monotonic() < deadline and len(rank_pids(str(out))) < 3:
         time.sleep(0.5)
-    pids = _rank_pids(str(out))
+    pids = rank_pids(str(out))
     assert len(pids) == 3, slurm.log()
     return pids
 
@@ -498,9 +484,9 @@ def test_the_env_file_of_a_cancelled_job_is_deleted_once_slurm_says_it_ended(on_
     job = record.load_job("ev")
     env_file = Path(job.job_dir) / "env"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(_rank_pids(str(out))) < 3:
+    while time.monotonic() < deadline and len(rank_pids(str(out))) < 3:
         time.sleep(0.5)
-    pids = _rank_pids(str(out))
+    pids = rank_pids(str(out))
     assert len(pids) == 3 and env_file.exists(), on_slurm.log()
     assert b"XT_SECRET=s3cret" in Path(f"/proc/{pids[0]}/environ").read_bytes()
     assert on_slurm.run("scancel", job.scheduler_id).returncode == 0
