@@ -17,7 +17,7 @@ from xeontune.cli import main
 from xeontune.errors import UserError
 from xeontune.train.loop import PHASES
 
-FAST = ["--resolution", "64", "--steps", "1", "--warmup", "1", "--allocator", "none", "--matmul-size", "256",
+FAST = ["--resolution", "32", "--steps", "1", "--warmup", "0", "--allocator", "none", "--matmul-size", "256",
         "--ranks-per-node", "none"]
 
 
@@ -66,7 +66,7 @@ def test_ranks_per_node_sweep_and_mfu(tiny_model, capsys, tmp_path):
     assert (f"auto ranks per node: {auto_row['vs_example']:.2f}x the example's images/s "
             f"(target >= {TARGETS['auto_ranks_speedup_min']})") in table
     opts = parse_args(["--model", str(tiny_model), "--data-dir", ".", "--placeholder-token", "<t>",
-                       "--initializer-token", "toy", "--resolution", "64", "--nproc-per-node", "auto"])
+                       "--initializer-token", "toy", "--resolution", "32", "--nproc-per-node", "auto"])
     auto = plan_ranks(opts, result["config"]["precision"]).ranks
     rows = result["ranks_per_node"]
     assert [r["ranks"] for r in rows] == sorted({1, auto})
@@ -89,7 +89,7 @@ def test_ranks_per_node_sweep_and_mfu(tiny_model, capsys, tmp_path):
 def test_peak_rss_child_reports_its_own_peak(tiny_model):
     done = subprocess.run(
         [sys.executable, "-m", "xeontune.bench", "--rss-child", "baseline", "--model", str(tiny_model),
-         "--resolution", "64", "--steps", "1", "--warmup", "0", "--allocator", "none"],
+         "--resolution", "32", "--steps", "1", "--warmup", "0", "--allocator", "none"],
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -222,7 +222,8 @@ def test_one_at_a_time_steps_the_baseline_after_the_optimized_variant(tiny_model
 def test_an_unwritable_json_out_is_refused_before_the_bench_runs(tiny_model, tmp_path, capsys):
     """It ran the whole bench, then failed to write (a folder, or a path under a missing one)."""
     for target in (tmp_path, tmp_path / "missing" / "out.json"):
-        assert main(["bench", "--model", str(tiny_model), *FAST, "--no-rss", "--json-out", str(target)]) == 2
+        assert main(["bench", "--model", str(tiny_model), *FAST, "--warmup", "1", "--no-rss", "--json-out",
+                     str(target)]) == 2
         err = capsys.readouterr().err
         assert "--json-out" in err and "cannot write there" in err, err
         assert "warm-up" not in err and "step 1" not in err, err  # refused up front: not one step ran
