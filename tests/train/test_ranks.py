@@ -189,7 +189,7 @@ def metrics(out: Path) -> list[dict]:
 @pytest.mark.slow
 def test_two_ranks_match_one_process_with_twice_the_batch(base_args, tiny_model, tmp_path):
     """Same sample plan, same result: 2 ranks x batch 1 = 1 process x batch 2 (fp32: exact kernels)."""
-    common = base_args + ["--max-train-steps", "3", "--checkpointing-steps", "0", "--save-steps", "0",
+    common = base_args + ["--resolution", "32", "--max-train-steps", "3", "--checkpointing-steps", "0", "--save-steps", "0",
                           "--mixed-precision", "fp32", "--scale-lr", "--learning-rate", "5e-3", "--no-random-flip"]
     ranks = run_train(common + ["--output-dir", str(tmp_path / "ranks"), "--nproc-per-node", "2",
                                 "--train-batch-size", "1"])
@@ -209,16 +209,16 @@ def test_two_ranks_match_one_process_with_twice_the_batch(base_args, tiny_model,
 
 @pytest.mark.slow
 def test_two_ranks_resume_matches_a_straight_run(base_args, tmp_path):
-    """Resuming 2 ranks from step 3 of a 6-step run ends where the straight run ended."""
-    common = base_args + ["--max-train-steps", "6", "--checkpointing-steps", "3", "--save-steps", "0",
+    """Resuming 2 ranks from step 2 of a 4-step run ends where the straight run ended."""
+    common = base_args + ["--resolution", "32", "--max-train-steps", "4", "--checkpointing-steps", "2", "--save-steps", "0",
                           "--mixed-precision", "fp32", "--nproc-per-node", "2", "--lr-scheduler", "cosine"]
     run_train(common + ["--output-dir", str(tmp_path / "straight")])
     run_train(common + ["--output-dir", str(tmp_path / "resumed"),
-                        "--resume-from-checkpoint", str(tmp_path / "straight" / "checkpoint-3")])
+                        "--resume-from-checkpoint", str(tmp_path / "straight" / "checkpoint-2")])
     got, want = vectors(tmp_path / "resumed"), vectors(tmp_path / "straight")
     diff = max(float((got[k] - want[k]).abs().max()) for k in want)
     assert diff <= 1e-6, diff
-    assert [r["step"] for r in metrics(tmp_path / "resumed")] == [4, 5, 6]
+    assert [r["step"] for r in metrics(tmp_path / "resumed")] == [3, 4]
 
 
 @pytest.mark.slow
@@ -499,26 +499,33 @@ print(status("VmHWM") - before)
 """
 
 
-@pytest.mark.parametrize("where", ["launcher", "first run"])
-def test_making_the_unet_copy_never_holds_the_model(where, tiny_model, tmp_path, monkeypatch):
-    """Issue 29: a first SDXL run converted the fp32 UNet in memory to write its copy (peak 15.4 GB
-    against 8.5 GB on later runs). Measured in a fresh process on a 323 MB (fp32) UNet: making its
-    copy, as the rank launcher does or as a run's load does, now grows the process by a few of its
-    tensors (its largest is 7.4 MB), not by the model (the fp32 pages read and the bf16 model: 480 MB)."""
+@pytest.fixture(scope="module")
+def large_unet_model(tiny_model, tmp_path_factory) -> tuple[Path, int]:
+    """The tiny pipeline with a 323 MB (fp32) UNet, and that size; made once for the module (each test
+    makes its copy in a cache of its own)."""
     import shutil
 
     from diffusers import UNet2DConditionModel
 
-    from xeontune.train import components
-
-    model = tmp_path / "model"
+    model = tmp_path_factory.mktemp("large-unet") / "model"
     shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("unet"))
     unet = UNet2DConditionModel(block_out_channels=(160, 320, 320, 320), layers_per_block=2, cross_attention_dim=256,
                                 attention_head_dim=8, sample_size=8)
     unet.save_pretrained(model / "unet")
-    fp32_bytes = sum(p.numel() * 4 for p in unet.parameters())
-    del unet
+    return model, sum(p.numel() * 4 for p in unet.parameters())
+
+
+@pytest.mark.parametrize("where", ["launcher", "first run"])
+def test_making_the_unet_copy_never_holds_the_model(where, large_unet_model, tmp_path, monkeypatch):
+    """Issue 29: a first SDXL run converted the fp32 UNet in memory to write its copy (peak 15.4 GB
+    against 8.5 GB on later runs). Measured in a fresh process on a 323 MB (fp32) UNet: making its
+    copy, as the rank launcher does or as a run's load does, now grows the process by a few of its
+    tensors (its largest is 7.4 MB), not by the model (the fp32 pages read and the bf16 model: 480 MB)."""
+    from xeontune.train import components
+
+    model, fp32_bytes = large_unet_model
     monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
+    assert not (components.bf16_copy_dir(str(model), None, None) / "config.json").exists()  # made by this test
     done = subprocess.run([sys.executable, "-c", PEAK_CODE, str(model), where], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
