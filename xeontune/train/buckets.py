@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from xeontune.errors import UserError
-from xeontune.train.data import Batch, Latents, cover_box, crop_of, preprocess, read_images
+from xeontune.train.data import Batch, Latents, cover_box, fit_square, read_images
 
 
 def bucket_sizes(resolution: int, step: int, max_ratio: float = 2.0) -> list[tuple[int, int]]:
@@ -75,11 +75,11 @@ class TrainingImages:
         for part in self.parts:
             if self.bucketed:
                 fitted = [fit_to_bucket(img, part.size) for img in upright]
+                pixels, crops = torch.stack([f[0] for f in fitted]), torch.tensor([f[1] for f in fitted])
             else:
-                fitted = [(preprocess(img, opts.resolution, opts.center_crop),
-                           crop_of(img.width, img.height, opts.resolution, opts.center_crop)) for img in upright]
-            part.pixels = torch.cat([part.pixels, torch.stack([f[0] for f in fitted])])
-            part.crops = torch.cat([part.crops, torch.tensor([f[1] for f in fitted], dtype=torch.long)])
+                pixels, crops = fit_square(upright, opts.resolution, opts.center_crop)
+            part.pixels = torch.cat([part.pixels, pixels])
+            part.crops = torch.cat([part.crops, crops.long()])
 
 
 def load_training_images(opts: Any) -> TrainingImages:
@@ -94,9 +94,7 @@ def load_training_images(opts: Any) -> TrainingImages:
     chosen = [nearest_bucket(img.width, img.height, sizes) for img in upright] if sizes[:1] else []
     square = (opts.resolution, opts.resolution)
     if opts.buckets == "off" or not chosen or (opts.buckets == "auto" and all(c == square for c in chosen)):
-        pixels = torch.stack([preprocess(img, opts.resolution, opts.center_crop) for img in upright])
-        crops = torch.tensor([crop_of(img.width, img.height, opts.resolution, opts.center_crop) for img in upright],
-                             dtype=torch.long)
+        pixels, crops = fit_square(upright, opts.resolution, opts.center_crop)
         return TrainingImages(paths, [BucketImages(square, pixels, crops, list(range(len(paths))))], bucketed=False)
     parts = []
     for size in sizes:

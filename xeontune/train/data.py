@@ -82,12 +82,16 @@ def load_images_with_crops(
 ) -> tuple[torch.Tensor, list[Path], torch.Tensor]:
     """``load_images`` plus each image's crop, (N, 5) long: see ``crop_of``. ``limit``: the first so
     many images by name (prior preservation's --num-class-images)."""
-    images, paths, crops = [], [], []
-    for path, upright in read_images(data_dir, limit):
-        images.append(preprocess(upright, resolution, center_crop))
-        crops.append(crop_of(upright.width, upright.height, resolution, center_crop))
-        paths.append(path)
-    return torch.stack(images), paths, torch.tensor(crops, dtype=torch.long)
+    paths, upright = zip(*read_images(data_dir, limit), strict=True)
+    images, crops = fit_square(list(upright), resolution, center_crop)
+    return images, list(paths), crops
+
+
+def fit_square(upright: list[Image.Image], resolution: int, center_crop: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images as training takes them without buckets, (N, 3, R, R), and their crops (N, 5)."""
+    pixels = torch.stack([preprocess(img, resolution, center_crop) for img in upright])
+    crops = [crop_of(img.width, img.height, resolution, center_crop) for img in upright]
+    return pixels, torch.tensor(crops, dtype=torch.long)
 
 
 def read_images(data_dir: str | Path, limit: int | None = None) -> Iterator[tuple[Path, Image.Image]]:
@@ -271,6 +275,8 @@ class SamplePlan:
         self.num_train_timesteps = num_train_timesteps
         self.flip_p = flip_p
         self._perm_epoch = -1
+        self._class_epoch = -1
+        self._class_order = torch.empty(0, dtype=torch.long)
         self._perm = torch.empty(0, dtype=torch.long)
 
     def _permutation(self, epoch: int) -> torch.Tensor:
@@ -282,9 +288,11 @@ class SamplePlan:
 
     def _class_image(self, position: int) -> int:
         epoch, offset = divmod(position, self.num_class_images)
-        order = torch.randperm(self.num_class_images, generator=torch.Generator().manual_seed(
-            (self.seed ^ CLASS_STREAM) * 7919 + epoch))
-        return int(order[offset])
+        if epoch != self._class_epoch:  # one seeded order per epoch of the class images
+            self._class_order = torch.randperm(self.num_class_images, generator=torch.Generator().manual_seed(
+                (self.seed ^ CLASS_STREAM) * 7919 + epoch))
+            self._class_epoch = epoch
+        return int(self._class_order[offset])
 
     def _bucket_layout(self, epoch: int) -> list[tuple[int, int]]:
         """(bucket, image within it) of each position of the epoch."""

@@ -157,12 +157,13 @@ class Lora(Method):
 
     def learned(self) -> dict[str, torch.Tensor]:
         """The adapters by name; a pivotal token's vectors as ``token``."""
-        adapters = {name: p.detach().clone() for name, p in self.named_parameters()}
-        return adapters | ({"token": self.token.learned()} if self.token else {})
+        return self.adapters() | ({"token": self.token.learned()} if self.token else {})
+
+    def adapters(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.named_parameters()}
 
     def state(self) -> dict[str, Any]:
-        adapters = {name: p.detach().clone() for name, p in self.named_parameters()}
-        return {"learned": {"tensors": adapters, "rank": self.opts.rank, "alpha": self.alpha,
+        return {"learned": {"tensors": self.adapters(), "rank": self.opts.rank, "alpha": self.alpha,
                             "targets": list(self.opts.lora_target_names), "models": list(self.models)},
                 **(self.token.state() if self.token else {})}
 
