@@ -99,6 +99,9 @@ class Provider:
     # instead of running mpirun, and ask ``job_ended`` / ``stop_job`` about it. Ranks still read
     # paths of this machine (a shared filesystem), from this venv, as on a provider that is not remote.
     schedules_jobs: bool = False
+    # The engine that starts the ranks on these nodes (xeontune/job/engines/): "mpirun" (Hydra, over
+    # SSH or forked here), "srun" (Slurm's), "ray" (Ray Train's workers).
+    engine: str = "mpirun"
 
     # --- the operations every provider implements --------------------------------------------
 
@@ -217,3 +220,4 @@ register("localhost", "xeontune.cluster.providers.localhost")
 register("aws", "xeontune.cluster.providers.aws")
 register("azure", "xeontune.cluster.providers.azure")
 register("slurm", "xeontune.cluster.providers.slurm")
+register("ray", "xeontune.cluster.providers.ray")
