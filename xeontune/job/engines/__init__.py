@@ -61,9 +61,10 @@ class Engine:
     # is the job, run by this machine (or, through ``ssh -tt``, by the head).
     scheduled: bool = False
 
-    def plan(self, record: ClusterRecord, spec: LaunchSpec, job_dir: str) -> Plan:
-        """The command (and environment) that starts ``spec``'s ranks; --env values wait in
-        ``<job_dir>/env``, never on a command line."""
+    def plan(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> Plan:
+        """The command (and environment) that starts ``spec``'s ranks as ``job`` (its dir, log and
+        exit-status paths; `--dry-run` passes one whose id is ``<job id>``). --env values wait in
+        ``<job.job_dir>/env``, never on a command line."""
         raise NotImplementedError
 
     def preflight(self, record: ClusterRecord, plan: Plan) -> None:
