@@ -8,6 +8,15 @@ batch script then needs no launcher at all. Names already set win (an mpirun ins
 a user's MASTER_ADDR), except srun's own PMI_RANK / PMI_SIZE: a site's ``MpiDefault=pmi2`` (or
 ``srun --mpi=pmi2``) gives them to every task, equal to Slurm's rank and task count, and without the
 other names such a task could not find rank 0 ("MASTER_ADDR expected").
+
+A pod of a Kubernetes Indexed Job has ``JOB_COMPLETION_INDEX``, its index; ``adopt_indexed_job``
+makes it the RANK of a job whose pods say how many ranks there are (WORLD_SIZE, which the manifests of
+`xeontune launch --provider kubernetes` set with MASTER_ADDR, the index-0 pod's DNS name
+``<job>-0.<service>``, and MASTER_PORT). Without WORLD_SIZE an Indexed Job's pods are independent
+trainings (a sweep), each a world of its own, and nothing is adopted. Names already set win here too.
+A hand-written Job without MASTER_ADDR gets the index-0 pod's name from this pod's own (``<job>-<i>``
+in the ``subdomain`` of a headless Service: ``<job>-<i>.<service>.<namespace>.svc...``).
+``adopt`` is the one call the trainer makes: Slurm's names in an srun step, else an Indexed Job's.
 """
 
 from __future__ import annotations
@@ -15,14 +24,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 
 from xeontune.errors import UserError
 
 # A port every task of one job step derives alike (from the job and step ids), outside Linux's
 # ephemeral range (32768-60999).
 _PORT_BASE, _PORT_SPAN = 12000, 20000
+INDEXED_JOB_PORT = 29500  # an Indexed Job's MASTER_PORT when its pods do not say (torch's default)
 
 
 def in_srun_step(env: MutableMapping[str, str]) -> bool:
@@ -94,3 +105,50 @@ def adopt_slurm(env: MutableMapping[str, str] | None = None) -> bool:
         job, step = int(env.get("SLURM_JOB_ID", "0")), int(env.get("SLURM_STEP_ID", "0") or 0)
         env["MASTER_PORT"] = str(_PORT_BASE + (job * 16 + step) % _PORT_SPAN)
     return True
+
+
+def adopt_indexed_job(env: MutableMapping[str, str] | None = None,
+                      fqdn: Callable[[], str] = socket.getfqdn) -> bool:
+    """In a pod of a Kubernetes Indexed Job of more than one rank, set RANK (its JOB_COMPLETION_INDEX),
+    LOCAL_RANK, LOCAL_WORLD_SIZE (one rank per pod) and, unless set, MASTER_ADDR / MASTER_PORT (module
+    docstring). True if it did. ``fqdn``: this pod's fully qualified host name."""
+    env = os.environ if env is None else env
+    index = env.get("JOB_COMPLETION_INDEX", "")
+    if not index.isdigit() or in_srun_step(env):
+        return False
+    if any(name in env for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")):
+        return False  # a launcher inside the pod (torchrun, mpirun) set the ranks: they win
+    world = env.get("WORLD_SIZE", "")
+    if not world.isdigit() or int(world) <= 1:
+        return False
+    if int(index) >= int(world):
+        raise UserError(f"JOB_COMPLETION_INDEX {index} is not below WORLD_SIZE {world}: the Job's completions "
+                        "and the pods' WORLD_SIZE must be the same number")
+    env["RANK"] = index
+    env["LOCAL_RANK"] = "0"
+    env["LOCAL_WORLD_SIZE"] = "1"
+    if "MASTER_ADDR" not in env:
+        env["MASTER_ADDR"] = first_pod_address(index, fqdn())
+    if "MASTER_PORT" not in env:
+        env["MASTER_PORT"] = str(INDEXED_JOB_PORT)
+    return True
+
+
+def first_pod_address(index: str, fqdn: str) -> str:
+    """The index-0 pod's DNS name from this pod's, ``<job>-<index>.<service>...``."""
+    host, _, domain = fqdn.partition(".")
+    if not host.endswith(f"-{index}") or not domain:
+        raise UserError(f"an Indexed Job's rank needs MASTER_ADDR (the index-0 pod's DNS name, <job>-0.<service>), "
+                        f"and this pod's name {fqdn!r} is not <job>-{index}.<service>: give the Job's pods a "
+                        "headless Service as their subdomain, or set MASTER_ADDR")
+    return f"{host[: -len(index)]}0.{domain}"
+
+
+def adopt(env: MutableMapping[str, str] | None = None) -> str | None:
+    """The scheduler whose rank names were adopted ("slurm", "kubernetes"), or None."""
+    env = os.environ if env is None else env
+    if adopt_slurm(env):
+        return "slurm"
+    if adopt_indexed_job(env):
+        return "kubernetes"
+    return None
