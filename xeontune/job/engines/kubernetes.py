@@ -390,22 +390,31 @@ def _last_line(text: str) -> str:
     return (lines[-1] if lines else "no output")[:300]
 
 
-def create(kubectl: str, job: Job) -> None:
+def create(kubectl: str, job: Job, created: list[str]) -> None:
     """``kubectl create`` (not apply: a job of the same name that exists already is refused, never
-    changed, and never deleted by this job's end)."""
+    changed, and never deleted by this job's end). ``created`` gets what kubectl made, also when it
+    refused the rest: only those are this job's to delete."""
     proc = subprocess.run(kubectl_argv(kubectl, job.options, "create", "-f", "-"), input=to_yaml(job.docs),
-                          capture_output=True, text=True, timeout=KUBECTL_TIMEOUT_S)
+                          capture_output=True, text=True, timeout=KUBECTL_TIMEOUT_S,
+                          start_new_session=True)  # a Ctrl-C must not cut it short: see apply_and_follow
+    made = [m[1] for m in re.finditer(r"^(\S+/\S+) created$", proc.stdout, re.MULTILINE)]
+    if proc.returncode == 0 and not made:  # an unusual kubectl's wording: all of them were made
+        made = resource_names(job)
+    created += made
     if proc.returncode != 0:
         raise UserError(f"kubectl create failed: {_last_line(proc.stderr or proc.stdout)}")
 
 
-def delete(kubectl: str, job: Job) -> tuple[bool, str]:
-    """Delete the Job (its pods with it), the Service and the Secret; what is already gone is fine.
-    Shielded from a second Ctrl-C (its own session, these signals ignored meanwhile): a half-done
-    delete would leave pods running. Returns (done, kubectl's last line)."""
-    names = [f"job/{job.options.job_name}", f"service/{job.options.service}"]
-    if job.env:
-        names.append(f"secret/{job.options.secret}")
+def resource_names(job: Job) -> list[str]:
+    return [f"{doc['kind'].lower()}/{doc['metadata']['name']}" for doc in job.docs]
+
+
+def delete(kubectl: str, job: Job, names: list[str]) -> tuple[bool, str]:
+    """Delete ``names`` (the Job's pods with it); what is already gone is fine. Shielded from a second
+    Ctrl-C (its own session, these signals ignored meanwhile): a half-done delete would leave pods
+    running. Returns (done, kubectl's last line)."""
+    if not names:
+        return True, ""
     argv = kubectl_argv(kubectl, job.options, "delete", *names, "--ignore-not-found", "--wait=false")
     with _signals(signal.SIG_IGN):
         try:
@@ -582,10 +591,17 @@ def apply_and_follow(kubectl: str, job: Job, say: Callable[[str], None]) -> int:
     """Create the job, follow it to its end, delete it: at the end, on an error, and on Ctrl-C,
     SIGTERM or SIGHUP (128 + the signal's number then, as a shell reports a job it stopped)."""
     name = job.options.job_name
+    created: list[str] = []
     try:
         with _signals(_interrupt):
             try:
-                create(kubectl, job)
+                pending: list[int] = []  # a signal during create waits for it: then `created` is complete
+                with _signals(lambda signum, _frame: pending.append(signum)):
+                    try:
+                        create(kubectl, job, created)
+                    finally:
+                        if pending:
+                            raise Interrupted(pending[0])
                 say(f"created job {name}: {job.ranks} pod(s) of {job.options.cpus} CPU(s) and {job.options.memory}, "
                     f"image {job.options.image}; following their logs")
                 rc = follow(kubectl, job, say)
@@ -596,11 +612,11 @@ def apply_and_follow(kubectl: str, job: Job, say: Callable[[str], None]) -> int:
             except KeyboardInterrupt:
                 say(f"interrupted: deleting job {name}")
                 rc = 128 + signal.SIGINT
-    finally:  # also after a failed create: it may have made the Secret or the Service already
-        done, line = delete(kubectl, job)
+    finally:  # also after a failed create: what it made already (never another job's of this name)
+        done, line = delete(kubectl, job, created)
         if not done:
             say(f"could not delete job {name} ({line}); delete it with: "
-                f"{' '.join(kubectl_argv('kubectl', job.options, 'delete', 'job,service,secret', '-l', f'{LABEL}={name}'))}")
+                + " ".join(kubectl_argv("kubectl", job.options, "delete", *created)))
     out_dir = output_dir(job)
     if rc == 0 and out_dir:
         say(f"outputs: {out_dir} on volume claim {job.options.volume_claim} (docs/kubernetes.md: copying them out)")
@@ -619,7 +635,7 @@ def launch_command(args: argparse.Namespace) -> int:
         return 0
     if getattr(args, "detach", False):
         kubectl = find_kubectl()
-        create(kubectl, job)
+        create(kubectl, job, [])
         name, ns = job.options.job_name, (["--namespace", job.options.namespace] if job.options.namespace else [])
         print(f"created job {name} ({job.ranks} pod(s)), detached")
         print(f"follow it: kubectl {' '.join(ns + ['logs', '-f', '--prefix', '-l', f'{LABEL}={name}'])}    "
