@@ -1,7 +1,7 @@
 """No import cycle between xeontune's modules (issue 18: job <-> launch, the autostop installer <->
-the watcher, bench <-> cli). Every import counts, also one inside a function or under
-``if __name__ == "__main__"``: a cycle there still ties two modules into one. Only imports under
-``if TYPE_CHECKING:`` are left out (they never run)."""
+the watcher, bench <-> cli; issue 31: the providers <-> the launch spec). Every import counts, also
+one inside a function, under ``if __name__ == "__main__"`` or under ``if TYPE_CHECKING:``: a cycle
+there still ties two modules into one (a type one layer names is a thing it depends on)."""
 
 from __future__ import annotations
 
@@ -18,23 +18,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _type_checking_only(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The package's modules that ``path`` imports, anywhere but under TYPE_CHECKING."""
+    """The package's modules that ``path`` imports, anywhere in it."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking_only(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             for alias in node.names:
                 found.add(alias.name)
@@ -90,6 +80,7 @@ def test_the_graph_sees_imports_inside_functions():
     graph = import_graph()
     assert "xeontune.errors" in graph["xeontune.cli"]
     assert "xeontune.cluster.manage" in graph["xeontune.cli"]  # imported inside a handler
+    assert "xeontune.job.spec" in graph["xeontune.job.engines"]  # imported only for its types
 
 
 def test_no_import_cycle_between_modules():

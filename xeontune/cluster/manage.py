@@ -385,10 +385,11 @@ def _stop_job_on_this_machine(record: ClusterRecord) -> None:
     """A detached job whose ranks run on this machine (localhost, namespaces) outlives the deletion of
     its cluster: stop it first, as Ctrl-C stops an attached one (SIGINT to its runner, which passes it to
     every rank; a second one stops them hard). Clouds' jobs end with their VMs, Slurm's are cancelled."""
+    from xeontune.job import engines
     from xeontune.job.record import load_job, record_path
 
     provider = providers.get(record.provider)
-    if provider.remote or provider.schedules_jobs or not record_path(record.name).is_file():
+    if provider.remote or engines.get(provider.engine).scheduled or not record_path(record.name).is_file():
         return
     try:
         job = load_job(record.name)

@@ -77,6 +77,7 @@ class ClusterRecord:
     memory_per_node: int | None = None  # bytes of RAM: `launch --ppn auto` fits the ranks into it
     skip_bootstrap: bool = False  # `up --skip-bootstrap`: the nodes only run, nothing is installed
     autostop_minutes: int = 0  # the head's watcher stops the cluster after this long idle (0: none runs)
+    address: str | None = None  # an existing cluster's own address (ray: what `ray.init` connects to)
     extra: dict[str, str] = field(default_factory=dict)  # the provider's own keys, read by it alone
 
     @property

@@ -494,12 +494,12 @@ def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | 
             connected: Callable[[], None] | None = None, lenient: bool = False) -> int:
     """Print the log from ``pos[0]`` on (kept there across connections); return the job's status.
     ``lenient`` (`run`): output that cannot be written is dropped (``_dropped_if``)."""
-    from xeontune.cluster import providers
+    from xeontune.job import engines
 
     out = sys.stdout.buffer
     pos = pos if pos is not None else [0]
-    provider = providers.get(record.provider)
-    scheduler = provider if provider.schedules_jobs and job.scheduler_id else None
+    engine = engines.for_cluster(record)
+    scheduler = engine if engine.scheduled and job.scheduler_id else None
     with head_files(record) as head:
         if connected:
             connected()
@@ -518,7 +518,7 @@ def _follow(record: ClusterRecord, job: JobInfo, follow: bool, pos: list[int] | 
                 return rc
             if not follow:
                 return 0
-            ended = scheduler.job_ended(record, job) if scheduler else None
+            ended = scheduler.ended(record, job) if scheduler else None
             if ended is not None:
                 time.sleep(0.5)  # its script may have written its status just now
                 if _status(head.read(job.rc_path)) is None:
@@ -570,11 +570,13 @@ def stop_job(record: ClusterRecord, job: JobInfo) -> None:
     """SIGINT to the detached job's runner on the head: it passes it on to every rank (a second one
     stops the job hard; ``process.run_attached``)."""
     from xeontune.cluster import providers, ssh
+    from xeontune.job import engines
 
-    provider = providers.get(record.provider)
-    if provider.schedules_jobs:
-        provider.stop_job(record, job)
+    engine = engines.for_cluster(record)
+    if engine.scheduled:
+        engine.stop(record, job)
         return
+    provider = providers.get(record.provider)
     if not job.pid:
         raise HeadError(f"job {job.id} has no recorded pid on {record.head.name}")
     if provider.uses_ssh:

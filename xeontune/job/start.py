@@ -1,24 +1,14 @@
-"""Starting a job: one Hydra `mpirun` over SSH that starts `python -m xeontune.train` on every rank.
+"""Starting a job: the engine's plan, recorded, then started: one start for `launch`,
+`launch --detach` and `run`.
 
-``start`` is what `xeontune launch`, `launch --detach` and `run` call, with a ``LaunchSpec``
-(job/spec.py). ``build_plan`` is the one place that builds the command; ``--dry-run`` prints
-exactly what ``run_plan`` executes. Where mpirun runs is the provider's to say (``Provider.wrap_launch`` and
-``launcher_args``): on a remote cluster, on the head through ``ssh -F <cluster ssh_config> -tt
-node0 ...``; on the local namespace hosts, inside the head's namespace; on localhost, right here
-with Hydra's fork launcher.
-
-Every rank gets, with ``-genvnone`` so nothing else leaks in from the caller's shell:
-MASTER_ADDR (the head's private address), MASTER_PORT, GLOO_SOCKET_IFNAME (the cluster's
-interface), OMP_NUM_THREADS (the cores a rank may use), PATH/HOME as the
-node has them, the caller's HF_* offline switches when set, and, only where ranks run on this
-machine (a provider that is not ``remote``), its HF_* cache paths and LD_PRELOAD (a path here
-means nothing, or something else, on a cloud node), CCL_* for the
-ccl backend, launch's backend and step timeout as XEONTUNE_LAUNCH_DIST_* (defaults that the
-user's --dist-backend / --dist-timeout override in any spelling or in --config), an empty
-CUDA_VISIBLE_DEVICES (ranks train on CPU; a visible GPU trips accelerate's barrier), the cluster's
-price as XEONTUNE_COST_PER_HOUR (rank 0's time-and-cost forecast, train/forecast.py), and each
-``--env KEY=VALUE`` last, so it overrides any of these. Hydra adds PMI_RANK / PMI_SIZE, which
-accelerate reads.
+``start`` takes a ``LaunchSpec`` (job/spec.py) and the cluster's record; the cluster's provider
+names the engine that starts its ranks (``Provider.engine``, xeontune/job/engines/). The job's
+record is written before anything starts, so `fetch` and `logs` find the job whatever happens to
+this process. A process job (mpirun; Ray's driver) is the plan's command: run attached here with
+signals passed on to every rank (``run_plan``), or detached on the head (``start_detached``:
+``process.detach_argv``, its own session, log and exit status). A scheduler's job (srun) is
+submitted and followed through its log (``start_scheduled``). ``plan_for`` is what `--dry-run`
+prints: exactly what ``start`` runs.
 """
 
 from __future__ import annotations
@@ -31,203 +21,36 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from xeontune import hardware, placement
-from xeontune.cluster import files, providers, state
-from xeontune.cluster.providers import Provider
+from xeontune.cluster import providers, state
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
-from xeontune.job import process
+from xeontune.job import engines, process
 from xeontune.job import record as job_record
+from xeontune.job.engines import Engine, Plan
+from xeontune.job.engines.env import DEFAULT_DIST_TIMEOUT_S as DEFAULT_DIST_TIMEOUT_S  # re-exported: the
+from xeontune.job.engines.env import python_path, rank_pythonpath  # names launch's callers have always used
+from xeontune.job.engines.mpirun import SOURCE_AND_EXEC as SOURCE_AND_EXEC
+from xeontune.job.engines.mpirun import build_plan as build_plan
 from xeontune.job.record import JobInfo
 from xeontune.job.spec import (
     JobRequest,
     LaunchSpec,
-    choose_backend,
     head_output_dir,
     launch_spec,
     read_request,
-    strip_dashes,
 )
-from xeontune.train import forecast
-from xeontune.train.options import LAUNCH_DEFAULTS_ENV
 
-# The caller's variables that ranks inherit when set: switches, on every provider ...
-PASSTHROUGH_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
-# ... and paths on this machine, only to ranks that run on it (never to a remote node).
-LOCAL_PATH_ENV = ("HF_HOME", "HF_HUB_CACHE", "LD_PRELOAD")
-DEFAULT_DIST_TIMEOUT_S = 30
-# Exports the --env file's variables, deletes the file, then runs the rest (``$0``: the file).
-SOURCE_AND_EXEC = 'set -a && . "$0" && set +a && rm -f "$0" && exec "$@"'
-SSH_CHECK_TIMEOUT_S = 15.0
 STOP_GRACE_S = 20.0
 
 
-@dataclass
-class LaunchPlan:
-    argv: list[str]  # exactly what runs on this machine
-    mpirun: str  # mpirun's path on the head
-    world_size: int
-    backend: str
-    env: dict[str, str] = field(default_factory=dict)  # what every rank gets via -genv
-    inner: list[str] = field(default_factory=list)  # mpirun's command as the head runs it (argv, unwrapped)
-    wdir: str = ""  # mpirun's -wdir: relative train paths (--output-dir) are relative to it
+def preflight(record: ClusterRecord, plan: Plan) -> None:
+    """The engine's one-line UserErrors before anything is recorded or started."""
+    engines.for_cluster(record).preflight(record, plan)
 
 
-def mpirun_path(record: ClusterRecord, provider: Provider) -> str:
-    """mpirun on the head: $XEONTUNE_MPIRUN, else the nodes' venv's (Hydra needs the same path on
-    every host), else, where ranks run on this machine, the one ``doctor`` reports."""
-    if provider.remote and not os.environ.get(hardware.MPIRUN_ENV):
-        return f"{record.venv or sys.prefix}/bin/mpirun"
-    return hardware.find_mpirun() or str(Path(sys.prefix) / "bin" / "mpirun")
-
-
-def python_path(record: ClusterRecord, provider: Provider) -> str:
-    return f"{record.venv or sys.prefix}/bin/python" if provider.remote else sys.executable
-
-
-def threads_per_rank(record: ClusterRecord, provider: Provider, world_size: int, ppn: int) -> int | None:
-    """Cores a rank may use. Ranks of a provider that is not remote all share this machine's cores;
-    on a remote node it is the node's cores (``record.cores_per_node``, set by the provider) over
-    ``--ppn``. None when unknown: torch then uses the node's own core count."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    if not provider.remote:
-        return int(hardware.launch_env(world_size, allocator="none")["OMP_NUM_THREADS"])
-    cores = record.cores_per_node or 0
-    return max(1, cores // ppn) if cores else None
-
-
-def every_rank_env(backend: str) -> dict[str, str]:
-    """What every rank gets, however it is started (mpirun here, or a scheduler's srun)."""
-    return {
-        # c10d warns on every rank that namespaces share a hostname; real errors still show.
-        "TORCH_CPP_LOG_LEVEL": "ERROR",
-        # Ranks train on CPU only. A GPU they can see makes accelerate's barrier pick
-        # cuda:<local rank> ("invalid device ordinal" on ranks 1..N); --env may still override it.
-        "CUDA_VISIBLE_DEVICES": "",
-        # Launch's choices reach the ranks as defaults, below --config and the command line: appended
-        # flags would override a value given in --config or in another spelling (--dist_timeout).
-        LAUNCH_DEFAULTS_ENV["dist_backend"]: backend,
-        LAUNCH_DEFAULTS_ENV["dist_timeout"]: str(DEFAULT_DIST_TIMEOUT_S),
-    }
-
-
-def rank_pythonpath() -> str | None:
-    """The source tree, when xeontune runs from a checkout rather than an installed package."""
-    pkg_parent = Path(__file__).resolve().parents[2]  # xeontune/job/start.py -> the checkout
-    if Path(sys.prefix).resolve() in pkg_parent.parents:
-        return None
-    return str(pkg_parent)
-
-
-def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str, train_args: list[str],
-               extra_env: dict[str, str] | None = None, workdir: str | None = None,
-               module: str = "xeontune.train", secret_env_file: str | None = None) -> LaunchPlan:
-    """The whole command and environment; no side effects. ``module`` is what each rank runs
-    with ``python -m`` (tests launch small probes through the same path).
-
-    With ``secret_env_file`` (what `launch` and `run` use), ``extra_env`` (the user's --env) never
-    appears in a command line: the values wait in that 0600 file on the head (``write_secret_env``),
-    a shell there exports them into mpirun's environment and deletes the file, and Hydra passes
-    those names on (``-genvlist`` instead of ``-genvnone``) through its own connections."""
-    if num_processes < 1 or ppn < 1:
-        raise UserError("-n and --ppn must be at least 1")
-    provider = providers.get(record.provider)
-    if num_processes > provider.slots(record, ppn):
-        raise UserError(f"-n {num_processes} is more ranks than cluster {record.name!r} holds "
-                        f"({provider.slots_text(record, ppn)})")
-    train_args = strip_dashes(train_args)
-    chosen = choose_backend(backend)
-    remote = provider.remote
-    iface = provider.iface(record)
-
-    env: dict[str, str] = {
-        "MASTER_ADDR": record.head.private_ip,
-        "MASTER_PORT": str(files.MASTER_PORT),
-        "GLOO_SOCKET_IFNAME": iface,
-        **every_rank_env(chosen),
-        # No PYTHONUNBUFFERED: unbuffered print() writes text and newline separately, and Hydra's
-        # -prepend-rank then glues lines of different ranks together.
-    }
-    threads = threads_per_rank(record, provider, num_processes, ppn)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    if not provider.hosts_share_cores:
-        # Each rank pins itself to its own slice of its node's physical cores (placement.py). Not
-        # for namespace "hosts": they share this machine's cores, and each would pin to the first.
-        env[placement.PIN_ENV] = "1"
-    else:  # nor its memory: each rank's packing fit check takes its share of all of it (placement.local_ranks)
-        env[placement.SHARED_MACHINE_ENV] = str(num_processes)
-    if not remote:
-        env["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
-        env["HOME"] = os.environ.get("HOME", "/root")
-        if "XEONTUNE_CACHE" in os.environ:  # where the bf16 weight copies live (this machine's path)
-            env["XEONTUNE_CACHE"] = os.environ["XEONTUNE_CACHE"]
-        pythonpath = rank_pythonpath()
-        if pythonpath:
-            env["PYTHONPATH"] = pythonpath
-    if not remote and "LD_PRELOAD" not in os.environ:
-        # tcmalloc (else jemalloc) when this machine has it: 1.2-1.4x faster steps (performance.md).
-        # Cloud ranks preload it themselves at start (xeontune.train re-executes with it).
-        preload = hardware.launch_env(1).get("LD_PRELOAD")
-        if preload:
-            env["LD_PRELOAD"] = preload
-    for key in PASSTHROUGH_ENV + (() if remote else LOCAL_PATH_ENV):
-        if key in os.environ:
-            env[key] = os.environ[key]
-    if chosen == "ccl":
-        env.update({"CCL_ATL_TRANSPORT": "ofi", "CCL_WORKER_COUNT": "1"})
-    cost = provider.cost_per_hour(record)
-    if cost is not None:  # rank 0's forecast turns the time left into money (train/forecast.py)
-        env[forecast.COST_ENV] = f"{cost:.4f}"
-    secret = dict(extra_env or {}) if secret_env_file else {}
-    env.update({} if secret_env_file else (extra_env or {}))
-    for key in secret:
-        env.pop(key, None)  # --env overrides launch's own value
-
-    mpirun = mpirun_path(record, provider)
-    wdir = workdir or (record.work_dir if remote else os.getcwd())
-    argv = [mpirun, "-n", str(num_processes), *provider.launcher_args(record, ppn)]
-    argv += ["-iface", iface, "-wdir", wdir, "-prepend-rank"]
-    argv += ["-genvlist", ",".join(secret)] if secret else ["-genvnone"]
-    for key, value in env.items():
-        argv += ["-genv", key, value]
-    argv += [python_path(record, provider), "-m", module, *train_args]
-
-    # -genvnone governs only ranks reached over SSH; the head's rank is forked by mpirun and
-    # would inherit this shell's whole environment. `env -i` gives it the same clean slate.
-    base = [f"{k}={os.environ[k]}" for k in ("PATH", "HOME", "USER", "LOGNAME", "LANG") if k in os.environ]
-    if secret:  # inside `env -i`, which would clear what the shell exports
-        argv = ["sh", "-c", SOURCE_AND_EXEC, str(secret_env_file), *argv]
-    if not remote:
-        argv = ["env", "-i", *base, *argv]
-    return LaunchPlan(argv=provider.wrap_launch(record, argv), mpirun=mpirun, world_size=num_processes, backend=chosen,
-                      env=env, inner=argv, wdir=wdir)
-
-
-def preflight(record: ClusterRecord, plan: LaunchPlan) -> None:
-    """One-line UserErrors before anything starts: mpirun missing on the head, a node not answering SSH."""
-    provider = providers.get(record.provider)
-    provider.check_launch(record)
-    if not provider.remote and not (os.path.isfile(plan.mpirun) and os.access(plan.mpirun, os.X_OK)):
-        raise UserError(f"no mpirun on the head node (looked for {plan.mpirun}); install MPICH's Hydra "
-                        "with `pip install mpich` in this venv, or set XEONTUNE_MPIRUN")
-    if not provider.uses_ssh:
-        return
-    from xeontune.cluster import ssh
-
-    # re-raises the UserError that names the node, without waiting for the others
-    ssh.on_every_node(record.nodes, lambda node: ssh.wait_for_ssh(record, node, SSH_CHECK_TIMEOUT_S, 0.5), workers=16)
-    if provider.remote:
-        rc, _, _ = ssh.run(record, record.head, ["test", "-x", plan.mpirun], timeout_s=4 * SSH_CHECK_TIMEOUT_S)
-        if rc != 0:
-            raise UserError(f"no mpirun on the head node {record.head.name} (looked for {plan.mpirun})")
-
-
-def run_plan(plan: LaunchPlan) -> int:
+def run_plan(plan: Plan) -> int:
     """Run mpirun, stream its (rank-prefixed) output, return the job's exit code.
 
     Hydra stops every rank when one dies and exits non-zero. SIGINT (Ctrl-C), SIGTERM and SIGHUP
@@ -247,11 +70,19 @@ def run_plan(plan: LaunchPlan) -> int:
 # --- one start for `launch`, `launch --detach` and `run` ---------------------------------------
 
 
-def plan_for(record: ClusterRecord, spec: LaunchSpec, job_dir: str | None = None) -> LaunchPlan:
-    """The command for ``spec``; --env values wait in ``<job_dir>/env`` (``write_secret_env``)."""
-    env_file = posixpath.join(job_dir or posixpath.join(record.work_dir, "jobs", "<job id>"), "env")
-    return build_plan(record, spec.ranks, spec.ppn, spec.backend, spec.rank_args, spec.env,
-                      secret_env_file=env_file if spec.env else None)
+def plan_for(record: ClusterRecord, spec: LaunchSpec, job: JobInfo | None = None) -> Plan:
+    """What starts ``spec`` as ``job`` (`--dry-run`: a job whose id is ``<job id>``); --env values wait
+    in ``<job dir>/env`` (``write_secret_env``)."""
+    return engines.for_cluster(record).plan(record, spec, job or new_job(record, spec, "<job id>"))
+
+
+def new_job(record: ClusterRecord, spec: LaunchSpec, job_id: str, wdir: str | None = None,
+            local_output_dir: Path | None = None, detached: bool = False) -> JobInfo:
+    """The job's record, before its start: its dir on the head, where its outputs go."""
+    return JobInfo(id=job_id, cluster=record.name, output_dir=head_output_dir(spec, wdir or os.getcwd()),
+                   local_output_dir=str(local_output_dir or spec.request.local_output_dir),
+                   job_dir=posixpath.join(record.work_dir, "jobs", job_id), detached=detached, started=time.time(),
+                   world_size=spec.ranks, overwrite=spec.request.options.overwrite)
 
 
 def write_secret_env(record: ClusterRecord, job_dir: str, env: dict[str, str]) -> None:
@@ -293,22 +124,18 @@ def start(record: ClusterRecord, spec: LaunchSpec, detached: bool, local_output_
     detached: once it runs on the head (exit code 0). The record is written before it starts,
     so `fetch` and `logs` find the job whatever happens to this process. ``hold_for_fetch``
     (`run`): the head's autostop waits until the outputs are fetched (``record.UNFETCHED``)."""
-    job_id = job_record.new_job_id()
-    job_dir = posixpath.join(record.work_dir, "jobs", job_id)
-    if providers.get(record.provider).schedules_jobs:
-        return start_scheduled(record, spec, job_id, job_dir, detached, local_output_dir, say)
-    plan = plan_for(record, spec, job_dir)
-    preflight(record, plan)
+    engine = engines.for_cluster(record)
+    job = new_job(record, spec, job_record.new_job_id(), local_output_dir=local_output_dir, detached=detached)
+    if engine.scheduled:
+        return start_scheduled(record, spec, engine, job, detached, say)
+    plan = engine.plan(record, spec, job)
+    engine.preflight(record, plan)
     check_no_other_job(record)
-    output_dir = head_output_dir(spec, plan.wdir)
-    check_kept_outputs(record, output_dir, hold_for_fetch)
-    job = JobInfo(id=job_id, cluster=record.name, output_dir=output_dir,
-                  local_output_dir=str(local_output_dir or spec.request.local_output_dir), job_dir=job_dir,
-                  detached=detached, started=time.time(), world_size=plan.world_size,
-                  overwrite=spec.request.options.overwrite)
+    job.output_dir = head_output_dir(spec, plan.wdir)  # relative to where the plan's command runs
+    check_kept_outputs(record, job.output_dir, hold_for_fetch)
     job_record.save_job(job)
     if spec.env:
-        write_secret_env(record, job_dir, spec.env)
+        write_secret_env(record, job.job_dir, spec.env)
     if hold_for_fetch:
         put_head_text(record, job.unfetched_path, f"{job.local_output_dir}\n")
     if detached:
@@ -320,27 +147,24 @@ def start(record: ClusterRecord, spec: LaunchSpec, detached: bool, local_output_
             raise
         job_record.save_job(job)
         return job, 0
-    say(f"launching {plan.world_size} rank(s) on cluster {record.name!r} ({record.provider}, backend {plan.backend}, "
-        f"OMP_NUM_THREADS={plan.env.get('OMP_NUM_THREADS', 'node default')})")
+    say(f"launching {plan.world_size} rank(s) on cluster {record.name!r} ({record.provider}, {engine.name}, backend "
+        f"{plan.backend}, OMP_NUM_THREADS={plan.env.get('OMP_NUM_THREADS', 'node default')})")
     return job, run_plan(plan)
 
 
-def start_scheduled(record: ClusterRecord, spec: LaunchSpec, job_id: str, job_dir: str, detached: bool,
-                    local_output_dir: Path | None, say: Callable[[str], None]) -> tuple[JobInfo, int]:
-    """A batch scheduler's job (``Provider.schedules_jobs``): submitted, then followed through its
-    output file until it ends (attached), or left to the scheduler (detached). Its log is always a
-    file, so `logs -f` follows either. Ctrl-C while attached cancels it."""
+def start_scheduled(record: ClusterRecord, spec: LaunchSpec, engine: Engine, job: JobInfo, detached: bool,
+                    say: Callable[[str], None]) -> tuple[JobInfo, int]:
+    """A scheduler's job (``Engine.scheduled``): submitted, then followed through its log file until
+    it ends (attached), or left to the scheduler (detached). Its log is always a file, so `logs -f`
+    follows either. Ctrl-C while attached cancels it."""
     from xeontune.job import fetch
 
-    provider = providers.get(record.provider)
-    job = JobInfo(id=job_id, cluster=record.name, output_dir=head_output_dir(spec, os.getcwd()),
-                  local_output_dir=str(local_output_dir or spec.request.local_output_dir), job_dir=job_dir,
-                  detached=True, started=time.time(), world_size=spec.ranks, overwrite=spec.request.options.overwrite)
-    provider.submission(record, spec, job)  # every refusal that needs no scheduler, before anything is written
+    job.detached = True  # the scheduler holds it, whatever becomes of this process
+    engine.plan(record, spec, job)  # every refusal that needs no scheduler, before anything is written
     job_record.save_job(job)
     if spec.env:
-        write_secret_env(record, job_dir, spec.env)
-    provider.submit(record, spec, job)
+        write_secret_env(record, job.job_dir, spec.env)
+    engine.submit(record, spec, job)
     job_record.save_job(job)
     say(f"submitted {record.provider} job {job.scheduler_id}: {spec.ranks} rank(s), "
         f"{min(spec.ranks, spec.ppn)} per node, backend {spec.backend}; log: {job.log_path}")
@@ -350,7 +174,7 @@ def start_scheduled(record: ClusterRecord, spec: LaunchSpec, job_id: str, job_di
         rc = fetch.follow_job(record, job, 0.0, say)
     except KeyboardInterrupt:
         say(f"interrupted: cancelling {record.provider} job {job.scheduler_id}")
-        provider.stop_job(record, job)
+        engine.stop(record, job)
         raise
     return job, 1 if rc is None else rc
 
@@ -431,7 +255,7 @@ def check_no_other_job(record: ClusterRecord) -> None:
                         f"(`xeontune logs --name {record.name} -f`) or use another cluster")
 
 
-def start_detached(record: ClusterRecord, plan: LaunchPlan, job: JobInfo) -> None:
+def start_detached(record: ClusterRecord, plan: Plan, job: JobInfo) -> None:
     """Start the job on the head, detached (``process``: its own session, log and exit status)."""
     from xeontune.cluster import ssh
 
@@ -463,20 +287,14 @@ def launch_command(args: argparse.Namespace) -> int:
     request: JobRequest = read_request(list(args.train_args), str(args.ppn), args.dist_backend,
                                        list(getattr(args, "env", None) or []), remote=provider.remote)
     spec = launch_spec(record, request, args.num_processes)
-    if args.dry_run:
-        if provider.schedules_jobs:  # the submit command, then the batch script it submits
-            job_dir = posixpath.join(record.work_dir, "jobs", "<job id>")
-            job = JobInfo(id="<job id>", cluster=record.name, output_dir=head_output_dir(spec, os.getcwd()),
-                          local_output_dir=str(spec.request.local_output_dir), job_dir=job_dir)
-            argv, script = provider.submission(record, spec, job)
-            print(shlex.join(argv))
-            print(script, end="")
-            return 0
-        print(shlex.join(plan_for(record, spec).argv))
+    if args.dry_run:  # the command; a scheduler's: then the batch script it submits
+        plan = plan_for(record, spec)
+        print(shlex.join(plan.argv))
+        print(plan.script, end="")
         return 0
     detached = bool(getattr(args, "detach", False))
     job, rc = start(record, spec, detached, say=lambda text: print(text, file=sys.stderr, flush=True))
-    if detached and provider.schedules_jobs:
+    if detached and engines.for_cluster(record).scheduled:
         print(f"follow it: xeontune logs --name {record.name} -f    cancel it: xeontune teardown --name {record.name}")
     elif detached:
         name = record.name

@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             plan, precision = _plan_ranks(opts)
             if plan.ranks > 1:
                 ranks.prepare_shared_weights(opts, precision)
-                return ranks.run_ranks(argv, plan.ranks)
+                from xeontune.job.engines import elastic
+
+                return elastic.run_ranks(argv, plan.ranks)
         # Before torch starts its threads: they inherit this thread's core affinity.
         from xeontune.placement import pin_this_rank
 

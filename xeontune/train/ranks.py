@@ -1,10 +1,10 @@
 """`xeontune train --nproc-per-node N|auto`: N data-parallel ranks on this machine.
 
-The ranks are the same trainer (`python -m xeontune.train`, same options, same sample plan) started
-by torch's own elastic launcher (what `torchrun --standalone` runs), which gives each rank RANK,
-LOCAL_RANK, WORLD_SIZE and a rendezvous, and stops every rank when one fails or on Ctrl-C. Each
-rank pins itself to its slice of the physical cores (`placement.pin_this_rank`) before torch
-starts. The result equals one process with N times the per-rank batch, as across nodes.
+How many ranks fit (``plan_ranks``: cores and the memory each rank holds) and the bf16 weight
+copies they share are decided here; the ranks are started by the elastic engine
+(xeontune/job/engines/elastic.py). Each rank pins itself to its slice of the physical cores
+(`placement.pin_this_rank`) before torch starts. The result equals one process with N times the
+per-rank batch, as across nodes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import logging
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 from xeontune import placement
@@ -137,30 +136,3 @@ def prepare_shared_weights(opts: TrainOptions, precision: str) -> None:
                           capture_output=True, text=True)
     if done.returncode != 0:  # the ranks load on their own and report the real problem
         log.warning("could not prepare the bf16 weight copies: %s", (done.stderr.strip().splitlines() or ["?"])[-1])
-
-
-def run_ranks(argv: list[str], ranks: int) -> int:
-    """Run `python -m xeontune.train argv` as ``ranks`` pinned ranks; return the job's exit code."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    os.environ[placement.PIN_ENV] = "1"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are here; don't let gloo guess an interface
-    # the elastic agent narrates its every move at INFO/WARNING; a failure is reported below instead
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.5,
-    )
-    try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "xeontune.train", *argv)
-    except ChildFailedError as exc:
-        # A rank's user error (exit 2) is the cause even when another rank, which then found it gone,
-        # exited first: that rank printed its one-line error, and 2 is the job's exit code.
-        if any(failure.exitcode == 2 for failure in exc.failures.values()):
-            return 2
-        rank, failure = exc.get_first_failure()
-        print(f"error: rank {rank} of {ranks} failed (exit code {failure.exitcode}); "
-              "the other ranks were stopped", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1  # a signal shows as a negative code
-    return 0

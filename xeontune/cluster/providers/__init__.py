@@ -17,14 +17,9 @@ from __future__ import annotations
 import importlib
 import shlex
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
-
-if TYPE_CHECKING:
-    from xeontune.job.record import JobInfo
-    from xeontune.job.spec import LaunchSpec
 
 
 @dataclass
@@ -95,10 +90,6 @@ class Provider:
     # off). "": no autostop here, and `autostop_note` says why.
     autostop_action: str = ""
     autostop_note: str = "this provider has no way for the head to stop the cluster"
-    # A batch scheduler starts the ranks (slurm): `launch` and `run` submit the job with ``submit``
-    # instead of running mpirun, and ask ``job_ended`` / ``stop_job`` about it. Ranks still read
-    # paths of this machine (a shared filesystem), from this venv, as on a provider that is not remote.
-    schedules_jobs: bool = False
     # The engine that starts the ranks on these nodes (xeontune/job/engines/): "mpirun" (Hydra, over
     # SSH or forked here), "srun" (Slurm's), "ray" (Ray Train's workers).
     engine: str = "mpirun"
@@ -165,25 +156,6 @@ class Provider:
 
     def check_launch(self, record: ClusterRecord) -> None:
         """Raise UserError when this machine cannot launch on the cluster (e.g. root is missing)."""
-
-    # --- a batch scheduler's jobs (``schedules_jobs``) --------------------------------------------
-
-    def submission(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> tuple[list[str], str]:
-        """The submit command and the batch script it submits (``--dry-run`` prints both)."""
-        raise NotImplementedError
-
-    def submit(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> None:
-        """Submit the job; its log goes to ``job.log_path`` and its exit status to ``job.rc_path``.
-        Sets ``job.scheduler_id``. Raise UserError when the scheduler refuses it."""
-        raise NotImplementedError
-
-    def job_ended(self, record: ClusterRecord, job: JobInfo) -> str | None:
-        """None while the job is queued or runs; once it ended, the scheduler's word for how."""
-        raise NotImplementedError
-
-    def stop_job(self, record: ClusterRecord, job: JobInfo) -> None:
-        """Stop the job on every rank (the scheduler's cancel)."""
-        raise NotImplementedError
 
 
 _REGISTRY: dict[str, str] = {}  # provider name -> module that defines PROVIDER

@@ -102,6 +102,13 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def for_cluster(record: ClusterRecord) -> Engine:
+    """The engine that starts ranks on the cluster's nodes: its provider's (``Provider.engine``)."""
+    from xeontune.cluster import providers
+
+    return get(providers.get(record.provider).engine)
+
+
 def get(name: str) -> Engine:
     if name not in _REGISTRY:
         raise UserError(f"unknown engine {name!r} (choose from: {', '.join(_REGISTRY)})")

@@ -501,50 +501,56 @@ class LogFollower:
         self.thread.join(timeout=1)
 
 
-def follow(kubectl: str, job: Job, say: Callable[[str], None]) -> int:
+def follow(kubectl: str, job: Job, say: Callable[[str], None], followers: dict[str, LogFollower]) -> int:
     """Follow the job until the Job controller says it is complete (0) or failed (the failed rank's
-    exit code): each pod's log once it runs, each reason a pod cannot start once."""
+    exit code): each pod's log once it runs (into ``followers``, which the caller drains and stops),
+    each reason a pod cannot start once."""
     options = job.options
-    followers: dict[str, LogFollower] = {}
     out_lock = threading.Lock()
     said: set[str] = set()
     failures = 0
-    try:
-        while True:
-            state = get_json(kubectl, options, f"job/{options.job_name}")
-            pods_doc = get_json(kubectl, options, "pods", "-l", f"{LABEL}={options.job_name}")
-            if state is not None and state.get("notFound"):
-                raise UserError(f"job {options.job_name} is gone (deleted by someone else?): {state['message']}")
-            if state is None or pods_doc is None or pods_doc.get("notFound"):
-                failures += 1
-                if failures >= GET_FAILURES:
-                    raise UserError(f"kubectl get failed {failures} times in a row: is the cluster reachable?")
-                time.sleep(POLL_S)
-                continue
-            failures = 0
-            pods = pods_doc.get("items") or []
-            for pod in pods:
-                name = pod.get("metadata", {}).get("name", "")
-                status = pod.get("status", {})
-                if name and name not in followers and status.get("phase") in ("Running", "Succeeded", "Failed"):
-                    followers[name] = LogFollower(kubectl_argv(kubectl, options, "logs", "-f", f"pod/{name}",
-                                                               "-c", CONTAINER), pod_index(pod), out_lock)
-                for line in _waiting_lines(pod):
-                    if line not in said:
-                        said.add(line)
-                        say(line)
-            outcome = job_outcome(state)
-            if outcome == "Complete":
-                return 0
-            if outcome == "Failed":
-                final = get_json(kubectl, options, "pods", "-l", f"{LABEL}={options.job_name}")
-                items = (final or {}).get("items") or pods
-                return failed_exit_code(items)
+    while True:
+        state = get_json(kubectl, options, f"job/{options.job_name}")
+        pods_doc = get_json(kubectl, options, "pods", "-l", f"{LABEL}={options.job_name}")
+        if state is not None and state.get("notFound"):
+            raise UserError(f"job {options.job_name} is gone (deleted by someone else?): {state['message']}")
+        if state is None or pods_doc is None or pods_doc.get("notFound"):
+            failures += 1
+            if failures >= GET_FAILURES:
+                raise UserError(f"kubectl get failed {failures} times in a row: is the cluster reachable?")
             time.sleep(POLL_S)
-    finally:
-        deadline = time.monotonic() + LOG_DRAIN_S
+            continue
+        failures = 0
+        pods = pods_doc.get("items") or []
+        for pod in pods:
+            name = pod.get("metadata", {}).get("name", "")
+            if name and name not in followers and pod.get("status", {}).get("phase") in ("Running", "Succeeded",
+                                                                                         "Failed"):
+                followers[name] = LogFollower(kubectl_argv(kubectl, options, "logs", "-f", f"pod/{name}",
+                                                           "-c", CONTAINER), pod_index(pod), out_lock)
+            for line in _waiting_lines(pod):
+                if line not in said:
+                    said.add(line)
+                    say(line)
+        outcome = job_outcome(state)
+        if outcome == "Complete":
+            return 0
+        if outcome == "Failed":
+            final = get_json(kubectl, options, "pods", "-l", f"{LABEL}={options.job_name}")
+            return failed_exit_code((final or {}).get("items") or pods)
+        time.sleep(POLL_S)
+
+
+def drain(followers: dict[str, LogFollower]) -> None:
+    """Let the pods' last lines arrive (their containers ended, or were stopped by the delete), then stop
+    whatever follower is left, also on a second Ctrl-C meanwhile."""
+    deadline = time.monotonic() + LOG_DRAIN_S
+    try:
         for follower in followers.values():
-            follower.stop(max(0.0, deadline - time.monotonic()))
+            follower.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for follower in followers.values():
+            follower.stop(0.0)
 
 
 def _waiting_lines(pod: dict) -> list[str]:
@@ -592,6 +598,7 @@ def apply_and_follow(kubectl: str, job: Job, say: Callable[[str], None]) -> int:
     SIGTERM or SIGHUP (128 + the signal's number then, as a shell reports a job it stopped)."""
     name = job.options.job_name
     created: list[str] = []
+    followers: dict[str, LogFollower] = {}
     try:
         with _signals(_interrupt):
             try:
@@ -604,19 +611,23 @@ def apply_and_follow(kubectl: str, job: Job, say: Callable[[str], None]) -> int:
                             raise Interrupted(pending[0])
                 say(f"created job {name}: {job.ranks} pod(s) of {job.options.cpus} CPU(s) and {job.options.memory}, "
                     f"image {job.options.image}; following their logs")
-                rc = follow(kubectl, job, say)
-                say(f"job {name} {'completed' if rc == 0 else f'failed (exit code {rc})'}")
+                rc = follow(kubectl, job, say, followers)
+                ended = f"job {name} {'completed' if rc == 0 else f'failed (exit code {rc})'}"
             except Interrupted as exc:
                 say(f"interrupted ({exc}): deleting job {name}")
-                rc = 128 + exc.signum
+                rc, ended = 128 + exc.signum, f"job {name} stopped"
             except KeyboardInterrupt:
                 say(f"interrupted: deleting job {name}")
-                rc = 128 + signal.SIGINT
+                rc, ended = 128 + signal.SIGINT, f"job {name} stopped"
     finally:  # also after a failed create: what it made already (never another job's of this name)
-        done, line = delete(kubectl, job, created)
-        if not done:
-            say(f"could not delete job {name} ({line}); delete it with: "
-                + " ".join(kubectl_argv("kubectl", job.options, "delete", *created)))
+        try:
+            done, line = delete(kubectl, job, created)
+            if not done:
+                say(f"could not delete job {name} ({line}); delete it with: "
+                    + " ".join(kubectl_argv("kubectl", job.options, "delete", *created)))
+        finally:
+            drain(followers)
+    say(ended)  # after the pods' last lines
     out_dir = output_dir(job)
     if rc == 0 and out_dir:
         say(f"outputs: {out_dir} on volume claim {job.options.volume_claim} (docs/kubernetes.md: copying them out)")
