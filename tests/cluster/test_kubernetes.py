@@ -19,16 +19,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.specifiers import SpecifierSet
 
 from tests.checks import assert_same_vectors
 from tests.cluster.clusterlib import REPO
@@ -447,3 +452,61 @@ def test_the_pods_command_on_three_hosts_trains_like_one_process_with_three_time
     steps = [json.loads(line)["step"] for line in (claim / "out" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # rank 0 alone logs, once a step
     print(f"3 pods vs 1 process with 3x the batch: max abs difference {diff:.2e}")
+
+
+# --- the image ----------------------------------------------------------------------------------------
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Whether the build context leaves ``path`` out (.dockerignore's patterns as this file uses them:
+    names, globs, and ``**/`` for any folder)."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        if pattern.startswith("**/"):
+            if any(fnmatch.fnmatchcase(part, pattern[3:]) for part in parts):
+                return True
+        elif any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
+            return True
+    return False
+
+
+def test_the_dockerfile_builds_the_package_the_pods_run(tmp_path):
+    """The image build cannot run here (no registry, no builder): what it is made of is checked instead.
+    The files it copies, as the build context holds them (.dockerignore), build the package's wheel."""
+    text = (REPO / "Dockerfile").read_text()
+    project = (REPO / "pyproject.toml").read_text()  # (tomllib is 3.11's; the project supports 3.10)
+    base = re.search(r"^FROM python:(\d+\.\d+)-slim\S*$", text, re.MULTILINE)
+    requires = re.search(r'^requires-python = "([^"]+)"$', project, re.MULTILINE)
+    assert base and requires and SpecifierSet(requires[1]).contains(base[1] + ".0"), (base, requires)
+    [torch_pin] = re.findall(r'^\s*"torch==([^"]+)",', project, re.MULTILINE)
+    assert re.search(rf"^ARG TORCH_VERSION={re.escape(torch_pin)}$", text, re.MULTILINE)
+    assert 'pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"' in text
+    # the manifests' command: the venv's python, first on PATH, with xeontune installed into it
+    assert k8s.COMMAND == ["python", "-m", "xeontune.train"]
+    assert "python -m venv /opt/venv" in text and re.search(r"PATH=/opt/venv/bin:\$PATH", text)
+    assert re.search(rf"^WORKDIR {k8s.DEFAULT_MOUNT}$", text, re.MULTILINE)
+
+    ignore = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    for local_state in (".git", ".venv", ".venv-ipex", "models", "data/sample", "textual_inversion_output",
+                        "xeontune/__pycache__/cli.cpython-311.pyc"):
+        assert dockerignored(local_state, ignore), local_state
+    sources = [src for line in re.findall(r"^COPY (.+)$", text, re.MULTILINE) for src in line.split()[:-1]]
+    assert sorted(sources) == ["README.md", "pyproject.toml", "xeontune"]
+    context = tmp_path / "src"
+    for src in sources:
+        assert (REPO / src).exists() and not dockerignored(src, ignore), src
+        paths = [REPO / src] if (REPO / src).is_file() else sorted((REPO / src).rglob("*"))
+        for path in paths:
+            rel = path.relative_to(REPO).as_posix()
+            if path.is_file() and not dockerignored(rel, ignore):
+                (context / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, context / rel)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "wheel"), str(context)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    [wheel] = (tmp_path / "wheel").glob("xeontune-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"xeontune/train/__main__.py", "xeontune/job/engines/kubernetes.py", "xeontune/py.typed"} <= set(names)
+    assert not [name for name in names if "__pycache__" in name]
