@@ -163,6 +163,16 @@ def _add_cloud_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", help="slurm: the partition (default: the cluster's default partition)")
     p.add_argument("--time", dest="time_limit", help="slurm: the job's time limit, as sbatch --time takes it (2:00:00)")
     p.add_argument("--account", help="slurm: the account the job is charged to")
+    p.add_argument("--address", type=_ray_address, help="ray: the Ray cluster's address, e.g. 127.0.0.1:6379 (or "
+                   "ray://head:10001 for Ray Client) (default: $RAY_ADDRESS); for --provider ray")
+
+
+def _ray_address(value: str) -> str:
+    """--address reaches the ray provider as RAY_ADDRESS, Ray's own variable (what `ray.init` reads)."""
+    import os
+
+    os.environ["RAY_ADDRESS"] = value
+    return value
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:

@@ -120,3 +120,4 @@ def get(name: str) -> Engine:
 
 register("mpirun", "xeontune.job.engines.mpirun")
 register("srun", "xeontune.job.engines.srun")
+register("ray", "xeontune.job.engines.ray")

@@ -1,0 +1,435 @@
+"""The ray engine: the ranks as Ray Train workers (``TorchTrainer``, CPU, gloo) on an existing Ray cluster.
+
+``plan`` gives the job's one command, a driver that runs on this machine (attached, or under the
+detached runner like mpirun): ``python -m xeontune.job.engines.ray --address A ... -- <rank args>``.
+The driver (``main``) connects with ``ray.init``, refuses in one line what cannot work (too few CPUs;
+a node that does not see the storage path, --output-dir or the data: Ray's nodes must share this
+machine's filesystem, as Slurm's do), then runs ``TorchTrainer`` with one worker per rank
+(``ScalingConfig(num_workers=N, use_gpu=False, resources_per_worker={"CPU": c})``), its outputs under
+the run's storage path in the job's dir, and ``FailureConfig(max_failures=K)``.
+
+Each worker runs the real trainer as a child process, ``python -m xeontune.train <rank args>``, rather
+than training inside the worker:
+
+- it is the program every other engine starts, with the same rank environment (``every_rank_env``),
+  its own process group and its own signal handling (Ctrl-C and SIGTERM stop a rank through its main
+  thread; Ray runs the train function in a thread of a long-lived actor, where they cannot);
+- threads: Ray sets ``OMP_NUM_THREADS`` to the worker's CPUs (1 when none are given) and the worker
+  has imported torch under it. The child starts with ``OMP_NUM_THREADS`` = the worker's CPUs before
+  torch sizes its thread pool;
+- rank 0's worker picks a free port on its node for the ranks' own rendezvous (not Ray's store port)
+  and the resume arguments, and shares both through the process group Ray has already initialised;
+- a child is started with the parent-death signal set (SIGTERM, the trainer's Ctrl-C path), so a
+  worker that dies takes its rank along; a child that exits non-zero makes its worker raise, and Ray
+  restarts the whole group (``FailureConfig``). A restarted group's ranks resume from the newest
+  complete checkpoint this job wrote (none yet: the same run again, with --overwrite where this job
+  wrote its config), as a requeued Slurm job does, so the result equals a straight run's;
+- a one-line user error (exit 2 on any rank) is not retried: the workers agree on their children's
+  exit codes, and only a crash or a kill raises.
+
+Each rank's output goes to ``<job dir>/ranks/rank-K.log`` (on the shared filesystem); the driver prints
+those lines prefixed ``[K] ``, as mpirun's ``-prepend-rank`` does. The driver exits 0 only when every
+rank's trainer did; SIGINT, SIGTERM or SIGHUP to it (Ctrl-C, or `teardown`, which SIGINTs a detached
+job's runner) end it at once: Ray kills the actors its driver owned (the Train controller, and with it
+the workers), whose children get their parent-death signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from xeontune.cluster.providers import ray as ray_provider
+from xeontune.errors import UserError
+from xeontune.job.engines import Engine, Plan
+from xeontune.job.engines.env import LOCAL_PATH_ENV, PASSTHROUGH_ENV, every_rank_env, rank_pythonpath
+from xeontune.job.spec import head_output_dir, looks_local
+from xeontune.train.outputs import CHECKPOINT_COMPLETE, CHECKPOINT_RE, RUN_CONFIG
+
+if TYPE_CHECKING:
+    from xeontune.cluster.state import ClusterRecord
+    from xeontune.job.record import JobInfo
+    from xeontune.job.spec import LaunchSpec
+
+MAX_FAILURES = 3  # group restarts before the run fails (each resumes from the newest checkpoint)
+USER_ERROR = 2  # a rank's exit status for a UserError (xeontune.errors): the same again on a restart
+STARTED = "started"  # in the job's dir: written once before the first attempt; newer checkpoints are this job's
+ATTEMPTS = "attempts"  # in the job's dir: one line per start of the worker group
+RESULT = "result"  # in the job's dir: the ranks' agreed exit status, written by rank 0's worker
+RANKS_DIR = "ranks"  # in the job's dir: rank-K.log, each rank's output over every attempt
+STORAGE_DIR = "ray"  # in the job's dir: the run's storage path (RunConfig.storage_path)
+# Sets the parent-death signal, checks the parent is still there, then becomes the trainer (the setting
+# survives exec). argv: parent pid, then the command.
+PDEATHSIG_EXEC = ("import ctypes, os, signal, sys\n"
+                  "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG\n"
+                  "if os.getppid() != int(sys.argv[1]):\n"
+                  "    sys.exit(143)\n"
+                  "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+class RayEngine(Engine):
+    name = "ray"
+    scheduled = False
+
+    def plan(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> Plan:
+        address = ray_provider.address_of(record)
+        cpus = ray_provider.layout(record, spec.ranks, spec.ppn)
+        env = {**every_rank_env(spec.backend), "OMP_NUM_THREADS": str(cpus)}
+        if pythonpath := rank_pythonpath():  # xeontune from a checkout, not installed in the venv
+            env["PYTHONPATH"] = pythonpath
+        for key in (*PASSTHROUGH_ENV, *LOCAL_PATH_ENV, "XEONTUNE_CACHE"):
+            if key in os.environ:
+                env[key] = os.environ[key]
+        wdir = os.getcwd()  # as mpirun's -wdir: a relative --output-dir is relative to where the job started
+        options = spec.request.options
+        # what every node must see: read (the data, a local model) or written (the outputs, the storage path)
+        reads = [p for p in (spec.data_dir, options.class_data_dir if options.class_data_dir and
+                             Path(options.class_data_dir).is_dir() else None,
+                             str(options.model) if looks_local(str(options.model)) else None) if p]
+        argv = [sys.executable, "-m", "xeontune.job.engines.ray", "--address", address, "--workers", str(spec.ranks),
+                "--cpus-per-worker", str(cpus), "--max-failures", str(MAX_FAILURES), "--job-dir", job.job_dir,
+                "--output-dir", head_output_dir(spec, wdir), "--wdir", wdir]
+        for path in reads:
+            argv += ["--reads", os.path.abspath(os.path.join(wdir, os.path.expanduser(path)))]
+        for key, value in env.items():
+            argv += ["--rank-env", f"{key}={value}"]
+        if spec.env:  # --env values wait in a 0600 file (the job wing writes it), never in argv
+            argv += ["--env-file", os.path.join(job.job_dir, "env")]
+        argv += ["--", *spec.rank_args]
+        return Plan(argv=argv, world_size=spec.ranks, backend=spec.backend, env=env, program=sys.executable,
+                    inner=argv, wdir=wdir)
+
+    def preflight(self, record: ClusterRecord, plan: Plan) -> None:
+        ray_provider.import_ray()
+        ray_provider.address_of(record)
+
+
+ENGINE = RayEngine()
+
+
+# --- in every worker -----------------------------------------------------------------------------
+
+
+def newest_checkpoint(output_dir: str, since_ns: int) -> tuple[str, int] | None:
+    """The newest complete checkpoint-N in ``output_dir`` written after ``since_ns`` (this job's), as
+    (path, step)."""
+    best: tuple[str, int] | None = None
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(output_dir):
+            match = CHECKPOINT_RE.match(entry.name)
+            if not match or not entry.is_dir() or not os.path.isfile(os.path.join(entry.path, CHECKPOINT_COMPLETE)):
+                continue
+            if entry.stat().st_mtime_ns > since_ns and (best is None or int(match[1]) > best[1]):
+                best = (entry.path, int(match[1]))
+    return best
+
+
+def resume_args(output_dir: str, started: str, rank_args: list[str]) -> tuple[list[str], str]:
+    """What a (re)started group's ranks add to their arguments, and the line that says so. A restart
+    resumes from the newest complete checkpoint this job wrote; one before its first checkpoint starts
+    over (--overwrite), but only where this job wrote the run and no checkpoint was named."""
+    since = os.stat(started).st_mtime_ns
+    found = newest_checkpoint(output_dir, since)
+    if found:
+        return ["--resume-from-checkpoint", found[0]], f"resuming from {os.path.basename(found[0])}"
+    explicit = any(a == "--resume-from-checkpoint" or a.startswith("--resume-from-checkpoint=") for a in rank_args)
+    config = os.path.join(output_dir, RUN_CONFIG)
+    if not explicit and os.path.isfile(config) and os.stat(config).st_mtime_ns > since:
+        return ["--overwrite"], "no checkpoint yet: starting over"
+    return [], "starting as first given"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def iface_of(ip: str) -> str | None:
+    """The network interface that holds ``ip`` (gloo's GLOO_SOCKET_IFNAME), if one here does."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return name
+    return None
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """One rank: agree on the rendezvous and resume arguments, run the trainer as a child, agree on the
+    exit codes. Raises (Ray then restarts the group) when a rank crashed or was killed."""
+    import ray
+    import torch.distributed as dist
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    job_dir = config["job_dir"]
+    rank_args = list(config["rank_args"])
+    shared: list[Any] = [None, None, None]
+    if rank == 0:
+        extra, how = resume_args(config["output_dir"], os.path.join(job_dir, STARTED), rank_args)
+        with open(os.path.join(job_dir, ATTEMPTS), "a") as f:
+            f.write(f"{time.time():.0f}\n")
+        attempt = len(Path(job_dir, ATTEMPTS).read_text().splitlines())
+        if attempt > 1:
+            with open(os.path.join(job_dir, RANKS_DIR, "rank-0.log"), "a") as log:
+                log.write(f"xeontune: Ray restarted the worker group (start {attempt} of at most "
+                          f"{config['max_failures'] + 1}): {how}\n")
+        shared = [ray.util.get_node_ip_address(), free_port(), extra]
+    dist.broadcast_object_list(shared, src=0)
+    master, port, extra = shared
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    env.update(config["env"])
+    env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(ctx.get_local_rank()),
+                "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()), "NODE_RANK": str(ctx.get_node_rank()),
+                "MASTER_ADDR": str(master), "MASTER_PORT": str(port)})
+    if "GLOO_SOCKET_IFNAME" not in config["env"]:
+        iface = iface_of(ray.util.get_node_ip_address())
+        if iface:
+            env["GLOO_SOCKET_IFNAME"] = iface
+        else:
+            env.pop("GLOO_SOCKET_IFNAME", None)
+    python = sys.executable
+    command = [python, "-c", PDEATHSIG_EXEC, str(os.getpid()), python, "-m", "xeontune.train", *rank_args, *extra]
+    with open(os.path.join(job_dir, RANKS_DIR, f"rank-{rank}.log"), "ab") as log:
+        proc = subprocess.Popen(command, cwd=config["wdir"], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
+        rc = proc.wait()
+    codes: list[Any] = [None] * world
+    dist.all_gather_object(codes, rc)
+    if rank == 0:
+        agreed = 0 if all(c == 0 for c in codes) else USER_ERROR if USER_ERROR in codes else None
+        if agreed is not None:
+            Path(job_dir, RESULT).write_text(f"{agreed}\n")
+    if any(c != 0 for c in codes) and USER_ERROR not in codes:
+        raise RuntimeError(f"rank {rank}'s trainer exited with status {rc} (ranks' statuses: {codes})")
+
+
+def look(marks: dict[str, str], reads: list[str]) -> str | None:
+    """On one node: the first path it does not see as the driver wrote it, or None."""
+    for path, token in marks.items():
+        try:
+            if Path(path).read_text() != token:
+                return path
+        except OSError:
+            return path
+    for path in reads:
+        if not os.path.exists(path):
+            return path
+    return None
+
+
+def unshared(seen: dict[str, str | None], what: dict[str, str]) -> str | None:
+    """The one-line error for the first node (id -> what it did not see, or None) that misses a path."""
+    for node, missing in seen.items():
+        if missing is not None:
+            return (f"the Ray node {node} does not see {missing} ({what.get(missing, 'a path of the job')}): with "
+                    "--provider ray every node must share this machine's filesystem (NFS, or one machine) for the "
+                    "storage path, --output-dir, --data-dir and a local --model")
+    return None
+
+
+# --- the driver: `python -m xeontune.job.engines.ray` ----------------------------------------------
+
+
+class RankLogs:
+    """Prints each rank's new whole lines as ``[K] line`` (mpirun's -prepend-rank), from its log file."""
+
+    def __init__(self, folder: Path, world: int) -> None:
+        self.paths = [folder / f"rank-{k}.log" for k in range(world)]
+        self.offsets = [0] * world
+        self.partial = [b""] * world
+
+    def pump(self, final: bool = False) -> None:
+        for k, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[k])
+                    data = f.read()
+            except OSError:
+                continue
+            self.offsets[k] += len(data)
+            data = self.partial[k] + data
+            lines = data.split(b"\n")
+            self.partial[k] = b"" if final else lines.pop()
+            for line in lines:
+                if line or not final:
+                    sys.stdout.write(f"[{k}] {line.decode(errors='replace')}\n")
+        sys.stdout.flush()
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m xeontune.job.engines.ray",
+                                description="xeontune's Ray driver: one TorchTrainer run of `python -m xeontune.train`")
+    p.add_argument("--address", required=True)
+    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--cpus-per-worker", type=int, default=1)
+    p.add_argument("--max-failures", type=int, default=MAX_FAILURES)
+    p.add_argument("--job-dir", required=True)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--wdir", default=os.getcwd())
+    p.add_argument("--reads", action="append", default=[], help="a path every node must see")
+    p.add_argument("--rank-env", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--env-file", help="--env values (KEY=quoted value lines), read and deleted")
+    p.add_argument("rank_args", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    args.rank_args = args.rank_args[1:] if args.rank_args[:1] == ["--"] else args.rank_args
+    return args
+
+
+def read_env_file(path: str | None) -> dict[str, str]:
+    """The job wing's --env file (``KEY=<shell-quoted value>`` lines), deleted once read."""
+    if not path or not os.path.isfile(path):
+        return {}
+    env = {}
+    for line in Path(path).read_text().splitlines():
+        for word in shlex.split(line):
+            key, _, value = word.partition("=")
+            env[key] = value
+    os.remove(path)
+    return env
+
+
+def check_capacity(ray: Any, workers: int, cpus: int, address: str) -> list[str]:
+    """The alive nodes that can host a worker (ids); UserError when the workers do not fit."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    hosts = [n["NodeID"] for n in nodes if n["Resources"].get("CPU", 0) >= cpus]
+    fits = sum(int(n["Resources"].get("CPU", 0) // cpus) for n in nodes)
+    if workers > fits:
+        raise UserError(f"the Ray cluster at {address} has room for {fits} worker(s) of {cpus} CPU(s), not "
+                        f"{workers} ({len(nodes)} alive node(s)); bring nodes up, or launch fewer ranks")
+    return hosts
+
+
+def check_shared(ray: Any, hosts: list[str], storage: Path, output_dir: Path, reads: list[str],
+                 engine: Any) -> None:
+    """Every node that may host a worker sees what this one wrote into the storage path and --output-dir,
+    and the paths the ranks read; else one UserError line."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    token = secrets.token_hex(8)
+    marks: dict[str, str] = {}
+    what = {str(storage): "the run's storage path", str(output_dir): "--output-dir"}
+    for folder in (storage, output_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+        mark = folder / f".xeontune-shared-{token}"
+        mark.write_text(token)
+        marks[str(mark)] = token
+        what[str(mark)] = what[str(folder)]
+    what.update({p: "a path the ranks read" for p in reads})
+    remote_look = ray.remote(num_cpus=0)(engine.look)
+    try:
+        refs = {node: remote_look.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                .remote(marks, reads) for node in hosts}
+        seen = {node: ray.get(ref, timeout=120) for node, ref in refs.items()}
+    finally:
+        for mark in marks:
+            with contextlib.suppress(OSError):
+                os.remove(mark)
+    if (error := unshared(seen, what)) is not None:
+        raise UserError(error)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return drive(args)
+    except UserError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return exc.exit_code
+
+
+def drive(args: argparse.Namespace) -> int:
+    ray = ray_provider.import_ray()
+    # the functions Ray runs on the nodes must be this module's, not __main__'s (which no worker can import)
+    engine = importlib.import_module("xeontune.job.engines.ray")
+    job_dir = Path(args.job_dir)
+    (job_dir / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+    env = dict(kv.partition("=")[::2] for kv in args.rank_env)
+    env.update(read_env_file(args.env_file))
+    runtime_env = {"env_vars": {"PYTHONPATH": env["PYTHONPATH"]}} if env.get("PYTHONPATH") else None
+    try:
+        ray.init(address=args.address, log_to_driver=False, logging_level="WARNING", runtime_env=runtime_env)
+    except Exception as exc:
+        raise UserError(f"cannot reach the Ray cluster at {args.address}: {' '.join(str(exc).split())[:300]}") from None
+    hosts = check_capacity(ray, args.workers, args.cpus_per_worker, args.address)
+    storage = job_dir / STORAGE_DIR
+    check_shared(ray, hosts, storage, Path(args.output_dir), list(args.reads), engine)
+    for name in (ATTEMPTS, RESULT):
+        with contextlib.suppress(FileNotFoundError):
+            (job_dir / name).unlink()
+    (job_dir / STARTED).write_text(f"{time.time():.0f}\n")
+
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    trainer = TorchTrainer(
+        engine.train_loop_per_worker,
+        train_loop_config={"job_dir": str(job_dir), "output_dir": args.output_dir, "wdir": args.wdir, "env": env,
+                           "rank_args": list(args.rank_args), "max_failures": args.max_failures},
+        scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False,
+                                     resources_per_worker={"CPU": args.cpus_per_worker}),
+        run_config=RunConfig(name=f"xeontune-{job_dir.name}", storage_path=str(storage),
+                             failure_config=FailureConfig(max_failures=args.max_failures)),
+        torch_config=TorchConfig(backend="gloo"),
+    )
+    print(f"xeontune: Ray Train run of {args.workers} worker(s), {args.cpus_per_worker} CPU(s) each, on the Ray "
+          f"cluster at {args.address} (restarts: up to {args.max_failures})", flush=True)
+    logs = RankLogs(job_dir / RANKS_DIR, args.workers)
+    outcome: dict[str, Any] = {}
+    fit = threading.Thread(target=_fit, args=(trainer, outcome), daemon=True)  # not the main thread: Ray then
+    stop = _stop_on_signals()                                                  # leaves signals to us
+    fit.start()
+    while fit.is_alive() and not stop:
+        fit.join(0.2)
+        logs.pump()
+    logs.pump(final=True)
+    if stop:
+        sig = stop[0]
+        print(f"xeontune: {signal.Signals(sig).name}: the Ray Train run stops with this driver (its workers and "
+              "their ranks go with it)", flush=True)
+        sys.stderr.flush()
+        os._exit(128 + sig)  # Ray kills the actors this driver owns once it is gone, however it ends
+    error = outcome.get("error")
+    result = (job_dir / RESULT).read_text().strip() if (job_dir / RESULT).is_file() else ""
+    if error is None and result == "0":
+        return 0
+    if result == str(USER_ERROR):
+        return USER_ERROR  # the rank's own one-line error is above
+    words = " ".join(str(error).split())[:300] if error is not None else "no result"
+    print(f"xeontune: the Ray Train run failed ({type(error).__name__ if error else 'ended'}): {words}",
+          file=sys.stderr, flush=True)
+    return 1
+
+
+def _fit(trainer: Any, outcome: dict[str, Any]) -> None:
+    try:
+        outcome["result"] = trainer.fit()
+    except BaseException as exc:  # TrainingFailedError once the restarts are spent
+        outcome["error"] = exc
+
+
+def _stop_on_signals() -> list[int]:
+    """The first SIGINT, SIGTERM or SIGHUP lands in the returned list (the driver's loop then stops)."""
+    got: list[int] = []
+    handler: Callable[[int, object], None] = lambda sig, _frame: got.append(sig)  # noqa: E731
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+    return got
+
+
+if __name__ == "__main__":
+    sys.exit(main())
