@@ -3,6 +3,10 @@ names already set win, and Slurm's adoption is unchanged."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import pytest
 
 from xeontune.errors import UserError
@@ -23,7 +27,7 @@ def test_the_index_is_the_rank_of_one_rank_per_pod():
     assert (pod["RANK"], pod["WORLD_SIZE"], pod["LOCAL_RANK"], pod["LOCAL_WORLD_SIZE"]) == ("2", "3", "0", "1")
     assert (pod["MASTER_ADDR"], pod["MASTER_PORT"]) == ("tj-0.tj", "29500")
     first = {**POD, "JOB_COMPLETION_INDEX": "0"}
-    assert world.adopt(first) == "kubernetes" and first["RANK"] == "0"
+    assert world.adopt(first, wait=False) == "kubernetes" and first["RANK"] == "0"
 
 
 def test_names_already_set_win():
@@ -64,3 +68,40 @@ def test_slurm_is_unaffected():
     assert world.adopt(both) == "slurm"
     assert both["RANK"] == alone["RANK"] == "4" and both["WORLD_SIZE"] == "5"
     assert not world.adopt_indexed_job({**task, "JOB_COMPLETION_INDEX": "0", "WORLD_SIZE": "5"}, fqdn=no_fqdn)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1] - 1  # wait_for_pods listens one above MASTER_PORT
+
+
+def pod_env(rank: int, port: int, size: int = 2, wait_s: float = 30) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "XEONTUNE_POD_WAIT_S": str(wait_s)}
+
+
+def test_pods_wait_for_each_other_before_joining_the_group():
+    """Rank 0's pod starts 2 s after rank 1's (its node pulled the image later): both go on together."""
+    port, done = free_port(), {}
+
+    def pod(rank: int, delay: float) -> None:
+        time.sleep(delay)
+        world.wait_for_pods(pod_env(rank, port), say=lambda line: None)
+        done[rank] = time.monotonic()
+
+    threads = [threading.Thread(target=pod, args=(1, 0.0)), threading.Thread(target=pod, args=(0, 2.0))]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(done) == [0, 1] and done[1] - start >= 2.0 and abs(done[1] - done[0]) < 1.5, done
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_pod_that_never_starts_is_a_one_line_error(rank):
+    start = time.monotonic()
+    with pytest.raises(UserError, match=r"of the job's 2 pods started within 2 s") as err:
+        world.wait_for_pods(pod_env(rank, free_port(), wait_s=2), say=lambda line: None)
+    assert "\n" not in str(err.value) and time.monotonic() - start < 15

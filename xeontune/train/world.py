@@ -16,7 +16,9 @@ makes it the RANK of a job whose pods say how many ranks there are (WORLD_SIZE, 
 trainings (a sweep), each a world of its own, and nothing is adopted. Names already set win here too.
 A hand-written Job without MASTER_ADDR gets the index-0 pod's name from this pod's own (``<job>-<i>``
 in the ``subdomain`` of a headless Service: ``<job>-<i>.<service>.<namespace>.svc...``).
-``adopt`` is the one call the trainer makes: Slurm's names in an srun step, else an Indexed Job's.
+``adopt`` is the one call the trainer makes: Slurm's names in an srun step, else an Indexed Job's,
+whose pods then wait for each other (``wait_for_pods``): unlike srun's tasks they start as each
+node pulls the image, minutes apart, and joining the process group waits only --dist-timeout.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
+import time
 from collections.abc import Callable, MutableMapping
 
 from xeontune.errors import UserError
@@ -34,6 +38,8 @@ from xeontune.errors import UserError
 # ephemeral range (32768-60999).
 _PORT_BASE, _PORT_SPAN = 12000, 20000
 INDEXED_JOB_PORT = 29500  # an Indexed Job's MASTER_PORT when its pods do not say (torch's default)
+POD_WAIT_ENV = "XEONTUNE_POD_WAIT_S"  # how long an Indexed Job's pods wait for each other to start
+POD_WAIT_S = 900.0  # image pulls on fresh nodes, a pod scheduled once another job ends
 
 
 def in_srun_step(env: MutableMapping[str, str]) -> bool:
@@ -144,11 +150,61 @@ def first_pod_address(index: str, fqdn: str) -> str:
     return f"{host[: -len(index)]}0.{domain}"
 
 
-def adopt(env: MutableMapping[str, str] | None = None) -> str | None:
-    """The scheduler whose rank names were adopted ("slurm", "kubernetes"), or None."""
+def wait_for_pods(env: MutableMapping[str, str] | None = None, say: Callable[[str], None] | None = None) -> None:
+    """Return once every pod of the job runs this (after adopt_indexed_job), at most $XEONTUNE_POD_WAIT_S
+    (default 15 min) after this pod started; then a one-line UserError. A barrier on a TCPStore of rank 0's,
+    one port above MASTER_PORT (below it at 65535): the process group's own rendezvous, right after,
+    waits only --dist-timeout (seconds), so the pods must reach it together."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    env = os.environ if env is None else env
+    say = say or (lambda line: (sys.stderr.write(line + "\n"), sys.stderr.flush()))
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    port = port + 1 if port < 65535 else port - 1
+    wait_s = float(env.get(POD_WAIT_ENV) or POD_WAIT_S)
+    start = time.monotonic()
+    deadline, told = start + wait_s, False
+
+    def tick(started: int) -> None:
+        nonlocal told
+        if time.monotonic() > deadline:
+            raise UserError(f"rank {rank}: {started} of the job's {world} pods started within {wait_s:.0f} s "
+                            f"({POD_WAIT_ENV}); `kubectl describe pods` says why the others did not (CPUs or "
+                            "memory to schedule them, the image pull, the volume claim)")
+        if not told and time.monotonic() - start > 30:
+            told = True
+            say(f"rank {rank}: waiting for the job's other pods to start ({started} of {world} so far)")
+        time.sleep(0.2 if started else 1.0)
+
+    if rank != 0:
+        while True:  # quietly, until rank 0's name resolves and its store listens (torch's retries log)
+            try:
+                socket.create_connection((addr, port), timeout=5).close()
+                break
+            except OSError:
+                tick(0)
+    timeout = timedelta(seconds=max(60.0, deadline - time.monotonic() + 60))
+    store = TCPStore(addr, port, world, rank == 0, timeout, wait_for_workers=False)
+    store.add("pods", 1)
+    while (started := store.add("pods", 0)) < world:
+        tick(started)
+    store.add("seen", 1)
+    while rank == 0 and (seen := store.add("seen", 0)) < world:  # the store outlives every pod's last look
+        tick(seen)
+    del store
+
+
+def adopt(env: MutableMapping[str, str] | None = None, wait: bool = True) -> str | None:
+    """The scheduler whose rank names were adopted ("slurm", "kubernetes"), or None. ``wait``: an
+    Indexed Job's pods wait for each other (``wait_for_pods``)."""
     env = os.environ if env is None else env
     if adopt_slurm(env):
         return "slurm"
     if adopt_indexed_job(env):
+        if wait:
+            wait_for_pods(env)
         return "kubernetes"
     return None
