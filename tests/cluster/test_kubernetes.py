@@ -365,6 +365,9 @@ COMMON = ("--placeholder-token", "<cat-toy>", "--initializer-token", "toy", "--r
           "2", "--learning-rate", "5e-3", "--seed", "7", "--checkpointing-steps", "0", "--save-steps", "0",
           "--no-random-flip", "--scale-lr", "--mixed-precision", "fp32", "--num-vectors", "2")
 NAMESPACE = "default"  # the Kubernetes namespace the pods' own /etc/hosts line names
+# Rank 0's pod starts later than the process group's rendezvous waits (its node pulled the image last):
+# the pods wait for each other first (train/world.py's wait_for_pods), so the short timeout still guards steps.
+DIST_TIMEOUT_S, LATE_S = 6, 10
 
 
 def pod_hosts(cluster, job: str, service: str, own: int) -> str:
@@ -385,7 +388,8 @@ def test_the_pods_command_on_three_hosts_trains_like_one_process_with_three_time
     exec` binds /etc/netns/<ns>/hosts over /etc/hosts), the claim mounted as the working dir, and exactly
     the container's command, args and environment from the manifest (env, the Secret's keys through
     envFrom, the Job controller's JOB_COMPLETION_INDEX and HOSTNAME; PATH and HOME as the image sets
-    them). No GLOO_SOCKET_IFNAME and no MASTER_ADDR but the manifest's: names alone reach rank 0."""
+    them). No GLOO_SOCKET_IFNAME and no MASTER_ADDR but the manifest's: names alone reach rank 0. Rank 0's
+    pod starts LATE_S after the others, longer than --dist-timeout."""
     claim = tmp_path / "claim"
     claim.mkdir()
     (claim / "data").symlink_to(sample_images, target_is_directory=True)
@@ -393,7 +397,8 @@ def test_the_pods_command_on_three_hosts_trains_like_one_process_with_three_time
     job = k8s.job_from_args(args_of("-n", "3", "--image", "local/xeontune:test", "--volume-claim", "claim", "--cpus",
                                     "1", "--memory", "2Gi", "--job-name", "tj", "--mount-path", str(claim),
                                     "--env", "HF_HUB_OFFLINE=1", "--", "--model", "./tiny", "--data-dir", "data",
-                                    "--output-dir", "out", "--train-batch-size", "1", *COMMON))
+                                    "--output-dir", "out", "--train-batch-size", "1", "--dist-timeout",
+                                    str(DIST_TIMEOUT_S), *COMMON))
     secret, service, indexed = job.docs
     pod = indexed["spec"]["template"]["spec"]
     [container] = pod["containers"]
@@ -404,10 +409,19 @@ def test_the_pods_command_on_three_hosts_trains_like_one_process_with_three_time
                  "HOME": str(home)}  # the Dockerfile's: its venv's bin first
     netns_etc = Path("/etc/netns")
     made_etc = not netns_etc.exists()
-    procs: list[subprocess.Popen[str]] = []
-    logs = []
+    procs: dict[int, subprocess.Popen[str]] = {}
+    logs = {}
+    # the reference, one process with 3x the batch, trains meanwhile (rank 0's pod starts late)
+    one = tmp_path / "one"
+    single = subprocess.Popen([sys.executable, "-m", "xeontune.train", "--model", str(tiny_model), "--data-dir",
+                               str(sample_images), "--output-dir", str(one), "--train-batch-size", "3", *COMMON],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=(tmp_path / "one.log").open("w"),
+                              text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 300
     try:
-        for i, node in enumerate(local_cluster.nodes):
+        for i, node in reversed(list(enumerate(local_cluster.nodes))):  # rank 0's pod last, and late
+            if i == 0:
+                time.sleep(LATE_S)
             etc = netns_etc / node.resource_id
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(pod_hosts(local_cluster, "tj", pod["subdomain"], i))
@@ -416,14 +430,13 @@ def test_the_pods_command_on_three_hosts_trains_like_one_process_with_three_time
             argv = ["ip", "netns", "exec", node.resource_id, "unshare", "--uts", "sh", "-c",
                     'hostname "$0" && exec "$@"', f"tj-{i}", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
                     *container["command"], *container["args"]]
-            logs.append((tmp_path / f"pod-{i}.log").open("w+"))
-            procs.append(subprocess.Popen(argv, cwd=container["workingDir"], stdout=logs[-1],
-                                          stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + 300
-        for proc in procs:
+            logs[i] = (tmp_path / f"pod-{i}.log").open("w+")
+            procs[i] = subprocess.Popen(argv, cwd=container["workingDir"], stdout=logs[i], stderr=subprocess.STDOUT,
+                                        text=True)
+        for proc in [*procs.values(), single]:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        for proc in procs:
+        for proc in [*procs.values(), single]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -434,20 +447,15 @@ def test_the_pods_command_on_three_hosts_trains_like_one_process_with_three_time
         if made_etc:
             with contextlib.suppress(OSError):
                 netns_etc.rmdir()
-    output = []
-    for i, log in enumerate(logs):
+    output = {}
+    for i, log in sorted(logs.items()):
         log.seek(0)
-        output.append(log.read())
+        output[i] = log.read()
         log.close()
         assert procs[i].returncode == 0, f"pod {i}:\n{output[i][-3000:]}"
-    assert "loopback" not in "".join(output).lower()  # gloo found each pod's address by its name
+    assert "loopback" not in "".join(output.values()).lower()  # gloo found each pod's address by its name
 
-    one = tmp_path / "one"
-    single = subprocess.run([sys.executable, "-m", "xeontune.train", "--model", str(tiny_model), "--data-dir",
-                             str(sample_images), "--output-dir", str(one), "--train-batch-size", "3", *COMMON],
-                            cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert single.returncode == 0, single.stderr[-3000:]
+    assert single.returncode == 0, (tmp_path / "one.log").read_text()[-3000:]
     diff = assert_same_vectors(claim / "out", one, atol=1e-5)
     steps = [json.loads(line)["step"] for line in (claim / "out" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # rank 0 alone logs, once a step
