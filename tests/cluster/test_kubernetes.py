@@ -518,3 +518,13 @@ def test_the_dockerfile_builds_the_package_the_pods_run(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {"xeontune/train/__main__.py", "xeontune/job/engines/kubernetes.py", "xeontune/py.typed"} <= set(names)
     assert not [name for name in names if "__pycache__" in name]
+
+
+def test_detach_creates_the_job_and_leaves_it_running(tmp_path):
+    env = fake_kubectl(tmp_path, outcome="never")
+    proc = drive(env, *RUN, "--detach", "--", *TRAIN)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out + err
+    assert [c[2] for c in calls(env)] == ["create"]
+    assert "kubectl --namespace team-a logs -f --prefix -l xeontune.io/job=tj" in out
+    assert "kubectl --namespace team-a delete job,service,secret -l xeontune.io/job=tj" in out

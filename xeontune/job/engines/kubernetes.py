@@ -70,7 +70,7 @@ WAITING_SAID = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateC
 # Options of other providers that `run`'s parser may carry: a value given for one is a mistake here.
 FOREIGN_OPTIONS = {"region": "--region", "instance_type": "--instance-type", "image": "--ami", "spot": "--spot",
                    "subnet": "--subnet", "ssh_cidr": "--ssh-cidr", "partition": "--partition",
-                   "time_limit": "--time", "account": "--account", "autostop": "--autostop"}
+                   "time_limit": "--time", "account": "--account", "autostop": "--autostop", "keep": "--keep"}
 
 
 @dataclass
@@ -649,7 +649,8 @@ def launch_command(args: argparse.Namespace) -> int:
         create(kubectl, job, [])
         name, ns = job.options.job_name, (["--namespace", job.options.namespace] if job.options.namespace else [])
         print(f"created job {name} ({job.ranks} pod(s)), detached")
-        print(f"follow it: kubectl {' '.join(ns + ['logs', '-f', '--prefix', '-l', f'{LABEL}={name}'])}    "
+        many = [f"--max-log-requests={job.ranks}"] if job.ranks > 5 else []  # kubectl's default: 5
+        print(f"follow it: kubectl {' '.join(ns + ['logs', '-f', '--prefix', *many, '-l', f'{LABEL}={name}'])}    "
               f"delete it: kubectl {' '.join(ns + ['delete', 'job,service,secret', '-l', f'{LABEL}={name}'])}")
         return 0
     return run_command(args, job)
