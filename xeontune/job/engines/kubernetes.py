@@ -53,8 +53,6 @@ MASTER_PORT = 29500  # torch's own default rendezvous port
 DEFAULT_MOUNT = "/workspace"
 CONTAINER = "rank"
 COMMAND = ["python", "-m", "xeontune.train"]  # the image's python (Dockerfile: /opt/venv first on PATH)
-# Pod-level switches of the caller's that pods inherit when set (start.py's PASSTHROUGH_ENV).
-PASSTHROUGH_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 POLL_S = 2.0  # how often the Job and its pods are asked about while they run
 LOG_DRAIN_S = 15.0  # after the Job ended, how long its pods' last log lines may take to arrive
 KUBECTL_TIMEOUT_S = 120.0  # one kubectl call (not a log follower)
@@ -176,21 +174,14 @@ def options_from_args(args: argparse.Namespace) -> KubernetesOptions:
 # --- the manifests ---------------------------------------------------------------------------------
 
 
-def _rank_env_base(backend: str) -> dict[str, str]:
-    """What every rank gets however it is started (the engines' shared part)."""
-    try:
-        from xeontune.job.engines.env import every_rank_env  # type: ignore[import-not-found]
-    except ImportError:
-        from xeontune.job.start import every_rank_env
-    return every_rank_env(backend)
-
-
 def rank_env(options: KubernetesOptions, ranks: int, backend: str = "gloo") -> dict[str, str]:
     """Every pod's environment besides ``--env`` (which overrides it) and JOB_COMPLETION_INDEX (the Job's)."""
     import os
 
+    from xeontune.job.engines.env import PASSTHROUGH_ENV, every_rank_env
+
     env = {
-        **_rank_env_base(backend),
+        **every_rank_env(backend),  # what every engine gives its ranks
         "WORLD_SIZE": str(ranks),
         "MASTER_ADDR": options.master_addr,
         "MASTER_PORT": str(options.master_port),
