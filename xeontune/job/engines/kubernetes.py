@@ -60,6 +60,8 @@ GET_FAILURES = 15  # consecutive failed `kubectl get`s (an API server gone) befo
 SECRET_SHOWN = "<--env {key}: not shown>"
 # A Job's name is a DNS label (its pods' host names, <job>-<index>, must stay one: 63 characters).
 NAME_RE = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")
+NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS label
+CLAIM_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain
 MEMORY_RE = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)")
 CPU_RE = re.compile(r"(\d+(?:\.\d+)?)(m?)")
 # Waiting reasons of a pod's container worth one line to the user (it may never start otherwise).
@@ -107,7 +109,7 @@ class KubernetesOptions:
         """One-line UserErrors for what Kubernetes would refuse, or what could not work."""
         if not self.image or any(c.isspace() for c in self.image):
             raise UserError(f"--image {self.image!r} is not an image reference (e.g. registry.example.com/xeontune:0.1)")
-        if not self.volume_claim or not NAME_RE.fullmatch(self.volume_claim.replace(".", "-")):
+        if not CLAIM_RE.fullmatch(self.volume_claim or ""):
             raise UserError(f"--volume-claim {self.volume_claim!r} is not a PersistentVolumeClaim name "
                             "(lower-case letters, digits, '-' and '.')")
         cpu = CPU_RE.fullmatch(self.cpus)
@@ -119,12 +121,12 @@ class KubernetesOptions:
         if not NAME_RE.fullmatch(self.job_name):
             raise UserError(f"--job-name {self.job_name!r} must be 1-52 lower-case letters, digits or '-', "
                             "starting with a letter and ending with a letter or digit")
-        if self.namespace is not None and not NAME_RE.fullmatch(self.namespace):
+        if self.namespace is not None and not NAMESPACE_RE.fullmatch(self.namespace):
             raise UserError(f"--namespace {self.namespace!r} is not a namespace name")
         if not posixpath.isabs(self.mount_path) or posixpath.normpath(self.mount_path) == "/":
             raise UserError(f"--mount-path {self.mount_path!r} must be an absolute path other than /")
         if not 1 <= self.master_port <= 65535:
-            raise UserError(f"--master-port {self.master_port} is not a port")
+            raise UserError(f"master port {self.master_port} is not a port")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
