@@ -153,16 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_cloud_options(p: argparse.ArgumentParser) -> None:
-    """Where and what a new cloud cluster is: shared by `cluster up` and `run`."""
+    """Where and what a new cluster is: shared by `cluster up` and `run`. The clouds' common flags,
+    then each provider's own (``Provider.options``), which reach only that provider."""
+    from xeontune.cluster import providers
+
     p.add_argument("--region", help="cloud region (aws: e.g. us-east-1; azure: e.g. eastus)")
     p.add_argument("--instance-type", help="aws instance type / azure VM size")
-    p.add_argument("--ami", dest="image", help="aws: AMI id instead of the current Ubuntu LTS")
-    p.add_argument("--spot", action="store_true", help="aws: spot instances")
-    p.add_argument("--subnet", help="aws: subnet id instead of the default VPC")
     p.add_argument("--ssh-cidr", help="CIDR allowed to SSH in (default: your public address /32)")
-    p.add_argument("--partition", help="slurm: the partition (default: the cluster's default partition)")
-    p.add_argument("--time", dest="time_limit", help="slurm: the job's time limit, as sbatch --time takes it (2:00:00)")
-    p.add_argument("--account", help="slurm: the account the job is charged to")
+    providers.add_options(p)
     p.add_argument("--address", type=_ray_address, help="ray: the Ray cluster's address, e.g. 127.0.0.1:6379 (or "
                    "ray://head:10001 for Ray Client) (default: $RAY_ADDRESS); for --provider ray")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xeontune.cluster import pricing, ssh, state
-from xeontune.cluster.providers import ClusterSpec, Provider
+from xeontune.cluster.providers import ClusterSpec, Provider, ProviderOption
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
 
@@ -140,6 +140,11 @@ class CloudPlan:
     memory_per_node: int | None = None  # bytes of RAM, when the API says
 
 
+# An image instead of the current Ubuntu LTS: both clouds read it, each in its own form.
+IMAGE_OPTION = ProviderOption("--ami", "an image instead of the current Ubuntu LTS (aws: an AMI id; azure: an image "
+                              "URN PUBLISHER:OFFER:SKU:VERSION)")
+
+
 class CloudProvider(Provider):
     """``up`` for a cloud: check everything read-only (including that no cluster of this name exists
     in the account), then save a fresh record, then create (the provider saves the record after
@@ -173,7 +178,7 @@ class CloudProvider(Provider):
         record.skip_bootstrap = spec.skip_bootstrap
         record.extra.update(plan.extra)
         state.save(record)
-        print(f"creating {spec.num_nodes} x {plan.instance_type}{' (spot)' if spec.spot else ''} in {plan.region} "
+        print(f"creating {spec.num_nodes} x {plan.instance_type}{' (spot)' if spec.options.get('spot') else ''} in {plan.region} "
               f"from {plan.image}; {plan.estimate.line()}", flush=True)
         try:
             self.create(record, spec, plan)

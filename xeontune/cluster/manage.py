@@ -51,16 +51,11 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         num_nodes=args.nodes,
         region=getattr(args, "region", None),
         instance_type=getattr(args, "instance_type", None),
-        image=getattr(args, "image", None),
-        spot=bool(getattr(args, "spot", False)),
         ssh_cidr=getattr(args, "ssh_cidr", None),
-        subnet=getattr(args, "subnet", None),
         skip_bootstrap=bool(getattr(args, "skip_bootstrap", False)),
         data_dir=getattr(args, "data_dir", None),
         autostop_minutes=_autostop_minutes(getattr(args, "autostop", None)),
-        partition=getattr(args, "partition", None),
-        account=getattr(args, "account", None),
-        time_limit=getattr(args, "time_limit", None),
+        options=providers.options_from(args, args.provider),
     )
 
 

@@ -64,15 +64,10 @@ class RunOptions:
     dist_backend: str = "auto"
     region: str | None = None
     instance_type: str | None = None
-    image: str | None = None
-    spot: bool = False
     ssh_cidr: str | None = None
-    subnet: str | None = None
     autostop: int | None = None  # minutes idle; None: DEFAULT_AUTOSTOP_MIN where the provider can stop itself
     env: list[str] = field(default_factory=list)  # KEY=VALUE for every rank, as `launch --env`
-    partition: str | None = None  # slurm: where the batch job runs, its account and --time
-    account: str | None = None
-    time_limit: str | None = None
+    provider_options: dict[str, str | bool] = field(default_factory=dict)  # the provider's own (Provider.options)
     train_args: list[str] = field(default_factory=list)
 
 
@@ -388,10 +383,10 @@ class Outcome:
 
 
 def _spec_args(opts: RunOptions, name: str, data_dir: str | None) -> argparse.Namespace:
-    return argparse.Namespace(name=name, nodes=opts.nodes, region=opts.region, instance_type=opts.instance_type,
-                              image=opts.image, spot=opts.spot, ssh_cidr=opts.ssh_cidr, subnet=opts.subnet,
-                              skip_bootstrap=False, data_dir=data_dir, autostop=autostop_minutes(opts),
-                              partition=opts.partition, account=opts.account, time_limit=opts.time_limit)
+    return argparse.Namespace(name=name, nodes=opts.nodes, provider=opts.provider, region=opts.region,
+                              instance_type=opts.instance_type, ssh_cidr=opts.ssh_cidr, skip_bootstrap=False,
+                              data_dir=data_dir, autostop=autostop_minutes(opts),
+                              **providers.option_args(opts.provider_options))
 
 
 def finish(o: Outcome) -> int:
@@ -452,11 +447,9 @@ def _finish(o: Outcome) -> int:
 def main(args: argparse.Namespace) -> int:
     opts = RunOptions(
         provider=args.provider, nodes=args.nodes, ppn=str(args.ppn), name=args.name, keep=args.keep,
-        dist_backend=args.dist_backend, region=args.region, instance_type=args.instance_type, image=args.image,
-        spot=args.spot, ssh_cidr=args.ssh_cidr, subnet=args.subnet, autostop=args.autostop,
-        env=list(args.env or []), train_args=list(args.train_args),
-        partition=getattr(args, "partition", None), account=getattr(args, "account", None),
-        time_limit=getattr(args, "time_limit", None),
+        dist_backend=args.dist_backend, region=args.region, instance_type=args.instance_type,
+        ssh_cidr=args.ssh_cidr, autostop=args.autostop, env=list(args.env or []), train_args=list(args.train_args),
+        provider_options=providers.options_from(args, args.provider),
     )
     return run(opts)
 

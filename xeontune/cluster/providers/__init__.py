@@ -14,6 +14,7 @@ Modules are imported on first use, so the cloud SDKs stay optional.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import shlex
 from dataclasses import dataclass, field
@@ -26,19 +27,33 @@ from xeontune.errors import UserError
 class ClusterSpec:
     name: str
     num_nodes: int
-    region: str | None = None
+    region: str | None = None  # the clouds' (aws, azure): where, what size, who may SSH in
     instance_type: str | None = None
-    image: str | None = None  # AMI id / image URN override
-    spot: bool = False
     ssh_cidr: str | None = None
-    subnet: str | None = None
     skip_bootstrap: bool = False
     data_dir: str | None = None  # training data synced to every node at bootstrap
     autostop_minutes: int = 0  # stop the cluster after this long idle (cluster/autostop.py); 0: never
-    # A batch scheduler's (slurm): where and how long its jobs run, as the scheduler names them
-    partition: str | None = None
-    account: str | None = None
-    time_limit: str | None = None
+    # The provider's own flags (``Provider.options``), by ``ProviderOption.key``: only it reads them.
+    options: dict[str, str | bool] = field(default_factory=dict)
+
+    def option(self, key: str) -> str | None:
+        value = self.options.get(key)
+        return None if value is None or value is False else str(value)
+
+
+@dataclass(frozen=True)
+class ProviderOption:
+    """A flag that only one provider reads (Slurm's --partition, AWS's --spot): `cluster up` and `run`
+    offer it, ``ClusterSpec.options`` carries its value to that provider's ``up``, and no other
+    layer knows it. Given with another provider, it is a one-line error."""
+
+    flag: str  # "--partition"
+    help: str
+    switch: bool = False  # a flag without a value
+
+    @property
+    def key(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
 
 
 @dataclass
@@ -90,6 +105,8 @@ class Provider:
     # off). "": no autostop here, and `autostop_note` says why.
     autostop_action: str = ""
     autostop_note: str = "this provider has no way for the head to stop the cluster"
+    # The flags only this provider reads (``ProviderOption``), delivered in ``ClusterSpec.options``.
+    options: tuple[ProviderOption, ...] = ()
     # The engine that starts the ranks on these nodes (xeontune/job/engines/): "mpirun" (Hydra, over
     # SSH or forked here), "srun" (Slurm's), "ray" (Ray Train's workers).
     engine: str = "mpirun"
@@ -185,6 +202,38 @@ def get(name: str) -> Provider:
 
 def all_providers() -> list[Provider]:
     return [get(name) for name in _REGISTRY]
+
+
+_DEST = "provider_option_"  # argparse dests of the providers' own flags
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """Every registered provider's own flags, each once, its help naming the providers that read it."""
+    owners: dict[str, tuple[ProviderOption, list[str]]] = {}
+    for provider in all_providers():
+        for option in provider.options:
+            owners.setdefault(option.flag, (option, []))[1].append(provider.name)
+    for flag, (option, names_) in owners.items():
+        kind = {"action": "store_true", "default": None} if option.switch else {"metavar": option.key.upper()}
+        parser.add_argument(flag, dest=_DEST + option.key, help=f"{', '.join(names_)}: {option.help}", **kind)
+
+
+def option_args(options: dict[str, str | bool]) -> dict[str, str | bool]:
+    """``options`` (checked already) as the argparse attributes ``options_from`` reads back."""
+    return {_DEST + key: value for key, value in options.items()}
+
+
+def options_from(args: argparse.Namespace, name: str) -> dict[str, str | bool]:
+    """The provider flags given in ``args``, which must all be provider ``name``'s own."""
+    own = {option.key for option in get(name).options}
+    given = {key[len(_DEST):]: value for key, value in vars(args).items()
+             if key.startswith(_DEST) and value is not None and value is not False}
+    for key in given:
+        if key not in own:
+            readers = [p.name for p in all_providers() if any(o.key == key for o in p.options)]
+            raise UserError(f"--{key.replace('_', '-')} is an option of --provider {' / '.join(readers)}, "
+                            f"not of {name}")
+    return given
 
 
 register("local", "xeontune.cluster.providers.local")

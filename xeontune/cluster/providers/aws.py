@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from xeontune.cluster import cloud, pricing, state
-from xeontune.cluster.providers import ClusterSpec, NodeStatus, TeardownReport
+from xeontune.cluster.providers import ClusterSpec, NodeStatus, ProviderOption, TeardownReport
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
 
@@ -291,7 +291,7 @@ def _create(ec2: Any, record: ClusterRecord, spec: ClusterSpec) -> None:
                 for t in ("instance", "volume", "network-interface")
             ],
         }
-        if spec.spot:
+        if spec.options.get("spot"):
             params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
                 "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
         inst = ec2.run_instances(**params)["Instances"][0]
@@ -450,6 +450,8 @@ def _delete_key_pairs(ec2: Any, owned: list[dict[str, Any]], recorded: set[tuple
 
 class Aws(cloud.CloudProvider):
     name = "aws"
+    options = (cloud.IMAGE_OPTION, ProviderOption("--spot", "spot instances", switch=True),
+               ProviderOption("--subnet", "a subnet id instead of the default VPC's"))
     ssh_user = SSH_USER
     autostop_action = "poweroff"  # instances shut down from inside terminate (InstanceInitiatedShutdownBehavior)
 
@@ -461,8 +463,8 @@ class Aws(cloud.CloudProvider):
         # Everything here only reads: a bad type, AMI or subnet fails before anything exists.
         try:
             cores, memory = _check_instance_type(ec2, instance_type)
-            ami, root_device = _image(ec2, spec.image) if spec.image else latest_ubuntu_lts(ec2)
-            subnet, vpc = _pick_subnet(ec2, spec.subnet, instance_type)
+            ami, root_device = _image(ec2, spec.option("ami")) if spec.option("ami") else latest_ubuntu_lts(ec2)
+            subnet, vpc = _pick_subnet(ec2, spec.option("subnet"), instance_type)
             taken = in_use(ec2, spec.name)
         except _aws_errors() as exc:
             raise _user_error(exc, "checking the region, instance type, image and network") from None
@@ -473,8 +475,8 @@ class Aws(cloud.CloudProvider):
         return cloud.CloudPlan(
             region=region, instance_type=instance_type, image=ami, cores_per_node=cores, memory_per_node=memory,
             errors=_aws_errors(), user_error=_user_error,
-            estimate=pricing.aws(instance_type, spec.num_nodes, DISK_GB, spec.spot), client=ec2,
-            extra={"ami": ami, "root_device": root_device, "vpc": vpc, "subnet": subnet, "spot": "1" if spec.spot else "0",
+            estimate=pricing.aws(instance_type, spec.num_nodes, DISK_GB, bool(spec.options.get("spot"))), client=ec2,
+            extra={"ami": ami, "root_device": root_device, "vpc": vpc, "subnet": subnet, "spot": "1" if spec.options.get("spot") else "0",
                    "ssh_cidr": ssh_cidr, "disk_gb": str(DISK_GB)},
         )
 

@@ -268,13 +268,12 @@ def _power_state(vm: dict) -> str:
 
 class Azure(cloud.CloudProvider):
     name = "azure"
+    options = (cloud.IMAGE_OPTION,)
     ssh_user = SSH_USER
     autostop_note = ("a VM shut down from inside stays allocated and billed; only the ARM API deallocates or "
                      "deletes it, so run `xeontune teardown` when done (docs/troubleshooting.md)")
 
     def plan(self, spec: ClusterSpec) -> cloud.CloudPlan:
-        if spec.spot or spec.subnet:
-            raise UserError("--spot and --subnet are aws-only options")
         location = (spec.region or DEFAULT_LOCATION).lower()
         if not re.fullmatch(r"[a-z0-9]+", location):
             raise UserError(f"unknown Azure region {location!r}: use a name like eastus or westeurope (no spaces)")
@@ -283,7 +282,7 @@ class Azure(cloud.CloudProvider):
         c = _Clients()
         try:  # read-only checks: a bad region, size or image fails before anything exists
             cores, memory = _check_location_and_size(c, location, size)
-            image = ":".join((_image_ref(spec.image) if spec.image else latest_ubuntu_lts(c, location)).values())
+            image = ":".join((_image_ref(spec.option("ami")) if spec.option("ami") else latest_ubuntu_lts(c, location)).values())
             taken = c.resource.resource_groups.check_existence(group_name(spec.name))
         except _azure_errors() as exc:
             raise _user_error(exc, "checking the region, VM size and image") from None

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from xeontune.cluster import state
-from xeontune.cluster.providers import ClusterSpec, NodeStatus, Provider, TeardownReport
+from xeontune.cluster.providers import ClusterSpec, NodeStatus, Provider, ProviderOption, TeardownReport
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
 
@@ -116,12 +116,15 @@ class Slurm(Provider):
     wait_timeout_s = 1.0
     default_iface = ""
     autostop_note = "a Slurm cluster is the scheduler's: a job ends at its --time limit, nothing idles here"
+    options = (ProviderOption("--partition", "the partition (default: the cluster's default partition)"),
+               ProviderOption("--time", "the job's time limit, as sbatch --time takes it (2:00:00)"),
+               ProviderOption("--account", "the account the job is charged to"))
 
     def up(self, spec: ClusterSpec) -> ClusterRecord:
         _tool("sbatch")
         if spec.num_nodes < 1:
             raise UserError("-n (ranks) must be at least 1")
-        partition = spec.partition or default_partition()
+        partition = spec.option("partition") or default_partition()
         nodes = partition_nodes(partition)
         usable = [n for n in nodes if n.usable]
         if not usable:
@@ -133,10 +136,9 @@ class Slurm(Provider):
                             f"({len(usable)} node(s), {capacity} CPUs in all; a rank needs at least one)")
         extra = {"partition": partition, "ranks": str(spec.num_nodes), "nodes": str(len(usable)),
                  "cpus_per_node": str(min(n.cpus for n in usable)), "jobs": ""}
-        if spec.account:
-            extra["account"] = spec.account
-        if spec.time_limit:
-            extra["time"] = spec.time_limit
+        for key in ("account", "time"):
+            if spec.option(key):
+                extra[key] = str(spec.option(key))
         memory = min(n.memory_mb for n in usable) * 2**20
         record = ClusterRecord(
             name=spec.name, provider=self.name,
