@@ -37,7 +37,7 @@ from packaging.specifiers import SpecifierSet
 
 from tests.checks import assert_same_vectors
 from tests.cluster.clusterlib import REPO
-from xeontune.errors import exit_status
+from xeontune.errors import UserError, exit_status
 from xeontune.job.engines import kubernetes as k8s
 
 VALIDATE = Path(sys.prefix) / "bin" / "kubernetes-validate"
@@ -171,6 +171,15 @@ BAD = {
 }
 
 
+def test_other_providers_flags_are_refused():
+    for dest, value, flag in (("region", "us-east-1", "--region"), ("provider_option_partition", "cpu", "--partition"),
+                              ("provider_option_spot", True, "--spot")):
+        args = args_of("-n", "2", *BASE, "--dry-run", "--", *TRAIN)
+        setattr(args, dest, value)  # as `run`'s parser (xeontune/cli.py) holds them
+        with pytest.raises(UserError, match=f"^{flag} is"):
+            k8s.job_from_args(args)
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_inputs_are_one_line_errors(case, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no kubectl
@@ -256,7 +265,7 @@ DRIVER = """
 import sys
 sys.path.insert(0, {tests!r})
 from tests.cluster.test_kubernetes import launch_parser
-from xeontune.errors import exit_status
+from xeontune.errors import UserError, exit_status
 from xeontune.job.engines import kubernetes as k8s
 k8s.POLL_S = 0.05
 args = launch_parser().parse_args(sys.argv[1:])

@@ -70,7 +70,9 @@ WAITING_SAID = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateC
 # Options of other providers that `run`'s parser may carry: a value given for one is a mistake here.
 FOREIGN_OPTIONS = {"region": "--region", "instance_type": "--instance-type", "image": "--ami", "spot": "--spot",
                    "subnet": "--subnet", "ssh_cidr": "--ssh-cidr", "partition": "--partition",
-                   "time_limit": "--time", "account": "--account", "autostop": "--autostop", "keep": "--keep"}
+                   "time_limit": "--time", "account": "--account", "autostop": "--autostop", "keep": "--keep",
+                   "address": "--address"}
+OTHER_PROVIDERS_DEST = "provider_option_"  # argparse dests of the other providers' own flags (cli.py)
 
 
 @dataclass
@@ -163,6 +165,10 @@ def options_from_args(args: argparse.Namespace) -> KubernetesOptions:
     for dest, flag in FOREIGN_OPTIONS.items():
         if getattr(args, dest, None):
             raise UserError(f"{flag} is not used with --provider kubernetes")
+    for dest, value in vars(args).items():
+        if dest.startswith(OTHER_PROVIDERS_DEST) and value not in (None, False):
+            flag = "--" + dest[len(OTHER_PROVIDERS_DEST):].replace("_", "-")
+            raise UserError(f"{flag} is an option of another provider, not of --provider kubernetes")
     options = KubernetesOptions(
         image=str(args.k8s_image), volume_claim=str(args.k8s_volume_claim), cpus=str(args.k8s_cpus).strip(),
         memory=str(args.k8s_memory).strip(),
