@@ -105,3 +105,19 @@ def test_a_pod_that_never_starts_is_a_one_line_error(rank):
     with pytest.raises(UserError, match=r"of the job's 2 pods started within 2 s") as err:
         world.wait_for_pods(pod_env(rank, free_port(), wait_s=2), say=lambda line: None)
     assert "\n" not in str(err.value) and time.monotonic() - start < 15
+
+
+def test_the_trainer_reads_an_indexed_jobs_environment():
+    """`python -m xeontune.train` in a pod adopts the Indexed Job's names before anything else: an index
+    that is no rank of the job is its one-line error, before any option is read."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **POD, "JOB_COMPLETION_INDEX": "5", "XEONTUNE_ALLOCATOR": "none"}
+    proc = subprocess.run([sys.executable, "-m", "xeontune.train", "--help"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: JOB_COMPLETION_INDEX 5 is not below WORLD_SIZE 3: the Job's completions and the pods' WORLD_SIZE "
+        "must be the same number"]
