@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 from xeontune import __version__
 from xeontune.cluster import state
-from xeontune.errors import exit_status
+from xeontune.errors import UserError, exit_status
 from xeontune.quiet import quiet_libraries
+
+KUBERNETES = "kubernetes"  # not a provider: the cluster is the user's, the engine's manifests are the job
 
 DESCRIPTION = """\
 Fine-tune Stable Diffusion (textual inversion or LoRA) on Xeon CPUs, on one machine or a small cluster.
@@ -82,15 +84,35 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
+    if args.provider == KUBERNETES:  # the cluster is the user's: no record, the manifests are the job
+        from xeontune.job.engines import kubernetes
+
+        return kubernetes.launch_command(args)
+    _refuse_kubernetes_flags(args)
     from xeontune.job import start
 
     return start.launch_command(args)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    if args.provider == KUBERNETES:
+        from xeontune.job.engines import kubernetes
+
+        return kubernetes.run_command(args)
+    _refuse_kubernetes_flags(args)
+    if args.dry_run:
+        raise UserError("run --dry-run prints the manifests of --provider kubernetes; for a cluster's command, "
+                        "use `xeontune launch --dry-run --name CLUSTER`")
     from xeontune.job import run
 
     return run.main(args)
+
+
+def _refuse_kubernetes_flags(args: argparse.Namespace) -> None:
+    for dest, value in vars(args).items():
+        if dest.startswith("k8s_") and value is not None and dest != "k8s_mount_path":
+            flag = "--" + dest[len("k8s_"):].replace("_", "-")
+            raise UserError(f"{flag} is an option of --provider kubernetes, not of {args.provider or 'a cluster'}")
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
@@ -175,6 +197,7 @@ def _ray_address(value: str) -> str:
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     from xeontune.cluster import providers  # the registry only: provider modules load on use
+    from xeontune.job.engines import kubernetes
 
     cluster = sub.add_parser("cluster", help="create, inspect and log into clusters")
     csub = cluster.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
@@ -203,7 +226,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("remote_command", nargs=argparse.REMAINDER, help="-- then a command to run instead of a shell")
     p.set_defaults(func=_cmd_cluster)
 
-    p = sub.add_parser("launch", help="run distributed training on a cluster with mpirun")
+    p = sub.add_parser("launch", help="run distributed training on a cluster (or on Kubernetes: --provider kubernetes)")
     p.add_argument("-n", "--num-processes", type=int,
                    help="total ranks (default: every slot, i.e. nodes x --ppn); the global batch is the "
                    "per-rank --train-batch-size x ranks")
@@ -211,8 +234,11 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
                    "auto (the rule of `xeontune train --nproc-per-node auto`: one rank per 2 cores from 4 cores "
                    "up, as memory allows; docs/performance.md) (default 1)")
     p.add_argument("--name", default=state.DEFAULT_CLUSTER, help="cluster name")
+    p.add_argument("--provider", choices=[KUBERNETES],
+                   help="kubernetes: no cluster record; an Indexed Job on your kubeconfig's cluster (see below)")
     p.add_argument("--dist-backend", choices=["auto", "gloo", "ccl"], default="auto")
-    p.add_argument("--dry-run", action="store_true", help="print the exact command and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the exact command (Slurm: and its batch script; kubernetes: the manifests) and exit")
     p.add_argument("--detach", action="store_true",
                    help="start the job on the head in its own session (it survives this terminal and the SSH "
                    "login) with its log in the cluster's work dir, and return at once; follow it with "
@@ -220,6 +246,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--env", action="append", metavar="KEY[=VALUE]",
                    help="extra variable for every rank (repeatable); KEY alone takes its value from this environment, "
                    "so that a secret is on no command line (values travel in a 0600 file, never in arguments)")
+    kubernetes.add_arguments(p)
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by `xeontune train` options")
     p.set_defaults(func=_cmd_launch)
 
@@ -254,15 +281,19 @@ back), and the last line then says how to fetch and tear down. Exit code: the jo
 
 def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     from xeontune.cluster import providers
+    from xeontune.job.engines import kubernetes
 
     p = sub.add_parser("run", help="cluster up, train, fetch the outputs, tear down: one command",
                        description="Bring a cluster up (or reuse the one named with --name), sync the data, "
                        "train on every node with mpirun, copy the outputs into --output-dir, and tear the "
                        "cluster down (unless --keep; a reused cluster is kept).",
                        epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--provider", required=True, choices=providers.names())
+    p.add_argument("--provider", required=True, choices=[*providers.names(), KUBERNETES],
+                   help="where: a provider's new (or --name's) cluster, or kubernetes (an Indexed Job on your "
+                   "kubeconfig's cluster: no cluster up, see docs/kubernetes.md)")
     p.add_argument("-n", "--nodes", type=int, default=2,
-                   help="nodes of a new cluster (localhost, slurm: ranks) (default 2)")
+                   help="nodes of a new cluster (localhost, slurm, ray, kubernetes: ranks) (default 2)")
+    p.add_argument("--dry-run", action="store_true", help="kubernetes: print the manifests and exit")
     p.add_argument("--ppn", default="1", help="ranks per node: a number or auto, as in `xeontune launch` (default 1)")
     p.add_argument("--name", help="use this cluster if it exists (it is then kept), else create it under this "
                    "name (default: a new cluster named run-XXXXXX)")
@@ -275,6 +306,7 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--env", action="append", metavar="KEY[=VALUE]",
                    help="extra variable for every rank (repeatable); KEY alone takes its value from this environment, "
                    "so that a secret is on no command line (values travel in a 0600 file, never in arguments)")
+    kubernetes.add_arguments(p)
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by `xeontune train` options")
     p.set_defaults(func=_cmd_run)
 

@@ -143,6 +143,9 @@ def rank_args(options: TrainOptions, given: set[str]) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, list):  # a repeatable option (--validation-prompt): the flag once per value
+            for item in value:
+                out += [flag, str(item)]
         elif value is not None:
             out += [flag, str(value)]
     return out

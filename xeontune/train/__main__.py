@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
     try:  # under srun: Slurm's rank variables as the standard names, before anything reads them
-        from xeontune.train.world import adopt_slurm
+        from xeontune.train.world import adopt
 
-        adopt_slurm()
+        adopt()
     except UserError as exc:
         say(f"error: {exc}")
         return exc.exit_code

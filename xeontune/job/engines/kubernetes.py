@@ -68,10 +68,8 @@ CPU_RE = re.compile(r"(\d+(?:\.\d+)?)(m?)")
 WAITING_SAID = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
                 "CreateContainerError", "CrashLoopBackOff")
 # Options of other providers that `run`'s parser may carry: a value given for one is a mistake here.
-FOREIGN_OPTIONS = {"region": "--region", "instance_type": "--instance-type", "image": "--ami", "spot": "--spot",
-                   "subnet": "--subnet", "ssh_cidr": "--ssh-cidr", "partition": "--partition",
-                   "time_limit": "--time", "account": "--account", "autostop": "--autostop", "keep": "--keep",
-                   "address": "--address"}
+FOREIGN_OPTIONS = {"region": "--region", "instance_type": "--instance-type", "ssh_cidr": "--ssh-cidr",
+                   "autostop": "--autostop", "keep": "--keep", "address": "--address"}
 OTHER_PROVIDERS_DEST = "provider_option_"  # argparse dests of the other providers' own flags (cli.py)
 
 
