@@ -43,10 +43,20 @@ from xeontune.job.spec import (
 )
 
 STOP_GRACE_S = 20.0
+SSH_CHECK_TIMEOUT_S = 15.0
 
 
 def preflight(record: ClusterRecord, plan: Plan) -> None:
-    """The engine's one-line UserErrors before anything is recorded or started."""
+    """One-line UserErrors before anything is recorded or started: this machine cannot launch there
+    (``Provider.check_launch``), a node does not answer SSH (named), then the engine's own."""
+    provider = providers.get(record.provider)
+    provider.check_launch(record)
+    if provider.uses_ssh:
+        from xeontune.cluster import ssh
+
+        # re-raises the UserError that names the node, without waiting for the others
+        ssh.on_every_node(record.nodes, lambda node: ssh.wait_for_ssh(record, node, SSH_CHECK_TIMEOUT_S, 0.5),
+                          workers=16)
     engines.for_cluster(record).preflight(record, plan)
 
 
@@ -129,7 +139,7 @@ def start(record: ClusterRecord, spec: LaunchSpec, detached: bool, local_output_
     if engine.scheduled:
         return start_scheduled(record, spec, engine, job, detached, say)
     plan = engine.plan(record, spec, job)
-    engine.preflight(record, plan)
+    preflight(record, plan)
     check_no_other_job(record)
     job.output_dir = head_output_dir(spec, plan.wdir)  # relative to where the plan's command runs
     check_kept_outputs(record, job.output_dir, hold_for_fetch)

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 # Exports the --env file's variables, deletes the file, then runs the rest (``$0``: the file).
 SOURCE_AND_EXEC = 'set -a && . "$0" && set +a && rm -f "$0" && exec "$@"'
-SSH_CHECK_TIMEOUT_S = 15.0
+HEAD_CHECK_TIMEOUT_S = 60.0
 
 
 def mpirun_path(record: ClusterRecord, provider: Provider) -> str:
@@ -148,20 +148,16 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
 
 
 def preflight(record: ClusterRecord, plan: Plan) -> None:
-    """One-line UserErrors before anything starts: mpirun missing on the head, a node not answering SSH."""
+    """One-line UserErrors before anything starts: mpirun missing on the head (whose nodes answer SSH:
+    the job wing checked that first, job/start.py's ``preflight``)."""
     provider = providers.get(record.provider)
-    provider.check_launch(record)
     if not provider.remote and not (os.path.isfile(plan.mpirun) and os.access(plan.mpirun, os.X_OK)):
         raise UserError(f"no mpirun on the head node (looked for {plan.mpirun}); install MPICH's Hydra "
                         "with `pip install mpich` in this venv, or set XEONTUNE_MPIRUN")
-    if not provider.uses_ssh:
-        return
-    from xeontune.cluster import ssh
-
-    # re-raises the UserError that names the node, without waiting for the others
-    ssh.on_every_node(record.nodes, lambda node: ssh.wait_for_ssh(record, node, SSH_CHECK_TIMEOUT_S, 0.5), workers=16)
     if provider.remote:
-        rc, _, _ = ssh.run(record, record.head, ["test", "-x", plan.mpirun], timeout_s=4 * SSH_CHECK_TIMEOUT_S)
+        from xeontune.cluster import ssh
+
+        rc, _, _ = ssh.run(record, record.head, ["test", "-x", plan.mpirun], timeout_s=HEAD_CHECK_TIMEOUT_S)
         if rc != 0:
             raise UserError(f"no mpirun on the head node {record.head.name} (looked for {plan.mpirun})")
 
