@@ -143,11 +143,13 @@ class Ray(Provider):
         return None
 
     def query(self, record: ClusterRecord) -> list[NodeStatus]:
+        """One line for the whole Ray cluster (its nodes are Ray's to add and remove)."""
         try:
             nodes = alive_nodes(address_of(record))
         except UserError as exc:
             return [NodeStatus(record.head.name, f"unreachable ({exc})")]
-        return [NodeStatus(f"ray-{n.node_id[:8]}", f"alive, {n.cpus} CPU(s)", n.ip) for n in nodes]
+        cpus = ", ".join(str(n.cpus) for n in nodes)
+        return [NodeStatus(record.head.name, f"running: {len(nodes)} alive Ray node(s), CPUs {cpus or 'none'}")]
 
     def terminate(self, name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
         """Stop this record's job driver if it still runs (SIGINT, as Ctrl-C: it aborts the Ray Train run,

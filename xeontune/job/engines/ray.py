@@ -30,8 +30,10 @@ than training inside the worker:
 Each rank's output goes to ``<job dir>/ranks/rank-K.log`` (on the shared filesystem); the driver prints
 those lines prefixed ``[K] ``, as mpirun's ``-prepend-rank`` does. The driver exits 0 only when every
 rank's trainer did; SIGINT, SIGTERM or SIGHUP to it (Ctrl-C, or `teardown`, which SIGINTs a detached
-job's runner) end it at once: Ray kills the actors its driver owned (the Train controller, and with it
-the workers), whose children get their parent-death signal.
+job's runner) abort the run through Ray Train's controller, as Ray's own Ctrl-C does (``Stop``): the
+workers are killed, their children get their parent-death signal, and nothing of the run is left on
+the cluster; the driver then exits 128 + the signal. A second signal ends the driver at once (Ray kills
+the actors a driver owned).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from xeontune.job.record import JobInfo
     from xeontune.job.spec import LaunchSpec
 
+GROUP_START_TIMEOUT_S = 600
 MAX_FAILURES = 3  # group restarts before the run fails (each resumes from the newest checkpoint)
 USER_ERROR = 2  # a rank's exit status for a UserError (xeontune.errors): the same again on a restart
 STARTED = "started"  # in the job's dir: written once before the first attempt; newer checkpoints are this job's
@@ -208,6 +211,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         proc = subprocess.Popen(command, cwd=config["wdir"], env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT)
         rc = proc.wait()
+        if rc < 0:  # a rank killed by a signal says nothing itself
+            log.write(f"xeontune: rank {rank}'s trainer was killed ({signal.Signals(-rc).name})\n".encode())
     codes: list[Any] = [None] * world
     dist.all_gather_object(codes, rc)
     if rank == 0:
@@ -269,6 +274,11 @@ class RankLogs:
                 if line or not final:
                     sys.stdout.write(f"[{k}] {line.decode(errors='replace')}\n")
         sys.stdout.flush()
+
+    def follow(self, done: threading.Event) -> None:
+        while not done.wait(0.2):
+            self.pump()
+        self.pump(final=True)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -343,16 +353,60 @@ def check_shared(ray: Any, hosts: list[str], storage: Path, output_dir: Path, re
         raise UserError(error)
 
 
+@dataclass
+class Stop:
+    """The driver's signals: the first aborts the run through Ray Train's controller (as Ray's own Ctrl-C
+    does: its workers, then their ranks, stop, and the controller stops the placement-group cleaner it
+    started, which a driver that just died would leave polling behind); a second one ends the driver."""
+
+    sig: int = 0
+    controller: Any = None
+
+    def on_signal(self, sig: int, _frame: object) -> None:
+        if self.sig:
+            os._exit(128 + self.sig)  # Ray kills the actors this driver owns once it is gone
+        self.sig = sig
+        if self.controller is None:  # before the run started: nothing of it on the cluster yet
+            raise KeyboardInterrupt(signal.Signals(sig).name)
+        sys.stdout.write(f"xeontune: {signal.Signals(sig).name}: stopping the Ray Train run (its workers and "
+                         "their ranks)\n")
+        sys.stdout.flush()
+        self.controller.abort.remote()
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self.on_signal)
+
+
+def trainer_class(stop: Stop) -> Any:
+    """TorchTrainer that hands its controller to ``stop`` instead of registering Ray's SIGINT handler
+    (which covers neither SIGTERM nor SIGHUP and exits 0 on a third Ctrl-C)."""
+    from ray.train.torch import TorchTrainer
+
+    class Trainer(TorchTrainer):
+        def _register_sigint_handler(self, controller: Any) -> None:
+            stop.controller = controller
+            stop.install()
+
+    return Trainer
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
+    stop = Stop()
+    stop.install()
     try:
-        return drive(args)
+        return drive(args, stop)
     except UserError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stdout.write(f"xeontune: {signal.Signals(stop.sig or signal.SIGINT).name} before the Ray Train run "
+                         "started: stopped\n")
+        return 128 + (stop.sig or signal.SIGINT)
 
 
-def drive(args: argparse.Namespace) -> int:
+def drive(args: argparse.Namespace, stop: Stop) -> int:
     ray = ray_provider.import_ray()
     # the functions Ray runs on the nodes must be this module's, not __main__'s (which no worker can import)
     engine = importlib.import_module("xeontune.job.engines.ray")
@@ -372,11 +426,14 @@ def drive(args: argparse.Namespace) -> int:
         with contextlib.suppress(FileNotFoundError):
             (job_dir / name).unlink()
     (job_dir / STARTED).write_text(f"{time.time():.0f}\n")
+    # a loaded cluster may take longer than Ray's 60 s to start the workers (each imports torch); the
+    # controller reads this from the driver's environment
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(GROUP_START_TIMEOUT_S))
 
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
-    trainer = TorchTrainer(
+    trainer = trainer_class(stop)(
         engine.train_loop_per_worker,
         train_loop_config={"job_dir": str(job_dir), "output_dir": args.output_dir, "wdir": args.wdir, "env": env,
                            "rank_args": list(args.rank_args), "max_failures": args.max_failures},
@@ -389,21 +446,20 @@ def drive(args: argparse.Namespace) -> int:
     print(f"xeontune: Ray Train run of {args.workers} worker(s), {args.cpus_per_worker} CPU(s) each, on the Ray "
           f"cluster at {args.address} (restarts: up to {args.max_failures})", flush=True)
     logs = RankLogs(job_dir / RANKS_DIR, args.workers)
-    outcome: dict[str, Any] = {}
-    fit = threading.Thread(target=_fit, args=(trainer, outcome), daemon=True)  # not the main thread: Ray then
-    stop = _stop_on_signals()                                                  # leaves signals to us
-    fit.start()
-    while fit.is_alive() and not stop:
-        fit.join(0.2)
-        logs.pump()
-    logs.pump(final=True)
-    if stop:
-        sig = stop[0]
-        print(f"xeontune: {signal.Signals(sig).name}: the Ray Train run stops with this driver (its workers and "
-              "their ranks go with it)", flush=True)
-        sys.stderr.flush()
-        os._exit(128 + sig)  # Ray kills the actors this driver owns once it is gone, however it ends
-    error = outcome.get("error")
+    done = threading.Event()
+    follower = threading.Thread(target=logs.follow, args=(done,), daemon=True)
+    follower.start()
+    error: BaseException | None = None
+    try:
+        trainer.fit()  # in the main thread: the controller reaches ``stop`` (trainer_class)
+    except Exception as exc:  # TrainingFailedError once the restarts are spent; RayActorError after an abort
+        error = exc
+    finally:
+        done.set()
+        follower.join()
+    if stop.sig:
+        print(f"xeontune: the job got {signal.Signals(stop.sig).name}: the Ray Train run was aborted", flush=True)
+        return 128 + stop.sig
     result = (job_dir / RESULT).read_text().strip() if (job_dir / RESULT).is_file() else ""
     if error is None and result == "0":
         return 0
@@ -413,22 +469,6 @@ def drive(args: argparse.Namespace) -> int:
     print(f"xeontune: the Ray Train run failed ({type(error).__name__ if error else 'ended'}): {words}",
           file=sys.stderr, flush=True)
     return 1
-
-
-def _fit(trainer: Any, outcome: dict[str, Any]) -> None:
-    try:
-        outcome["result"] = trainer.fit()
-    except BaseException as exc:  # TrainingFailedError once the restarts are spent
-        outcome["error"] = exc
-
-
-def _stop_on_signals() -> list[int]:
-    """The first SIGINT, SIGTERM or SIGHUP lands in the returned list (the driver's loop then stops)."""
-    got: list[int] = []
-    handler: Callable[[int, object], None] = lambda sig, _frame: got.append(sig)  # noqa: E731
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, handler)
-    return got
 
 
 if __name__ == "__main__":

@@ -1,0 +1,345 @@
+"""`--provider ray` against a real local Ray cluster: a head and two workers, one CPU each, started by
+``ray start`` in this module (three Ray nodes on this machine, so one filesystem: shared by nature)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.checks import References, assert_same_vectors, rank_pids
+from xeontune.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, EVERY = 6, 2  # every run here: the same steps, so one straight run is every test's reference
+PAUSE = "XEONTUNE_TEST_PAUSE=alone:0:1"  # rank 0 rests 1 s after each step: a window to kill or stop in
+
+
+@dataclass
+class RayCluster:
+    address: str
+    procs: list[subprocess.Popen]
+    env: dict[str, str]  # what runs the CLI against it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# Prints, as JSON, what of xeontune's runs is left on the cluster: Ray jobs still alive and actors still
+# alive (Ray's own detached singletons aside), once none is left or after argv[2] seconds.
+LEFT = """
+import json, sys, time
+import ray
+from ray._private import state
+ray.init(address=sys.argv[1], logging_level="WARNING", log_to_driver=False)
+me = ray.get_runtime_context().get_job_id()
+deadline = time.monotonic() + float(sys.argv[2])
+while True:
+    jobs = [j["JobID"] for j in state.jobs() if not j["IsDead"] and j["JobID"] != me]
+    actors = [a["ActorClassName"] for a in state.actors().values()
+              if a["State"] == "ALIVE" and not (a["IsDetached"] and a["ActorClassName"].startswith("_"))]
+    if not (jobs or actors) or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print(json.dumps({"jobs": jobs, "actors": actors, "free_cpus": ray.available_resources().get("CPU", 0)}))
+"""
+
+
+def left_on(cluster: RayCluster, wait_s: float = 30.0) -> dict:
+    out = subprocess.run([sys.executable, "-c", LEFT, cluster.address, str(wait_s)], capture_output=True, text=True,
+                         timeout=wait_s + 60, env=cluster.env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    pytest.importorskip("ray")
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    temp = tempfile.mkdtemp(prefix="xtr-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    port = _free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    env.pop("RAY_ADDRESS", None)
+    common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--object-store-memory", str(100 * 2**20),
+              "--disable-usage-stats", "--block"]
+    procs: list[subprocess.Popen] = []
+
+    def node(name: str, *first: str) -> None:
+        log = open(os.path.join(temp, f"{name}.log"), "w")  # noqa: SIM115 (the node's whole life)
+        procs.append(subprocess.Popen([ray_bin, "start", *first, *common, "--temp-dir", os.path.join(temp, name)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    address = f"127.0.0.1:{port}"
+    cluster = RayCluster(address, procs, env)
+    try:
+        node("head", "--head", "--port", str(port), "--include-dashboard", "false")
+        wait = ("import ray, sys, time\n"
+                "for _ in range(240):\n"
+                "    try:\n"
+                "        ray.init(address=sys.argv[1], logging_level='WARNING', log_to_driver=False)\n"
+                "        break\n"
+                "    except Exception:\n"
+                "        time.sleep(0.5)\n"
+                "while sum(n['Alive'] for n in ray.nodes()) < int(sys.argv[2]):\n"
+                "    time.sleep(0.3)\n")
+        up = subprocess.run([sys.executable, "-c", wait, address, "1"], env=env, timeout=180, capture_output=True)
+        assert up.returncode == 0, up.stderr[-2000:]
+        for name in ("worker1", "worker2"):
+            node(name, "--address", address)
+        up = subprocess.run([sys.executable, "-c", wait, address, "3"], env=env, timeout=180, capture_output=True)
+        assert up.returncode == 0, up.stderr[-2000:]
+        yield cluster
+    finally:
+        # Hard, at once: a node's graceful stop drains for up to 30 s, and nothing of it need survive
+        # (`ray stop --force` would do the same to every Ray cluster on this machine, not only these).
+        for proc in procs:
+            _kill_session(proc.pid)  # each `ray start` leads the session it began
+            proc.wait(timeout=30)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _in_session(sid: int) -> list[int]:
+    """The processes of session ``sid`` (one `ray start` began it: its node's GCS, raylet and workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":  # a zombie is dead already
+                found.append(int(entry.name))
+    return found
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of the session until none is left."""
+    for _ in range(50):
+        pids = _in_session(sid)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> References:
+    return References(tmp_path_factory.mktemp("straight"))
+
+
+def _options(tiny_model, sample_images, out: Path | None, steps: int = STEPS) -> list[str]:
+    return ["--model", str(tiny_model), "--data-dir", str(sample_images), "--placeholder-token", "<toy-bot>",
+            "--initializer-token", "toy", "--resolution", "32", "--max-train-steps", str(steps),
+            "--checkpointing-steps", str(EVERY), "--save-steps", "0", "--mixed-precision", "fp32",
+            "--learning-rate", "5e-3", "--no-random-flip", *(["--output-dir", str(out)] if out else [])]
+
+
+def _straight(references: References, tiny_model, sample_images) -> Path:
+    """One process with 3x the batch: what 3 ranks of batch 1 must train."""
+    return references.train([sys.executable, "-m", "xeontune.cli", "train", "--train-batch-size", "3",
+                             *_options(tiny_model, sample_images, None)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _cli(cluster: RayCluster, home: Path, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xeontune.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, env={**cluster.env, "XEONTUNE_HOME": str(home)}, cwd=REPO)
+
+
+def _cli_popen(cluster: RayCluster, home: Path, log: Path, *argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "xeontune.cli", *argv], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, env={**cluster.env, "XEONTUNE_HOME": str(home)}, cwd=REPO)
+
+
+def _wait_for_ranks(marker: str, count: int, timeout_s: float = 240, alive=lambda: True) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while len(pids := rank_pids(marker)) < count and time.monotonic() < deadline and alive():
+        time.sleep(0.2)
+    assert len(pids) == count, f"{len(pids)} of {count} ranks started"
+    return pids
+
+
+def _gone(pids: list[int], timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not any(Path(f"/proc/{p}").exists() for p in pids)
+
+
+def _assert_nothing_left(cluster: RayCluster) -> None:
+    left = left_on(cluster)
+    assert left["jobs"] == [] and left["actors"] == [], left
+    assert left["free_cpus"] == 3, left
+
+
+# --- on the cluster -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_run_on_three_ray_workers_trains_what_one_process_with_three_times_the_batch_does(
+        ray_cluster, tiny_model, sample_images, tmp_path, references):
+    """`xeontune run --provider ray -n 3`: 3 Ray Train workers of 1 CPU, each rank batch 1 and one thread
+    (Ray's CPUs, said so), = 1 process with batch 3 (fp32: exact); the cluster is forgotten after, and
+    nothing of the run is left on Ray."""
+    out = tmp_path / "out"
+    done = _cli(ray_cluster, tmp_path / "home", "run", "--provider", "ray", "--address", ray_cluster.address, "-n",
+                "3", "--", *_options(tiny_model, sample_images, out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "OMP_NUM_THREADS=1" in done.stderr + done.stdout and "[0] wrote " in done.stdout
+    assert json.loads((out / "train_config.json").read_text())["world_size"] == 3
+    assert_same_vectors(out, _straight(references, tiny_model, sample_images))
+    assert not (tmp_path / "home" / "clusters").exists() or not any((tmp_path / "home" / "clusters").iterdir())
+    _assert_nothing_left(ray_cluster)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_restarts_the_group_which_resumes_to_the_straight_runs_vectors(
+        ray_cluster, tiny_model, sample_images, tmp_path, references):
+    """SIGKILL to one rank's trainer after checkpoint-2: its worker raises, Ray restarts the worker group
+    (FailureConfig), whose ranks resume from checkpoint-2: the vectors equal a straight run's. The job was
+    detached (`launch --detach`, followed by `logs -f`), its --env value never on a command line."""
+    home = tmp_path / "home"
+    up = _cli(ray_cluster, home, "cluster", "up", "--provider", "ray", "--address", ray_cluster.address, "-n", "3",
+              "--name", "rk")
+    assert up.returncode == 0, up.stdout + up.stderr
+    out = tmp_path / "out"
+    started = _cli(ray_cluster, home, "launch", "--name", "rk", "--detach", "--env", PAUSE, "--",
+                   *_options(tiny_model, sample_images, out))
+    assert started.returncode == 0, started.stdout + started.stderr
+    deadline = time.monotonic() + 240
+    while not (out / f"checkpoint-{EVERY}" / "complete.json").is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = _wait_for_ranks(str(out), 3)
+    os.kill(pids[-1], signal.SIGKILL)
+    follow = _cli(ray_cluster, home, "logs", "--name", "rk", "-f")
+    assert follow.returncode == 0, follow.stdout[-4000:] + follow.stderr[-2000:]
+    assert "was killed (SIGKILL)" in follow.stdout
+    assert f"Ray restarted the worker group (start 2 of at most 4): resuming from checkpoint-{EVERY}" in follow.stdout
+    assert_same_vectors(out, _straight(references, tiny_model, sample_images))
+    job = json.loads((home / "clusters" / "rk" / "job.json").read_text())
+    assert not Path(job["job_dir"], "env").exists()  # the --env file is read and deleted by the driver
+    assert _cli(ray_cluster, home, "teardown", "--name", "rk").returncode == 0
+    _assert_nothing_left(ray_cluster)
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_an_attached_run_leaves_no_ray_job_actor_or_rank(ray_cluster, tiny_model, sample_images, tmp_path):
+    out = tmp_path / "out"
+    log = tmp_path / "run.log"
+    proc = _cli_popen(ray_cluster, tmp_path / "home", log, "run", "--provider", "ray", "--address",
+                      ray_cluster.address, "-n", "3", "--env", PAUSE, "--",
+                      *_options(tiny_model, sample_images, out, steps=200))
+    try:
+        pids = _wait_for_ranks(str(out), 3, alive=lambda: proc.poll() is None)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 130, log.read_text()[-4000:]
+    assert _gone(pids), "a rank outlived the Ctrl-C"
+    _assert_nothing_left(ray_cluster)
+
+
+@pytest.mark.slow
+def test_teardown_of_a_detached_launch_stops_it_and_leaves_no_ray_job_actor_or_rank(
+        ray_cluster, tiny_model, sample_images, tmp_path):
+    home = tmp_path / "home"
+    assert _cli(ray_cluster, home, "cluster", "up", "--provider", "ray", "--address", ray_cluster.address, "-n", "3",
+                "--name", "td").returncode == 0
+    out = tmp_path / "out"
+    started = _cli(ray_cluster, home, "launch", "--name", "td", "--detach", "--env", PAUSE, "--",
+                   *_options(tiny_model, sample_images, out, steps=200))
+    assert started.returncode == 0, started.stdout + started.stderr
+    pids = _wait_for_ranks(str(out), 3)
+    down = _cli(ray_cluster, home, "teardown", "--name", "td")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "stopping job" in down.stderr and "torn down" in down.stdout, down.stdout + down.stderr
+    assert _gone(pids), "a rank outlived the teardown"
+    _assert_nothing_left(ray_cluster)
+    assert _cli(ray_cluster, home, "teardown", "--name", "td").returncode == 0  # again: nothing to do
+
+
+# --- without a cluster ----------------------------------------------------------------------------
+
+
+def test_without_ray_installed_provider_ray_says_how_to_install_it_in_one_line(tiny_model, sample_images, tmp_path):
+    """Ray hidden from the import system (``sys.modules['ray'] = None``): `run` and `cluster up` stop
+    before anything starts, with the install hint."""
+    hide = "import sys; sys.modules['ray'] = None; from xeontune.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "XEONTUNE_HOME": str(tmp_path / "home")}
+    for argv in (["run", "--provider", "ray", "--address", "127.0.0.1:1", "-n", "2", "--",
+                  *_options(tiny_model, sample_images, tmp_path / "out")],
+                 ["cluster", "up", "--provider", "ray", "--address", "127.0.0.1:1", "-n", "2"]):
+        done = subprocess.run([sys.executable, "-c", hide, *argv], capture_output=True, text=True, timeout=120,
+                              env=env, cwd=REPO)
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert errors == ["error: --provider ray needs Ray: install it with pip install 'xeontune[ray]'"], done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_node_that_does_not_see_the_shared_paths_is_refused_in_one_line(tmp_path):
+    """The driver's check: each node reads the marker written into the storage path and --output-dir, and
+    looks for the paths the ranks read; the first node that misses one is named, with what it is."""
+    from xeontune.job.engines.ray import look, unshared
+
+    mark = tmp_path / "storage" / ".xeontune-shared-ab"
+    mark.parent.mkdir()
+    mark.write_text("ab")
+    assert look({str(mark): "ab"}, [str(tmp_path)]) is None  # the driver's own node
+    assert look({str(mark): "other node's file"}, []) == str(mark)  # a same-named path elsewhere
+    assert look({str(mark): "ab"}, [str(tmp_path / "data")]) == str(tmp_path / "data")
+    assert unshared({"n1": None, "n2": None}, {}) is None
+    error = unshared({"n1": None, "n2": str(mark)}, {str(mark): "the run's storage path"})
+    assert error.startswith(f"the Ray node n2 does not see {mark} (the run's storage path): ") and "\n" not in error
+
+
+def test_workers_per_node_follow_ppn_and_the_nodes_cpus():
+    from xeontune.cluster.providers.ray import layout
+    from xeontune.cluster.state import ClusterRecord
+
+    record = ClusterRecord(name="r", provider="ray", address="h:6379", extra={"cpus": "8,8,4", "ranks": "3"})
+    assert layout(record, 3, 1) == 4  # one worker a node: the smallest node's CPUs each
+    assert layout(record, 4, 2) == 2
+    assert layout(record, 1, 4) == 4  # fewer ranks than --ppn share a node's CPUs
+    with pytest.raises(UserError, match="needs 6 Ray workers of 4"):
+        layout(record, 6, 1)
+    with pytest.raises(UserError, match="--ppn 8 is more ranks per node"):
+        layout(record, 8, 8)
+
+
+def test_a_restart_resumes_from_this_jobs_newest_complete_checkpoint(tmp_path):
+    from xeontune.job.engines.ray import resume_args
+
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / "complete.json").write_text("{}")  # another run's, before this job started
+    time.sleep(0.01)
+    started = tmp_path / "started"
+    started.write_text("1\n")
+    assert resume_args(str(out), str(started), []) == ([], "starting as first given")
+    time.sleep(0.01)
+    (out / "train_config.json").write_text("{}")
+    assert resume_args(str(out), str(started), [])[0] == ["--overwrite"]
+    assert resume_args(str(out), str(started), ["--resume-from-checkpoint", "latest"])[0] == []
+    for step in (4, 6):
+        (out / f"checkpoint-{step}").mkdir()
+    (out / "checkpoint-4" / "complete.json").write_text("{}")  # checkpoint-6 is incomplete
+    assert resume_args(str(out), str(started), [])[0] == ["--resume-from-checkpoint", str(out / "checkpoint-4")]
