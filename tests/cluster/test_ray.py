@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -29,8 +29,34 @@ PAUSE = "XEONTUNE_TEST_PAUSE=alone:0:1"  # rank 0 rests 1 s after each step: a w
 @dataclass
 class RayCluster:
     address: str
-    procs: list[subprocess.Popen]
+    temp: str  # the nodes' temp dirs and logs
     env: dict[str, str]  # what runs the CLI against it
+    procs: list[subprocess.Popen] = field(default_factory=list)  # one `ray start --block` per node
+
+    def node(self, name: str, *first: str, wrap: list[str] | None = None) -> subprocess.Popen:
+        """Start a node (``first``: --head ... or --address ...), in a session of its own."""
+        common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--object-store-memory", str(100 * 2**20),
+                  "--disable-usage-stats", "--block", "--temp-dir", os.path.join(self.temp, name)]
+        with open(os.path.join(self.temp, f"{name}.log"), "w") as log:
+            proc = subprocess.Popen([*(wrap or []), str(Path(sys.executable).parent / "ray"), "start", *first,
+                                     *common], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def wait_for_nodes(self, count: int) -> None:
+        wait = ("import ray, sys, time\n"
+                "for _ in range(240):\n"
+                "    try:\n"
+                "        ray.init(address=sys.argv[1], logging_level='WARNING', log_to_driver=False)\n"
+                "        break\n"
+                "    except Exception:\n"
+                "        time.sleep(0.5)\n"
+                "while sum(n['Alive'] for n in ray.nodes()) < int(sys.argv[2]):\n"
+                "    time.sleep(0.3)\n")
+        up = subprocess.run([sys.executable, "-c", wait, self.address, str(count)], env=self.env, timeout=180,
+                            capture_output=True, text=True)
+        assert up.returncode == 0, up.stderr[-2000:]
 
 
 def _free_port() -> int:
@@ -66,55 +92,8 @@ def left_on(cluster: RayCluster, wait_s: float = 30.0) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    pytest.importorskip("ray")
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    temp = tempfile.mkdtemp(prefix="xtr-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    port = _free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
-    env.pop("RAY_ADDRESS", None)
-    common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--object-store-memory", str(100 * 2**20),
-              "--disable-usage-stats", "--block"]
-    procs: list[subprocess.Popen] = []
-
-    def node(name: str, *first: str) -> None:
-        log = open(os.path.join(temp, f"{name}.log"), "w")  # noqa: SIM115 (the node's whole life)
-        procs.append(subprocess.Popen([ray_bin, "start", *first, *common, "--temp-dir", os.path.join(temp, name)],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-
-    address = f"127.0.0.1:{port}"
-    cluster = RayCluster(address, procs, env)
-    try:
-        node("head", "--head", "--port", str(port), "--include-dashboard", "false")
-        wait = ("import ray, sys, time\n"
-                "for _ in range(240):\n"
-                "    try:\n"
-                "        ray.init(address=sys.argv[1], logging_level='WARNING', log_to_driver=False)\n"
-                "        break\n"
-                "    except Exception:\n"
-                "        time.sleep(0.5)\n"
-                "while sum(n['Alive'] for n in ray.nodes()) < int(sys.argv[2]):\n"
-                "    time.sleep(0.3)\n")
-        up = subprocess.run([sys.executable, "-c", wait, address, "1"], env=env, timeout=180, capture_output=True)
-        assert up.returncode == 0, up.stderr[-2000:]
-        for name in ("worker1", "worker2"):
-            node(name, "--address", address)
-        up = subprocess.run([sys.executable, "-c", wait, address, "3"], env=env, timeout=180, capture_output=True)
-        assert up.returncode == 0, up.stderr[-2000:]
-        yield cluster
-    finally:
-        # Hard, at once: a node's graceful stop drains for up to 30 s, and nothing of it need survive
-        # (`ray stop --force` would do the same to every Ray cluster on this machine, not only these).
-        for proc in procs:
-            _kill_session(proc.pid)  # each `ray start` leads the session it began
-            proc.wait(timeout=30)
-        shutil.rmtree(temp, ignore_errors=True)
-
-
 def _in_session(sid: int) -> list[int]:
-    """The processes of session ``sid`` (one `ray start` began it: its node's GCS, raylet and workers)."""
+    """The live processes of session ``sid`` (one `ray start` began it: its node's GCS, raylet, workers)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -137,6 +116,30 @@ def _kill_session(sid: int) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    pytest.importorskip("ray")
+    temp = tempfile.mkdtemp(prefix="xtr-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    env.pop("RAY_ADDRESS", None)
+    cluster = RayCluster(f"127.0.0.1:{_free_port()}", temp, env)
+    try:
+        cluster.node("head", "--head", "--port", cluster.address.rsplit(":", 1)[1], "--include-dashboard", "false")
+        cluster.wait_for_nodes(1)
+        for name in ("worker1", "worker2"):
+            cluster.node(name, "--address", cluster.address)
+        cluster.wait_for_nodes(3)
+        yield cluster
+    finally:
+        # Hard, at once: a node's graceful stop drains for up to 30 s, and nothing of it need survive
+        # (`ray stop --force` would do the same to every Ray cluster on this machine, not only these).
+        for proc in cluster.procs:
+            _kill_session(proc.pid)  # each `ray start` leads the session it began
+            proc.wait(timeout=30)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +277,32 @@ def test_teardown_of_a_detached_launch_stops_it_and_leaves_no_ray_job_actor_or_r
     assert _gone(pids), "a rank outlived the teardown"
     _assert_nothing_left(ray_cluster)
     assert _cli(ray_cluster, home, "teardown", "--name", "td").returncode == 0  # again: nothing to do
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_a_node_that_does_not_see_the_output_dir_is_refused_in_one_line(ray_cluster, tiny_model, sample_images,
+                                                                        tmp_path):
+    """A fourth Ray node whose filesystem differs: it runs in a mount namespace of its own, where a
+    tmpfs hides --output-dir's folder. The driver's check from every node names it, before any worker
+    starts. (Last in this module: the node stays until the module's cluster stops.)"""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare (a mount namespace for the fourth node)")
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    node = ray_cluster.node(
+        "worker3", "--address", ray_cluster.address,
+        wrap=["unshare", "-m", "--propagation", "private", "sh", "-c",
+              f'mount -t tmpfs tmpfs {hidden} && exec "$@"', "sh"])
+    ray_cluster.wait_for_nodes(4)
+    done = _cli(ray_cluster, tmp_path / "home", "run", "--provider", "ray", "--address", ray_cluster.address, "-n",
+                "3", "--", *_options(tiny_model, sample_images, hidden / "out"))
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert len(errors) == 1 and errors[0].startswith("error: the Ray node ") and "(--output-dir)" in errors[0], errors
+    assert "must share this machine's filesystem" in errors[0]
+    assert not (hidden / "out").exists()  # the check leaves nothing behind
+    assert node.poll() is None
 
 
 # --- without a cluster ----------------------------------------------------------------------------

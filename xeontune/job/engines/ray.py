@@ -333,6 +333,7 @@ def check_shared(ray: Any, hosts: list[str], storage: Path, output_dir: Path, re
     token = secrets.token_hex(8)
     marks: dict[str, str] = {}
     what = {str(storage): "the run's storage path", str(output_dir): "--output-dir"}
+    made = [] if output_dir.exists() else [output_dir]  # removed again when the check refuses
     for folder in (storage, output_dir):
         folder.mkdir(parents=True, exist_ok=True)
         mark = folder / f".xeontune-shared-{token}"
@@ -350,6 +351,9 @@ def check_shared(ray: Any, hosts: list[str], storage: Path, output_dir: Path, re
             with contextlib.suppress(OSError):
                 os.remove(mark)
     if (error := unshared(seen, what)) is not None:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise UserError(error)
 
 
