@@ -183,16 +183,6 @@ def _add_cloud_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instance-type", help="aws instance type / azure VM size")
     p.add_argument("--ssh-cidr", help="CIDR allowed to SSH in (default: your public address /32)")
     providers.add_options(p)
-    p.add_argument("--address", type=_ray_address, help="ray: the Ray cluster's address, e.g. 127.0.0.1:6379 (or "
-                   "ray://head:10001 for Ray Client) (default: $RAY_ADDRESS); for --provider ray")
-
-
-def _ray_address(value: str) -> str:
-    """--address reaches the ray provider as RAY_ADDRESS, Ray's own variable (what `ray.init` reads)."""
-    import os
-
-    os.environ["RAY_ADDRESS"] = value
-    return value
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:

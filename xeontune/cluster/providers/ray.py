@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xeontune.cluster import state
-from xeontune.cluster.providers import ClusterSpec, NodeStatus, Provider, TeardownReport
+from xeontune.cluster.providers import ClusterSpec, NodeStatus, Provider, ProviderOption, TeardownReport
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
 
@@ -113,9 +113,11 @@ class Ray(Provider):
     wait_timeout_s = 1.0
     default_iface = ""
     autostop_note = "a Ray cluster is the user's: xeontune starts nothing on it that idles"
+    options = (ProviderOption("--address", "the Ray cluster's address, e.g. 127.0.0.1:6379 (or ray://head:10001 for "
+                              "Ray Client) (default: $RAY_ADDRESS)"),)
 
     def up(self, spec: ClusterSpec) -> ClusterRecord:
-        address = getattr(spec, "address", None) or os.environ.get(ADDRESS_ENV)
+        address = spec.option("address") or os.environ.get(ADDRESS_ENV)
         if not address:
             raise UserError("--provider ray needs --address: the Ray cluster's address (e.g. 127.0.0.1:6379, or "
                             "ray://head:10001), or RAY_ADDRESS set")
