@@ -211,12 +211,21 @@ def test_run_on_three_ray_workers_trains_what_one_process_with_three_times_the_b
     _assert_nothing_left(ray_cluster)
 
 
+def _wait_for_checkpoint(out: Path, step: int, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (out / f"checkpoint-{step}" / "complete.json").is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (out / f"checkpoint-{step}" / "complete.json").is_file(), f"no checkpoint-{step}"
+
+
 @pytest.mark.slow
-def test_a_rank_killed_mid_run_restarts_the_group_which_resumes_to_the_straight_runs_vectors(
+def test_a_rank_or_a_worker_killed_mid_run_restarts_the_group_which_resumes_to_the_straight_runs_vectors(
         ray_cluster, tiny_model, sample_images, tmp_path, references):
-    """SIGKILL to one rank's trainer after checkpoint-2: its worker raises, Ray restarts the worker group
-    (FailureConfig), whose ranks resume from checkpoint-2: the vectors equal a straight run's. The job was
-    detached (`launch --detach`, followed by `logs -f`), its --env value never on a command line."""
+    """SIGKILL to one rank's trainer after checkpoint-2: its worker raises; then, in the restarted group,
+    SIGKILL to the Ray worker that hosts a rank after checkpoint-4: the rank goes with it (its parent-death
+    signal). Each time Ray restarts the worker group (FailureConfig), whose ranks resume from the newest
+    checkpoint: the vectors equal a straight run's. The job was detached (`launch --detach`, followed by
+    `logs -f`), its --env value never on a command line."""
     home = tmp_path / "home"
     up = _cli(ray_cluster, home, "cluster", "up", "--provider", "ray", "--address", ray_cluster.address, "-n", "3",
               "--name", "rk")
@@ -225,15 +234,19 @@ def test_a_rank_killed_mid_run_restarts_the_group_which_resumes_to_the_straight_
     started = _cli(ray_cluster, home, "launch", "--name", "rk", "--detach", "--env", PAUSE, "--",
                    *_options(tiny_model, sample_images, out))
     assert started.returncode == 0, started.stdout + started.stderr
-    deadline = time.monotonic() + 240
-    while not (out / f"checkpoint-{EVERY}" / "complete.json").is_file() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    pids = _wait_for_ranks(str(out), 3)
-    os.kill(pids[-1], signal.SIGKILL)
+    _wait_for_checkpoint(out, EVERY)
+    os.kill(_wait_for_ranks(str(out), 3)[-1], signal.SIGKILL)
+    _wait_for_checkpoint(out, 2 * EVERY)
+    rank = _wait_for_ranks(str(out), 3)[-1]
+    worker = int((Path(f"/proc/{rank}/stat").read_text().rsplit(")", 1)[1].split())[1])  # the rank's parent
+    assert Path(f"/proc/{worker}/cmdline").read_bytes().startswith(b"ray::"), "not a Ray worker"
+    os.kill(worker, signal.SIGKILL)
     follow = _cli(ray_cluster, home, "logs", "--name", "rk", "-f")
     assert follow.returncode == 0, follow.stdout[-4000:] + follow.stderr[-2000:]
     assert "was killed (SIGKILL)" in follow.stdout
     assert f"Ray restarted the worker group (start 2 of at most 4): resuming from checkpoint-{EVERY}" in follow.stdout
+    assert f"Ray restarted the worker group (start 3 of at most 4): resuming from checkpoint-{2 * EVERY}" \
+        in follow.stdout
     assert_same_vectors(out, _straight(references, tiny_model, sample_images))
     job = json.loads((home / "clusters" / "rk" / "job.json").read_text())
     assert not Path(job["job_dir"], "env").exists()  # the --env file is read and deleted by the driver
