@@ -385,3 +385,30 @@ def test_a_restart_resumes_from_this_jobs_newest_complete_checkpoint(tmp_path):
         (out / f"checkpoint-{step}").mkdir()
     (out / "checkpoint-4" / "complete.json").write_text("{}")  # checkpoint-6 is incomplete
     assert resume_args(str(out), str(started), [])[0] == ["--resume-from-checkpoint", str(out / "checkpoint-4")]
+
+
+def test_a_node_that_cannot_run_the_check_is_named_in_one_line(tmp_path):
+    """The check's task fails on a node (xeontune not importable there: another venv): one line naming the
+    node, not Ray's traceback; and the driver's markers are gone."""
+    pytest.importorskip("ray")
+    from xeontune.job.engines import ray as engine
+
+    class Task:
+        def options(self, **_options):
+            return self
+
+        def remote(self, *_args):
+            return "ref"
+
+    class FakeRay:
+        def remote(self, **_options):
+            return lambda fn: Task()
+
+        def get(self, ref, timeout=None):
+            raise RuntimeError("ray.exceptions.RayTaskError: ...\nModuleNotFoundError: No module named 'xeontune'")
+
+    with pytest.raises(UserError) as caught:
+        engine.check_shared(FakeRay(), ["a9" * 28], tmp_path / "storage", tmp_path / "out", [], engine)
+    assert str(caught.value).startswith(f"the Ray node {'a9' * 28} could not run xeontune's check (ModuleNotFoundError: No "
+                                        "module named 'xeontune'): ") and "\n" not in str(caught.value)
+    assert list((tmp_path / "storage").iterdir()) == [] and not (tmp_path / "out").exists()

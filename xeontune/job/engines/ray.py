@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from xeontune.job.spec import LaunchSpec
 
 GROUP_START_TIMEOUT_S = 600
+LOOK_TIMEOUT_S = 120  # for the check task on each node (a new Ray worker process: python and xeontune start)
 MAX_FAILURES = 3  # group restarts before the run fails (each resumes from the newest checkpoint)
 USER_ERROR = 2  # a rank's exit status for a UserError (xeontune.errors): the same again on a restart
 STARTED = "started"  # in the job's dir: written once before the first attempt; newer checkpoints are this job's
@@ -342,19 +343,28 @@ def check_shared(ray: Any, hosts: list[str], storage: Path, output_dir: Path, re
         what[str(mark)] = what[str(folder)]
     what.update({p: "a path the ranks read" for p in reads})
     remote_look = ray.remote(num_cpus=0)(engine.look)
+    passed = False
     try:
         refs = {node: remote_look.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
                 .remote(marks, reads) for node in hosts}
-        seen = {node: ray.get(ref, timeout=120) for node, ref in refs.items()}
+        seen = {}
+        for node, ref in refs.items():
+            try:
+                seen[node] = ray.get(ref, timeout=LOOK_TIMEOUT_S)
+            except Exception as exc:  # xeontune not importable there, the node gone, no worker in time
+                last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+                raise UserError(f"the Ray node {node} could not run xeontune's check ({last}): every node needs "
+                                "this machine's venv (xeontune importable) and filesystem") from None
+        if (error := unshared(seen, what)) is not None:
+            raise UserError(error)
+        passed = True
     finally:
         for mark in marks:
             with contextlib.suppress(OSError):
                 os.remove(mark)
-    if (error := unshared(seen, what)) is not None:
-        for folder in made:
+        for folder in [] if passed else made:  # the job does not start: no empty --output-dir left behind
             with contextlib.suppress(OSError):
                 folder.rmdir()
-        raise UserError(error)
 
 
 @dataclass
