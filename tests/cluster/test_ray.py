@@ -412,3 +412,12 @@ def test_a_node_that_cannot_run_the_check_is_named_in_one_line(tmp_path):
     assert str(caught.value).startswith(f"the Ray node {'a9' * 28} could not run xeontune's check (ModuleNotFoundError: No "
                                         "module named 'xeontune'): ") and "\n" not in str(caught.value)
     assert list((tmp_path / "storage").iterdir()) == [] and not (tmp_path / "out").exists()
+
+
+def test_the_ranks_statuses_decide_between_done_a_user_error_and_a_restart():
+    from xeontune.job.engines.ray import job_status
+
+    assert job_status([0, 0, 0]) == 0
+    assert job_status([2, 1, 1]) == 2  # rank 0's one-line error; the others stopped as it left: not retried
+    assert job_status([0, -9, 1]) is None  # killed: Ray restarts the group
+    assert job_status([1, 1, 1]) is None

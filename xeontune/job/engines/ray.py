@@ -216,12 +216,20 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             log.write(f"xeontune: rank {rank}'s trainer was killed ({signal.Signals(-rc).name})\n".encode())
     codes: list[Any] = [None] * world
     dist.all_gather_object(codes, rc)
-    if rank == 0:
-        agreed = 0 if all(c == 0 for c in codes) else USER_ERROR if USER_ERROR in codes else None
-        if agreed is not None:
-            Path(job_dir, RESULT).write_text(f"{agreed}\n")
-    if any(c != 0 for c in codes) and USER_ERROR not in codes:
+    agreed = job_status(codes)
+    if agreed is None:
         raise RuntimeError(f"rank {rank}'s trainer exited with status {rc} (ranks' statuses: {codes})")
+    if rank == 0:
+        Path(job_dir, RESULT).write_text(f"{agreed}\n")
+
+
+def job_status(codes: list[int]) -> int | None:
+    """The job's exit status from every rank's: 0 when all trained; a user error (exit 2 on a rank: the
+    others then stop as their peer left) is the job's, not retried; None (Ray restarts the group) for
+    anything else: a rank killed, crashed, or stopped by a signal."""
+    if all(c == 0 for c in codes):
+        return 0
+    return USER_ERROR if USER_ERROR in codes else None
 
 
 def look(marks: dict[str, str], reads: list[str]) -> str | None:
