@@ -241,6 +241,8 @@ def check_no_other_job(record: ClusterRecord) -> None:
     """Refuse a second job while one trains on the cluster: both would use MASTER_PORT, and a
     `run`'s sync and teardown would pull the data and nodes from under the first."""
     provider = providers.get(record.provider)
+    if not provider.one_job_at_a_time:
+        return
     if not provider.uses_ssh:  # localhost: the ranks would share this machine's cores with the running ones
         from xeontune.cluster.autostop_watch import training_processes
 

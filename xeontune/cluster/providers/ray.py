@@ -110,6 +110,7 @@ class Ray(Provider):
     remote = False  # the workers read this machine's paths (a shared filesystem) and run from this venv
     uses_ssh = False
     needs_bootstrap = False
+    one_job_at_a_time = False  # Ray gives each worker its CPUs: a job waits for them, or is refused (too few)
     wait_timeout_s = 1.0
     default_iface = ""
     autostop_note = "a Ray cluster is the user's: xeontune starts nothing on it that idles"
