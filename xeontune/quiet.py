@@ -1,7 +1,8 @@
 """Where library chatter is silenced (model config notes, deprecation warnings, optional image
 backends, per-part progress bars): noise on a terminal and in every rank's log. Real errors still show.
-Two narrow filters stay beside what they concern: the torch elastic agent's logger (train/ranks.py)
-and one IPEX warning (train/backends.py)."""
+Three narrow filters stay beside what they concern: the torch elastic agent's logger
+(job/engines/elastic.py), one IPEX warning (train/backends.py) and azure-identity's logger
+(cluster/providers/azure.py)."""
 
 from __future__ import annotations
 

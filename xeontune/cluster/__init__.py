@@ -1,1 +1,1 @@
-"""Clusters: state records, files for mpirun and accelerate, SSH, and the providers that create nodes."""
+"""Clusters: state records, the hosts and SSH files, SSH, and the providers that supply nodes."""

@@ -393,6 +393,9 @@ def _stop_job_on_this_machine(record: ClusterRecord) -> None:
     running = Path(f"/proc/{job.pid}")
     if not job.pid or Path(job.rc_path).exists() or not running.exists():
         return
+    with contextlib.suppress(OSError):  # a pid reused by another process since the job's runner ended
+        if b"xeontune.job.process" not in (running / "cmdline").read_bytes():
+            return
     print(f"stopping job {job.id}, still running on cluster {record.name!r}", file=sys.stderr)
     for _ in range(2):
         try:

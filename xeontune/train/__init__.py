@@ -1,1 +1,2 @@
-"""The textual-inversion trainer. Entry points: `xeontune train` and `python -m xeontune.train`."""
+"""The trainer, its methods as plug-ins (train/methods/). Entry points: `xeontune train` and
+`python -m xeontune.train` (what every engine starts on each rank)."""

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except preempt.Preempted as exc:
         say(f"checkpoint-{exc.step} written on {exc.signal_name}: stopped, to resume from it")
-        if exc.signum == signal.SIGUSR1:  # the batch script requeues the job (Slurm itself requeues on SIGTERM)
+        if exc.signum == signal.SIGUSR1:  # the mark tells the batch script to requeue (it sees a preemption itself)
             preempt.mark()
         return exc.exit_code
     except KeyboardInterrupt as exc:

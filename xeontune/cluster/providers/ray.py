@@ -13,13 +13,9 @@ imported inside the functions that need it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from xeontune.cluster import state
 from xeontune.cluster.providers import ClusterSpec, NodeStatus, Provider, ProviderOption, TeardownReport
@@ -28,7 +24,6 @@ from xeontune.errors import UserError
 
 INSTALL_HINT = "--provider ray needs Ray: install it with pip install 'xeontune[ray]'"
 ADDRESS_ENV = "RAY_ADDRESS"  # Ray's own: what `ray.init()` reads when given no address
-STOP_WAIT_S = 30.0
 
 
 def import_ray():  # -> the ray module
@@ -155,34 +150,10 @@ class Ray(Provider):
         return [NodeStatus(record.head.name, f"running: {len(nodes)} alive Ray node(s), CPUs {cpus or 'none'}")]
 
     def terminate(self, name: str, record: ClusterRecord | None, region: str | None = None) -> TeardownReport:
-        """Stop this record's job driver if it still runs (SIGINT, as Ctrl-C: it aborts the Ray Train run,
-        whose workers and their ranks go with it; a second one, then SIGKILL, if it does not end). The Ray
-        cluster itself is the user's: nothing of it is deleted. Idempotent."""
-        report = TeardownReport(searched=["this cluster's Ray job driver on this machine"])
-        if record is None:
-            return report
-        from xeontune.job.record import load_job, record_path
-
-        if not record_path(name).is_file():
-            return report
-        try:
-            job = load_job(name)
-        except UserError:
-            return report
-        proc = Path(f"/proc/{job.pid}")
-        if not job.pid or Path(job.rc_path).exists() or not proc.exists():
-            return report
-        for sig in (signal.SIGINT, signal.SIGINT, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(job.pid, sig)
-            deadline = time.monotonic() + STOP_WAIT_S
-            while proc.exists() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if not proc.exists():
-                report.deleted.append(f"Ray job driver of job {job.id} (pid {job.pid}, stopped)")
-                return report
-        report.failed.append(f"Ray job driver of job {job.id} (pid {job.pid}): still running after SIGKILL")
-        return report
+        """Nothing to delete: the Ray cluster is the user's. A job of this record still running (its
+        driver, on this machine) was stopped by teardown before this (``manage``: SIGINT, as Ctrl-C: it
+        aborts the Ray Train run, whose workers and their ranks go with it). Idempotent."""
+        return TeardownReport(searched=["nothing of Ray's: the cluster is yours"])
 
     def slots(self, record: ClusterRecord, ppn: int) -> int:
         return int(record.extra.get("ranks", "1"))

@@ -11,7 +11,8 @@ Two shapes of job, both behind the same few calls:
 - a process job (``scheduled`` False: mpirun, Ray's driver): ``plan`` gives the one command that
   is the job. The job wing runs it attached (``process.run_attached``: signals forwarded to the
   ranks) or detached (``process.detach_argv``: its own session, log and exit status in the job's
-  dir); ``ended`` reads that exit status and ``stop`` sends the runner SIGINT.
+  dir), and follows and stops it through those files and the runner's pid (SIGINT): the engine
+  has nothing more to do.
 - a scheduler's job (``scheduled`` True: srun): ``plan`` gives the submit command and the script it
   submits; ``submit`` hands the job over, ``ended`` asks the scheduler, ``stop`` cancels.
 

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from xeontune.cluster.providers import ray as ray_provider
 from xeontune.errors import UserError
+from xeontune.io import atomic_write_text
 from xeontune.job.engines import Engine, Plan
 from xeontune.job.engines.env import LOCAL_PATH_ENV, PASSTHROUGH_ENV, every_rank_env, rank_pythonpath
 from xeontune.job.spec import head_output_dir, looks_local
@@ -197,6 +198,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     master, port, extra = shared
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     env.update(config["env"])
+    env.update(read_env_file(config["env_file"]))  # --env last: it overrides the rank environment
     env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(ctx.get_local_rank()),
                 "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()), "NODE_RANK": str(ctx.get_node_rank()),
                 "MASTER_ADDR": str(master), "MASTER_PORT": str(port)})
@@ -220,7 +222,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if agreed is None:
         raise RuntimeError(f"rank {rank}'s trainer exited with status {rc} (ranks' statuses: {codes})")
     if rank == 0:
-        Path(job_dir, RESULT).write_text(f"{agreed}\n")
+        atomic_write_text(Path(job_dir, RESULT), f"{agreed}\n")
 
 
 def job_status(codes: list[int]) -> int | None:
@@ -302,7 +304,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--wdir", default=os.getcwd())
     p.add_argument("--reads", action="append", default=[], help="a path every node must see")
     p.add_argument("--rank-env", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--env-file", help="--env values (KEY=quoted value lines), read and deleted")
+    p.add_argument("--env-file", help="--env values (KEY=quoted value lines), read by every rank's worker at each "
+                   "start, deleted once the run is over")
     p.add_argument("rank_args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     args.rank_args = args.rank_args[1:] if args.rank_args[:1] == ["--"] else args.rank_args
@@ -310,7 +313,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def read_env_file(path: str | None) -> dict[str, str]:
-    """The job wing's --env file (``KEY=<shell-quoted value>`` lines), deleted once read."""
+    """The job wing's --env file (``KEY=<shell-quoted value>`` lines, 0600 on the shared filesystem).
+    Each worker reads it at each start of the group, so that the values never travel in Ray's config
+    (which Ray may keep or show); the driver deletes it once the run is over, as Slurm's script does."""
     if not path or not os.path.isfile(path):
         return {}
     env = {}
@@ -318,7 +323,6 @@ def read_env_file(path: str | None) -> dict[str, str]:
         for word in shlex.split(line):
             key, _, value = word.partition("=")
             env[key] = value
-    os.remove(path)
     return env
 
 
@@ -435,7 +439,6 @@ def drive(args: argparse.Namespace, stop: Stop) -> int:
     job_dir = Path(args.job_dir)
     (job_dir / RANKS_DIR).mkdir(parents=True, exist_ok=True)
     env = dict(kv.partition("=")[::2] for kv in args.rank_env)
-    env.update(read_env_file(args.env_file))
     runtime_env = {"env_vars": {"PYTHONPATH": env["PYTHONPATH"]}} if env.get("PYTHONPATH") else None
     try:
         ray.init(address=args.address, log_to_driver=False, logging_level="WARNING", runtime_env=runtime_env)
@@ -447,7 +450,7 @@ def drive(args: argparse.Namespace, stop: Stop) -> int:
     for name in (ATTEMPTS, RESULT):
         with contextlib.suppress(FileNotFoundError):
             (job_dir / name).unlink()
-    (job_dir / STARTED).write_text(f"{time.time():.0f}\n")
+    atomic_write_text(job_dir / STARTED, f"{time.time():.0f}\n")
     # a loaded cluster may take longer than Ray's 60 s to start the workers (each imports torch); the
     # controller reads this from the driver's environment
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(GROUP_START_TIMEOUT_S))
@@ -458,6 +461,7 @@ def drive(args: argparse.Namespace, stop: Stop) -> int:
     trainer = trainer_class(stop)(
         engine.train_loop_per_worker,
         train_loop_config={"job_dir": str(job_dir), "output_dir": args.output_dir, "wdir": args.wdir, "env": env,
+                           "env_file": args.env_file,
                            "rank_args": list(args.rank_args), "max_failures": args.max_failures},
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False,
                                      resources_per_worker={"CPU": args.cpus_per_worker}),
@@ -479,6 +483,9 @@ def drive(args: argparse.Namespace, stop: Stop) -> int:
     finally:
         done.set()
         follower.join()
+        if args.env_file:  # over for good: the --env values go
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(args.env_file)
     if stop.sig:
         print(f"xeontune: the job got {signal.Signals(stop.sig).name}: the Ray Train run was aborted", flush=True)
         return 128 + stop.sig
