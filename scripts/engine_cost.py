@@ -83,7 +83,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--resolution", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--engines", default="mpirun,srun,ray")
+    parser.add_argument("--engines", default="mpirun,srun,ray",
+                        help="any of mpirun, srun, ray and ray-quiet (Ray with --quiet-env set for its driver)")
+    parser.add_argument("--quiet-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="ray-quiet's variables, e.g. RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=10")
     args = parser.parse_args()
     engines = args.engines.split(",")
     work = Path(tempfile.mkdtemp(prefix="engine-cost-"))
@@ -104,7 +107,7 @@ def main() -> int:
             stack.callback(slurmlib.stop, slurm)
             slurm_env = {**env, "SLURM_CONF": slurm.env["SLURM_CONF"]}
             xeontune("cluster", "up", "--provider", "slurm", "-n", str(args.ranks), "--name", "ec-srun", env=slurm_env)
-        if "ray" in engines:
+        if "ray" in engines or "ray-quiet" in engines:
             address = stack.enter_context(ray_cluster(args.ranks, env))
             xeontune("cluster", "up", "--provider", "ray", "--address", address, "-n", str(args.ranks), "--name",
                      "ec-ray", env=env)
@@ -112,9 +115,11 @@ def main() -> int:
             for engine in engines:
                 out = work / f"{engine}-{round_}"
                 run_env = slurm_env if engine == "srun" else env
+                if engine == "ray-quiet":
+                    run_env = {**env, **dict(kv.split("=", 1) for kv in args.quiet_env)}
                 started = time.monotonic()
-                xeontune("launch", "-n", str(args.ranks), "--name", f"ec-{engine}", "--", *job, "--output-dir",
-                         str(out), env=run_env)
+                xeontune("launch", "-n", str(args.ranks), "--name", f"ec-{engine.split('-')[0]}", "--", *job,
+                         "--output-dir", str(out), env=run_env)
                 times[engine] += step_times(out)
                 print(f"round {round_ + 1} {engine}: median {statistics.median(step_times(out)):.3f} s/step "
                       f"({time.monotonic() - started:.0f} s in all)", flush=True)
