@@ -48,16 +48,16 @@ SSH_CHECK_TIMEOUT_S = 15.0
 
 def preflight(record: ClusterRecord, plan: Plan) -> None:
     """One-line UserErrors before anything is recorded or started: this machine cannot launch there
-    (``Provider.check_launch``), a node does not answer SSH (named), then the engine's own."""
+    (``Provider.check_launch``), the engine's own (mpirun missing), a node does not answer SSH (named)."""
     provider = providers.get(record.provider)
     provider.check_launch(record)
+    engines.for_cluster(record).preflight(record, plan)
     if provider.uses_ssh:
         from xeontune.cluster import ssh
 
         # re-raises the UserError that names the node, without waiting for the others
         ssh.on_every_node(record.nodes, lambda node: ssh.wait_for_ssh(record, node, SSH_CHECK_TIMEOUT_S, 0.5),
                           workers=16)
-    engines.for_cluster(record).preflight(record, plan)
 
 
 def run_plan(plan: Plan) -> int:

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 # Exports the --env file's variables, deletes the file, then runs the rest (``$0``: the file).
 SOURCE_AND_EXEC = 'set -a && . "$0" && set +a && rm -f "$0" && exec "$@"'
 HEAD_CHECK_TIMEOUT_S = 60.0
+HEAD_SSH_WAIT_S = 15.0
 
 
 def mpirun_path(record: ClusterRecord, provider: Provider) -> str:
@@ -148,8 +149,8 @@ def build_plan(record: ClusterRecord, num_processes: int, ppn: int, backend: str
 
 
 def preflight(record: ClusterRecord, plan: Plan) -> None:
-    """One-line UserErrors before anything starts: mpirun missing on the head (whose nodes answer SSH:
-    the job wing checked that first, job/start.py's ``preflight``)."""
+    """One-line UserErrors before anything starts: mpirun missing on the head (on a remote one, asked
+    over SSH; then the job wing checks that every node answers, job/start.py's ``preflight``)."""
     provider = providers.get(record.provider)
     if not provider.remote and not (os.path.isfile(plan.mpirun) and os.access(plan.mpirun, os.X_OK)):
         raise UserError(f"no mpirun on the head node (looked for {plan.mpirun}); install MPICH's Hydra "
@@ -157,6 +158,7 @@ def preflight(record: ClusterRecord, plan: Plan) -> None:
     if provider.remote:
         from xeontune.cluster import ssh
 
+        ssh.wait_for_ssh(record, record.head, HEAD_SSH_WAIT_S, 0.5)  # a silent head: one line naming it
         rc, _, _ = ssh.run(record, record.head, ["test", "-x", plan.mpirun], timeout_s=HEAD_CHECK_TIMEOUT_S)
         if rc != 0:
             raise UserError(f"no mpirun on the head node {record.head.name} (looked for {plan.mpirun})")
