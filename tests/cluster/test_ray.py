@@ -421,3 +421,19 @@ def test_the_ranks_statuses_decide_between_done_a_user_error_and_a_restart():
     assert job_status([2, 1, 1]) == 2  # rank 0's one-line error; the others stopped as it left: not retried
     assert job_status([0, -9, 1]) is None  # killed: Ray restarts the group
     assert job_status([1, 1, 1]) is None
+
+
+def test_an_address_where_nothing_answers_is_one_line_at_once(xeontune_home, capsys):
+    """`ray.init` retries a dead GCS address for minutes (seen: over 2 min of silence); `up` says in one
+    line that nothing answers there, before Ray is asked."""
+    from xeontune.cli import main
+
+    pytest.importorskip("ray")
+    port = _free_port()  # closed again: nothing listens there
+    started = time.monotonic()
+    assert main(["cluster", "up", "--provider", "ray", "--address", f"127.0.0.1:{port}", "-n", "2",
+                 "--name", "gone"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: cannot reach the Ray cluster at 127.0.0.1:{port}: nothing answers there (Connection "
+                   "refused); is `ray start --head` running, and is this its GCS port (6379 by default)?"]
+    assert time.monotonic() - started < 15

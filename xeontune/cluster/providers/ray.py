@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 from xeontune.cluster import state
@@ -24,6 +25,7 @@ from xeontune.errors import UserError
 
 INSTALL_HINT = "--provider ray needs Ray: install it with pip install 'xeontune[ray]'"
 ADDRESS_ENV = "RAY_ADDRESS"  # Ray's own: what `ray.init()` reads when given no address
+REACH_TIMEOUT_S = 10.0
 
 
 def import_ray():  # -> the ray module
@@ -43,11 +45,25 @@ class RayNode:
     memory: int  # bytes
 
 
+def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """A GCS address (HOST:PORT) that takes no TCP connection: one line at once, where ``ray.init``
+    would retry for minutes. Ray Client addresses (ray://) and "auto" are left to ``ray.init``."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UserError(f"cannot reach the Ray cluster at {address}: nothing answers there ({exc.strerror or exc}); "
+                        "is `ray start --head` running, and is this its GCS port (6379 by default)?") from None
+
+
 def connect(address: str) -> None:
     """``ray.init`` quietly, as a driver of this process; UserError naming the address when it fails."""
     ray = import_ray()
     if ray.is_initialized():
         return
+    check_reachable(address)
     try:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except Exception as exc:  # ConnectionError, ValueError ("no cluster at ..."), grpc's own

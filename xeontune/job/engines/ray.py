@@ -440,6 +440,7 @@ def drive(args: argparse.Namespace, stop: Stop) -> int:
     (job_dir / RANKS_DIR).mkdir(parents=True, exist_ok=True)
     env = dict(kv.partition("=")[::2] for kv in args.rank_env)
     runtime_env = {"env_vars": {"PYTHONPATH": env["PYTHONPATH"]}} if env.get("PYTHONPATH") else None
+    ray_provider.check_reachable(args.address)  # a cluster gone since `up`: one line, not minutes of retries
     try:
         ray.init(address=args.address, log_to_driver=False, logging_level="WARNING", runtime_env=runtime_env)
     except Exception as exc:
