@@ -15,12 +15,12 @@ Modules are imported on first use, so the cloud SDKs stay optional.
 from __future__ import annotations
 
 import argparse
-import importlib
 import shlex
 from dataclasses import dataclass, field
 
 from xeontune.cluster.state import ClusterRecord
 from xeontune.errors import UserError
+from xeontune.registry import Registry
 
 
 @dataclass
@@ -178,33 +178,12 @@ class Provider:
         """Raise UserError when this machine cannot launch on the cluster (e.g. root is missing)."""
 
 
-_REGISTRY: dict[str, str] = {}  # provider name -> module that defines PROVIDER
-
-
-def register(name: str, module: str) -> None:
-    """Make provider ``name`` known: ``module`` (imported on first use) defines ``PROVIDER``."""
-    _REGISTRY[name] = module
-
-
-def unregister(name: str) -> None:
-    _REGISTRY.pop(name, None)
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def get(name: str) -> Provider:
-    if name not in _REGISTRY:
-        raise UserError(f"unknown provider {name!r} (choose from: {', '.join(_REGISTRY)})")
-    provider = importlib.import_module(_REGISTRY[name]).PROVIDER
-    if not isinstance(provider, Provider) or provider.name != name:
-        raise TypeError(f"{_REGISTRY[name]}.PROVIDER must be a Provider named {name!r}")
-    return provider
+_REGISTRY: Registry[Provider] = Registry("provider", "PROVIDER", Provider)
+register, unregister, names, get = _REGISTRY.register, _REGISTRY.unregister, _REGISTRY.names, _REGISTRY.get
 
 
 def all_providers() -> list[Provider]:
-    return [get(name) for name in _REGISTRY]
+    return [get(name) for name in names()]
 
 
 _DEST = "provider_option_"  # argparse dests of the providers' own flags

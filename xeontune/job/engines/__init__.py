@@ -24,11 +24,10 @@ Modules are imported on first use, so Ray stays an optional extra.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from xeontune.errors import UserError
+from xeontune.registry import Registry
 
 if TYPE_CHECKING:
     from xeontune.cluster.state import ClusterRecord
@@ -87,20 +86,8 @@ class Engine:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, str] = {}  # engine name -> module that defines ENGINE
-
-
-def register(name: str, module: str) -> None:
-    """Make engine ``name`` known: ``module`` (imported on first use) defines ``ENGINE``."""
-    _REGISTRY[name] = module
-
-
-def unregister(name: str) -> None:
-    _REGISTRY.pop(name, None)
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+_REGISTRY: Registry[Engine] = Registry("engine", "ENGINE", Engine)
+register, unregister, names, get = _REGISTRY.register, _REGISTRY.unregister, _REGISTRY.names, _REGISTRY.get
 
 
 def for_cluster(record: ClusterRecord) -> Engine:
@@ -108,15 +95,6 @@ def for_cluster(record: ClusterRecord) -> Engine:
     from xeontune.cluster import providers
 
     return get(providers.get(record.provider).engine)
-
-
-def get(name: str) -> Engine:
-    if name not in _REGISTRY:
-        raise UserError(f"unknown engine {name!r} (choose from: {', '.join(_REGISTRY)})")
-    engine = importlib.import_module(_REGISTRY[name]).ENGINE
-    if not isinstance(engine, Engine) or engine.name != name:
-        raise TypeError(f"{_REGISTRY[name]}.ENGINE must be an Engine named {name!r}")
-    return engine
 
 
 register("mpirun", "xeontune.job.engines.mpirun")
