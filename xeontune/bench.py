@@ -887,6 +887,13 @@ def render_table(r: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def _write_json_out(args: argparse.Namespace, text: str) -> None:
+    if args.json_out:
+        from xeontune.io import atomic_write_text
+
+        atomic_write_text(Path(args.json_out), text + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -901,14 +908,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    if args.class_images:
-        figures = bench_class_images(args, log)
-        print(json.dumps(figures, indent=2) if args.json else
-              f"class images, {figures['images']} at {figures['resolution']} px, {figures['steps']} steps "
-              f"({figures['precision']}): xeontune {figures['xeontune_images_per_s']:.3f} images/s, diffusers' "
-              f"pipeline as the example calls it {figures['example_images_per_s']:.3f} images/s: "
-              f"{figures['speedup']:.2f}x")
-        return 0
     if args.json_out:  # checked before minutes of benchmarking, not after
         target = Path(args.json_out)
         if target.is_dir():
@@ -918,12 +917,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pass
         except OSError as exc:
             raise UserError(f"--json-out {target}: cannot write there ({exc.strerror})") from None
+    if args.class_images:
+        figures = bench_class_images(args, log)
+        _write_json_out(args, json.dumps(figures, indent=2))
+        print(json.dumps(figures, indent=2) if args.json else
+              f"class images, {figures['images']} at {figures['resolution']} px, {figures['steps']} steps "
+              f"({figures['precision']}): xeontune {figures['xeontune_images_per_s']:.3f} images/s, diffusers' "
+              f"pipeline as the example calls it {figures['example_images_per_s']:.3f} images/s: "
+              f"{figures['speedup']:.2f}x")
+        return 0
     result = run_bench(args, log)
     text = json.dumps(asdict(result), indent=2)
-    if args.json_out:
-        from xeontune.io import atomic_write_text
-
-        atomic_write_text(Path(args.json_out), text + "\n")
+    _write_json_out(args, text)
     print(text if args.json else render_table(result))
     return 0
 

@@ -205,9 +205,10 @@ def test_auto_packs_in_both_precisions_on_both_cpu_kinds_where_the_kernels_run(f
     assert type(unet[0]) is nn.Conv2d
 
 
-def test_auto_leaves_sdxl_stock_in_bf16_without_amx(fake_cpu):
+def test_auto_leaves_sdxl_stock_in_bf16_without_amx(fake_cpu, monkeypatch):
     """SDXL in bf16 was no faster packed on an AVX512-BF16 CPU without AMX (docs/performance.md, "SDXL"),
     for one UNet more in memory: auto packs it only with AMX; SD1.x packs on both (1.29x without AMX)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # a rank's threads, as measured (see below)
     for family in ("sdxl", "sd"):
         unet, vae = _unet_and_vae()
         unet.to(torch.bfloat16)
@@ -223,6 +224,34 @@ def test_auto_leaves_sdxl_stock_in_bf16_without_amx(fake_cpu):
     unet, vae = _unet_and_vae()  # fp32 SDXL: the kernels and the memory decide, not AMX
     _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", family="sdxl")
     assert type(unet[0]) is packed.PackedConv2d
+
+
+def test_auto_leaves_bf16_stock_on_amx_above_a_few_threads_a_rank(fake_cpu, monkeypatch):
+    """On a 16-core AMX Xeon a bf16 step with 16 threads was faster on stock layers (1.43 against 1.83
+    s/step, docs/performance.md) while packing won with 2: auto packs bf16 on AMX only up to
+    AMX_BF16_MAX_PACKED_THREADS threads a rank. Other CPUs and fp32 keep their measured rule."""
+    monkeypatch.setattr(packed, "available", lambda dtype: (True, "the kernels run"))  # any CPU: the rule alone
+    limit = packed.AMX_BF16_MAX_PACKED_THREADS
+    amx = fake_cpu == "amx-xeon"
+    for family in ("sd", "sdxl"):
+        assert packed.auto_choice("bf16", family, threads=limit)[0] == (family == "sd" or amx)
+        used, why = packed.auto_choice("bf16", family, threads=limit + 1)
+        assert used == (family == "sd" and not amx), (family, why)
+        if amx:
+            assert why == (f"not used ({limit + 1} threads a rank: in bf16 on AMX stock torch was faster above "
+                           f"{limit}, 1.43 against 1.83 s/step with 16 at 512 px; --pack-weights on forces it)")
+        assert packed.auto_choice("fp32", family, threads=64)[0]
+    # the rank asks with its own threads: 16 on an AMX host leaves its UNet stock, with the note
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    unet, vae = _unet_and_vae()
+    unet.to(torch.bfloat16)
+    _, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="auto")
+    assert (type(unet[0]) is packed.PackedConv2d) == (not amx)
+    assert notes[-1].startswith("packed weights: not used (16 threads a rank") == amx
+    # before the ranks exist their threads are not known: memory is counted as for packed copies
+    from xeontune.train.ranks import packs
+
+    assert packs("auto", "bf16", "sd")
 
 
 def test_packing_gives_way_to_compile_and_refuses_to_be_forced_where_it_cannot_run(monkeypatch):

@@ -37,20 +37,35 @@ from xeontune import hardware
 PACK_CHOICES = ("auto", "on", "off")
 
 
-def auto_choice(precision: str, family: str = "sd") -> tuple[bool, str]:
+# bf16 on AMX: packing won at 2 threads a rank (1.6x at 256 px, about 2x at 512 px) and lost at 16 (a 16-core
+# AMX Xeon, a LoRA step at 512 px, `--pack-weights on` / `off` alternated: 1.955 / 1.263 and 1.707 / 1.599
+# s/step, the forward 0.82 / 0.42 and 0.75 / 0.53 s; docs/performance.md). Between 2 and 16 it is not
+# measured: 4 is the geometric middle of a 1.6x win and a 0.78x loss, rounded down to stock torch's side.
+AMX_BF16_MAX_PACKED_THREADS = 4
+
+
+def auto_choice(precision: str, family: str = "sd", threads: int | None = None) -> tuple[bool, str]:
     """Whether `--pack-weights auto` packs on this CPU, and why not when it does not (one phrase, for
     notes and `doctor`). The rule: pack in both precisions wherever oneDNN runs the packed kernels in
-    the precision's dtype, since it won wherever it was measured (docs/performance.md, "Packed
-    weights"): bf16 1.6x on an AMX Xeon and 1.29x on an AVX512-BF16 EPYC, fp32 1.18x on the same Xeon
-    and 1.21x on an AVX2-only EPYC; except SDXL in bf16 without AMX, measured no faster packed (its
-    large layers amortize oneDNN's per-call reorder) for one UNet more in memory (5.1 GB).
+    the precision's dtype, since it won wherever it was measured with few threads a rank
+    (docs/performance.md, "Packed weights"): bf16 1.6x on an AMX Xeon and 1.29x on an AVX512-BF16 EPYC,
+    fp32 1.18x on the same Xeon and 1.21x on an AVX2-only EPYC; except SDXL in bf16 without AMX,
+    measured no faster packed (its large layers amortize oneDNN's per-call reorder) for one UNet more in
+    memory (5.1 GB), and bf16 on AMX with more than AMX_BF16_MAX_PACKED_THREADS threads a rank, where
+    stock torch's forward was faster. ``threads``: the rank's (default: this process's torch threads).
     Its price is memory: each rank holds the reordered copies (``frozen_weight_bytes`` counts them)."""
     ok, why = available(torch.bfloat16 if precision == "bf16" else torch.float32)
     if not ok:
         return False, f"not used ({why})"
-    if family == "sdxl" and precision == "bf16" and "amx_bf16" not in hardware.cpu_flags():
+    amx = "amx_bf16" in hardware.cpu_flags()
+    if family == "sdxl" and precision == "bf16" and not amx:
         return False, ("not used (SDXL in bf16 without AMX was no faster packed: 10.10 against 10.11 s/step at "
                        "512 px, for 5.1 GB more; --pack-weights on forces it)")
+    threads = torch.get_num_threads() if threads is None else threads
+    if precision == "bf16" and amx and threads > AMX_BF16_MAX_PACKED_THREADS:
+        return False, (f"not used ({threads} threads a rank: in bf16 on AMX stock torch was faster above "
+                       f"{AMX_BF16_MAX_PACKED_THREADS}, 1.43 against 1.83 s/step with 16 at 512 px; "
+                       "--pack-weights on forces it)")
     return True, ""
 
 

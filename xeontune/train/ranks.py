@@ -71,14 +71,16 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
 def packs(pack_weights: str, precision: str, family: str, here: bool = True) -> bool:
     """Whether the ranks may hold packed weights, to count them in their memory. `auto` follows
     packed.auto_choice where the ranks run on this machine's CPU (``here``); for another machine's
-    ranks (a cluster's nodes) it counts them, the safe side: their CPU is not known here."""
+    ranks (a cluster's nodes) it counts them, the safe side: their CPU is not known here. Nor are the
+    threads a rank will have (they follow the ranks' count, not chosen yet): counted as for one thread,
+    where auto packs wherever the kernels run."""
     if pack_weights != "auto":
         return pack_weights == "on"
     if not here:
         return True
     from xeontune.train.packed import auto_choice
 
-    return auto_choice(precision, family)[0]
+    return auto_choice(precision, family, threads=1)[0]
 
 
 def _text_encoder_bytes(stored: float, precision: str, linear_share: float = TEXT_ENCODER_LINEAR_SHARE) -> float:
