@@ -23,16 +23,11 @@ venv: $(BIN)/xeontune
 single-node-test: venv
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/single_node_test.py --model $(MODEL) --data $(DATA) --steps $(STEPS) --resolution $(RESOLUTION) --method $(METHOD) --output-dir $(OUT)
 
-# Installs what the tests need (system packages too when run as root), then runs them all:
+# Installs what the tests need (system packages too when run as root; the venvs), then runs them all:
 # the main suite, then the IPEX tests in their own venv (SKIP_IPEX=1 leaves those out locally).
 # Every suite runs even when an earlier one fails; the exit code is non-zero if any failed.
-test: venv
-	scripts/install-test-deps.sh
-	@failed=""; \
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -ra --durations=10 || failed="$$failed main(tests/)"; \
-	if [ "$(SKIP_IPEX)" = "1" ]; then echo "SKIP_IPEX=1: not running make test-ipex"; \
-	else scripts/test-ipex.sh || failed="$$failed ipex(tests/ipex, .venv-ipex)"; fi; \
-	if [ -n "$$failed" ]; then echo "make test: FAILED suites:$$failed" >&2; exit 1; fi
+test:
+	scripts/run-tests.sh
 
 # The fast subset: no training runs, no clusters.
 test-fast: venv
