@@ -122,9 +122,10 @@ class TrainOptions:
                     "where weights are packed (packed stock torch was faster)",
                     choices=("auto", "on", "off"), group="hardware")
     pack_weights: str = opt("auto", "reorder the frozen UNet's weights for oneDNN once instead of at every call "
-                            "(stock torch; what IPEX's prepacking does; the step 1.6x faster in bf16 on an AMX Xeon): "
-                            "auto packs in both precisions wherever oneDNN runs the kernels (fp32 1.2x faster too) and the "
-                            "packed copy fits in the memory available; costs about twice the UNet's size in the "
+                            "(stock torch; what IPEX's prepacking does; the step 1.6x faster in bf16 on an AMX Xeon with 2 "
+                            "threads a rank): auto packs in both precisions wherever oneDNN runs the kernels (fp32 1.2x "
+                            "faster too) and the packed copy fits in the memory available, but not bf16 on AMX with more "
+                            "than 4 threads a rank (stock was 1.28x faster with 16); costs about twice the UNet's size in the "
                             "training dtype in memory per rank", choices=("auto", "on", "off"), group="hardware")
     compile: bool = opt(False, "torch.compile the UNet (inductor); measure before relying on it", group="hardware")
     gradient_checkpointing: bool = opt(
