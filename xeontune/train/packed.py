@@ -37,7 +37,7 @@ from xeontune import hardware
 PACK_CHOICES = ("auto", "on", "off")
 
 
-# bf16 on AMX: packing won at 2 threads a rank (1.6x at 256 px, about 2x at 512 px) and lost at 16 (a 16-core
+# bf16 on AMX: packing won at 2 threads a rank (1.6x, a 2-vCPU AMX Xeon at 256 px) and lost at 16 (a 16-core
 # AMX Xeon, a LoRA step at 512 px, `--pack-weights on` / `off` alternated: 1.955 / 1.263 and 1.707 / 1.599
 # s/step, the forward 0.82 / 0.42 and 0.75 / 0.53 s; docs/performance.md). Between 2 and 16 it is not
 # measured: 4 is the geometric middle of a 1.6x win and a 0.78x loss, rounded down to stock torch's side.
