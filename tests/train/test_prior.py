@@ -5,6 +5,7 @@ the same set on several ranks as on 1), and ranks train what 1 process does with
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -97,6 +98,11 @@ def test_two_ranks_generate_the_same_class_images_and_train_what_one_process_doe
     proc = subprocess.run([sys.executable, "-m", "xeontune.cli", *args], capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rate = re.search(r"generated 3 class images in ([\d.]+) s: ([\d.]+) images/s over 2 rank\(s\)", proc.stderr)
+    assert rate, proc.stderr[-2000:]
+    seconds, per_s = float(rate[1]), float(rate[2])  # seconds rounded to 0.1
+    assert 3 / (seconds + 0.05) <= per_s <= 3 / max(seconds - 0.05, 1e-3), rate[0]
+    assert proc.stderr.count("class images in") == 1  # rank 0 alone says it
     assert main(prior_args(tiny_model, sample_images, tmp_path / "class1", tmp_path / "one", "--no-random-flip",
                            "--scale-lr", "--train-batch-size", "2")) == 0
     names = sorted(p.name for p in (tmp_path / "class1").iterdir())
@@ -145,12 +151,14 @@ def test_bench_times_prior_preservation_against_the_examples_with_a_class_sample
 
 
 @pytest.mark.slow
-def test_bench_times_class_image_generation_against_the_examples_pipeline(tiny_model, capsys):
+def test_bench_times_class_image_generation_against_the_examples_pipeline(tiny_model, capsys, tmp_path):
     import json
 
     assert main(["bench", "--class-images", "2", "--model", str(tiny_model), "--resolution", "64",
-                 "--class-inference-steps", "2", "--mixed-precision", "fp32", "--allocator", "none", "--json"]) == 0
+                 "--class-inference-steps", "2", "--mixed-precision", "fp32", "--allocator", "none", "--json",
+                 "--json-out", str(tmp_path / "class.json")]) == 0
     figures = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "class.json").read_text()) == figures  # --json-out too (it was ignored)
     assert figures["images"] == 2 and figures["steps"] == 2 and figures["resolution"] == 64
     assert figures["xeontune_images_per_s"] > 0 and figures["example_images_per_s"] > 0
     assert figures["speedup"] == pytest.approx(figures["xeontune_images_per_s"] / figures["example_images_per_s"])
