@@ -919,8 +919,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError(f"--json-out {target}: cannot write there ({exc.strerror})") from None
     if args.class_images:
         figures = bench_class_images(args, log)
-        _write_json_out(args, json.dumps(figures, indent=2))
-        print(json.dumps(figures, indent=2) if args.json else
+        text = json.dumps(figures, indent=2)
+        _write_json_out(args, text)
+        print(text if args.json else
               f"class images, {figures['images']} at {figures['resolution']} px, {figures['steps']} steps "
               f"({figures['precision']}): xeontune {figures['xeontune_images_per_s']:.3f} images/s, diffusers' "
               f"pipeline as the example calls it {figures['example_images_per_s']:.3f} images/s: "

@@ -188,8 +188,7 @@ def test_both_files_load_into_diffusers_and_the_full_pipeline_holds_them(family,
 @pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])
 def test_lora_over_the_packed_base_learns_what_the_stock_layers_learn(family, model_of, lora_args, runs):
     ok, why = packed_layers.available(torch.float32)
-    if not ok:
-        pytest.skip(f"packed fp32 layers unavailable: {why}")
+    assert ok, f"oneDNN runs packed fp32 layers on every x86 CPU (test_packed.py asserts it too): {why}"
     from peft.tuners.lora import LoraLayer
 
     args = lora_args(model=model_of(family)) + SUMMATION_ORDER_SAFE
