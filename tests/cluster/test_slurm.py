@@ -424,7 +424,7 @@ def on_preemptible_slurm(tmp_path_factory, xeontune_home, monkeypatch, tmp_path)
 @pytest.mark.slow
 @pytest.mark.root
 def test_a_job_preempted_by_a_higher_priority_job_requeues_and_resumes_to_a_straight_runs_vectors(
-        on_preemptible_slurm, tiny_model, sample_images, tmp_path, capsys, references):
+        on_preemptible_slurm, tiny_model, sample_images, tmp_path, capsys, references, monkeypatch):
     """A real preemption: a job of the `urgent` partition on the same three nodes. Slurm sends SIGTERM to
     the job's steps only; rank 0 checkpoints in the grace time, the ranks exit 143, and the batch script
     (which Slurm leaves running) requeues the job; the urgent job runs, then this one resumes from its
@@ -434,7 +434,11 @@ def test_a_job_preempted_by_a_higher_priority_job_requeues_and_resumes_to_a_stra
 
     slurm = on_preemptible_slurm
     out, steps = tmp_path / "out", 16
+    # rank 0 rests 1 s after each step's outputs (a step copy each step): the preemption, a scheduling pass
+    # or two away, lands mid-run; without it CI's 0.08 s steps ended the job first (COMPLETED, never preempted)
+    monkeypatch.setenv("XEONTUNE_TEST_PAUSE", "alone:0:1")
     options = _options(tiny_model, sample_images, out, steps)
+    options[options.index("--save-steps") + 1] = "1"
     assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", "pe"]) == 0
     assert main(["launch", "--detach", "--name", "pe", *options]) == 0
     job = record.load_job("pe")
