@@ -6,6 +6,7 @@ import atexit
 import importlib.util
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -21,6 +22,28 @@ if "XEONTUNE_CACHE" not in os.environ:
 # tests/ipex needs torch 2.8 + IPEX: `make test-ipex` (part of `make test`) runs it in .venv-ipex.
 if importlib.util.find_spec("intel_extension_for_pytorch") is None:
     collect_ignore = ["ipex"]
+
+
+# A suite started in the background by a script (`pytest &`, nohup) inherits SIGINT ignored, and so
+# would every process a test starts: Python then never raises KeyboardInterrupt there, and the tests of
+# Ctrl-C to `run` or `cluster up` wait for an exit that never comes. Ctrl-C acts as in a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_restored():
+    """Every test leaves this process's SIGINT, SIGTERM and SIGHUP handlers as it found them. A SIGINT
+    left ignored is inherited by every later subprocess, and Python then never raises KeyboardInterrupt
+    there: a later test's Ctrl-C to `run` went unheard (seen: three tests timed out, far from the cause)."""
+    before = {sig: signal.getsignal(sig) for sig in _HANDLED}
+    yield
+    changed = [signal.Signals(sig).name for sig, handler in before.items() if signal.getsignal(sig) != handler]
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+    assert not changed, f"the test left the handler of {', '.join(changed)} changed (restored now)"
 
 
 # The two kinds of CPU the project meets, as /proc/cpuinfo flags: tests of a decision that depends on
