@@ -40,6 +40,19 @@ def threading_is_main() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """A rank (or `xeontune train`): the exit status. The signal handlers it installs are the caller's
+    again when it returns: `xeontune train` run in-process (``cli.main``) leaves the process as it was."""
+    signals = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+    saved = {sig: signal.getsignal(sig) for sig in signals} if threading_is_main() else {}
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(sig, handler)
+
+
+def _main(argv: list[str] | None) -> int:
     # CPU only: a visible GPU gives torch.distributed an accelerator that barriers without an
     # explicit CPU group would pick (cuda:<local rank>: "invalid device ordinal" on ranks 1..N).
     # Set before torch initialises CUDA; an explicit value (`launch --env`) is the user's.
