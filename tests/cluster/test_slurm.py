@@ -437,8 +437,7 @@ def test_a_job_preempted_by_a_higher_priority_job_requeues_and_resumes_to_a_stra
     # rank 0 rests 1 s after each step's outputs (a step copy each step): the preemption, a scheduling pass
     # or two away, lands mid-run; without it CI's 0.08 s steps ended the job first (COMPLETED, never preempted)
     monkeypatch.setenv("XEONTUNE_TEST_PAUSE", "alone:0:1")
-    options = _options(tiny_model, sample_images, out, steps)
-    options[options.index("--save-steps") + 1] = "1"
+    options = [*_options(tiny_model, sample_images, out, steps), "--save-steps", "1"]  # the last one counts
     assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", "pe"]) == 0
     assert main(["launch", "--detach", "--name", "pe", *options]) == 0
     job = record.load_job("pe")
