@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The figures of docs/performance.md's many-core section (LoRA and textual inversion at 512 px, class
-# images on 1 and 3 ranks, SDXL LoRA), as one time-boxed run for a machine held for minutes: each step
+# The figures of docs/performance.md's many-core section (LoRA against the example and against textual
+# inversion at 512 px, LoRA with prior preservation, class images against diffusers' pipeline and on 1
+# and 3 ranks, SDXL LoRA), as one time-boxed run for a machine held for minutes: each step
 # is cut at one deadline so that the earlier, more important figures always come back. Logs and JSON
 # go to $OUT (default /tmp/out). Where ./.whl holds wheels (the packages that machine lacks) and
 # libtcmalloc_minimal.so.4, they are installed to /tmp/site and preloaded first.
@@ -37,8 +38,8 @@ step lora "${LORA_S:-230}" $B --method lora --model "$SD15" --resolution "$RES" 
   --statistic median --ranks-per-node none --json-out "$OUT/lora.json"
 step ti "${TI_S:-80}" $B --model "$SD15" --resolution "$RES" --steps 4 --warmup 1 --statistic median \
   --ranks-per-node none --no-baseline --no-rss --json-out "$OUT/ti.json"
-step lora2 "${TI_S:-80}" $B --method lora --model "$SD15" --resolution "$RES" --steps 4 --warmup 1 --statistic median \
-  --ranks-per-node none --no-baseline --no-rss --json-out "$OUT/lora2.json"
+step lorapp "${PP_S:-170}" $B --method lora --with-prior-preservation --model "$SD15" --resolution "$RES" --steps 3 \
+  --warmup 1 --statistic median --ranks-per-node none --json-out "$OUT/lorapp.json"
 step classbench "${CLS_S:-90}" $B --class-images 3 --model "$SD15" --resolution "$CRES" --class-inference-steps 10 \
   --json-out "$OUT/class.json"
 $PY -m xeontune.cli sample-data --count 4 --size "$CRES" /tmp/data >>"$L" 2>&1
@@ -46,7 +47,7 @@ for n in 3 1; do
   step "classgen$n" "${CLS_S:-90}" $PY -m xeontune.train --method lora --model "models/$SD15" --data-dir /tmp/data \
     --instance-prompt "a photo of sks toy" --with-prior-preservation --class-data-dir "/tmp/class$n" \
     --class-prompt "a photo of a toy" --num-class-images 6 --class-inference-steps 10 --resolution "$CRES" \
-    --max-train-steps 1 --checkpointing-steps 0 --save-steps 0 --output-dir "/tmp/o$n" --nproc-per-node "$n"
+    --max-train-steps 1 --checkpointing-steps 0 --save-steps 0 --output-dir "/tmp/o$n" --overwrite --nproc-per-node "$n"
 done
 grep -h "generated .* class images" "$L" >"$OUT/classgen.txt"
 step sdxl "${SDXL_S:-600}" $B --method lora --model "$SDXL" --resolution "$RES" --steps 3 --warmup 1 \

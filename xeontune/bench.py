@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "trainer does (one rank) against diffusers' pipeline as train_dreambooth_lora.py calls it "
                    "(batches of 4), both at --resolution and --class-inference-steps")
     p.add_argument("--class-inference-steps", type=int, default=25, help="denoising steps per class image (25)")
+    p.add_argument("--sample-batch-size", type=int, default=4,
+                   help="--class-images: the trainer's class images per pipeline call (default 4, as the example)")
     p.add_argument("--with-prior-preservation", action="store_true",
                    help="--method lora: DreamBooth's prior preservation, a class sample beside each instance sample "
                    "(the bench's images serve as the class images), against the example's --with_prior_preservation")
@@ -187,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.class_images < 0 or args.class_inference_steps < 1:
-        raise UserError("--class-images must be >= 0 and --class-inference-steps at least 1")
+    if args.class_images < 0 or args.class_inference_steps < 1 or args.sample_batch_size < 1:
+        raise UserError("--class-images must be >= 0, --class-inference-steps and --sample-batch-size at least 1")
     for name in ("steps", "batch_size", "matmul_size", "rank"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
@@ -600,7 +602,7 @@ def alternate(
 
 def bench_class_images(args: argparse.Namespace, log=print) -> dict[str, Any]:
     """Images/s of class-image generation: the trainer's (its prepared frozen models: packed, the bf16
-    copy under bf16; DPM-Solver++; one image a call, each from its own seed) against diffusers' pipeline
+    copy under bf16; DPM-Solver++; --sample-batch-size images a call, each from its own seed) against diffusers' pipeline
     loaded and called as train_dreambooth_lora.py does (its own scheduler, batches of 4), at the same
     size and number of steps. One after the other, each after one warm-up call."""
     import torch
@@ -617,7 +619,8 @@ def bench_class_images(args: argparse.Namespace, log=print) -> dict[str, Any]:
         models.write_sample_data(data, count=1, size=size)
         args.method, args.with_prior_preservation = "lora", False
         opts = replace(variant_options(model, data, Path(tmp) / "out", args, "optimized"),
-                       validation_prompt=["x"], class_prompt=CLASS_PROMPT, class_inference_steps=steps)
+                       validation_prompt=["x"], class_prompt=CLASS_PROMPT, class_inference_steps=steps,
+                       sample_batch_size=args.sample_batch_size)
         run, _ = loop.setup(opts, loop.make_accelerator(opts))  # the frozen models as training prepares them
         autocast = run.autocast
         warm = replace(opts, class_data_dir=str(Path(tmp) / "warm"), num_class_images=1)
@@ -641,6 +644,7 @@ def bench_class_images(args: argparse.Namespace, log=print) -> dict[str, Any]:
         example = time.perf_counter() - start
         log(f"diffusers' pipeline as the example calls it: {count} class images in {example:.1f} s")
     return {"images": count, "resolution": size, "steps": steps, "precision": precision,
+            "sample_batch_size": args.sample_batch_size,
             "xeontune_images_per_s": count / ours, "example_images_per_s": count / example,
             "speedup": example / ours, "threads": torch.get_num_threads(), "cpu": _cpu_model()}
 

@@ -82,6 +82,9 @@ class TrainOptions:
                                 "this many)", group="lora")
     prior_loss_weight: float = opt(1.0, "weight of the class images' loss beside the instance images'", group="lora")
     class_inference_steps: int = opt(25, "denoising steps per generated class image", group="lora")
+    sample_batch_size: int = opt(4, "class images each rank generates per pipeline call (as the example's "
+                                 "--sample_batch_size; more threads a rank fill better with more, at more memory)",
+                                 group="lora")
     train_text_encoder: bool = opt(False, "also put adapters on the text encoder(s)' q_proj, k_proj, v_proj and "
                                    "out_proj (else their outputs are computed once per prompt)", group="lora")
     repeats: int = opt(100, "times each image appears per epoch", group="model and data")
@@ -473,6 +476,7 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.num_class_images >= 1, "--num-class-images must be at least 1"),
         (finite(o.prior_loss_weight) and o.prior_loss_weight >= 0, "--prior-loss-weight must be >= 0"),
         (o.class_inference_steps >= 1, "--class-inference-steps must be at least 1"),
+        (o.sample_batch_size >= 1, "--sample-batch-size must be at least 1"),
         (o.train_token_fraction == 1.0 or o.placeholder_token is not None,
          "--train-token-fraction needs --placeholder-token (pivotal tuning)"),
         (o.method != "lora" or (o.placeholder_token is None) == (o.initializer_token is None),
