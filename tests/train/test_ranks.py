@@ -569,3 +569,26 @@ def test_a_hub_models_unet_copy_is_made_from_its_downloaded_files(tiny_model, tm
     local, _ = components._unet_copy(hub, None, None)  # the same files, as a local folder
     weights = "diffusion_pytorch_model.safetensors"
     assert (copy / weights).read_bytes() == (local / weights).read_bytes()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_every_rank_with_one_line_and_no_traceback(base_args, tmp_path):
+    """`timeout`, `kill` or a batch system stopping `xeontune train --nproc-per-node 2`: torch's agent stops
+    the ranks and raised its SignalException, a traceback; now one line and 128 + the signal."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "xeontune.cli", "train", *base_args, "--nproc-per-node", "2",
+                             "--resolution", "32", "--max-train-steps", "100000", "--checkpointing-steps", "0",
+                             "--save-steps", "0", "--output-dir", str(tmp_path / "out")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:  # until the ranks step: the forecast comes after the first steps
+        seen.append(line)
+        if "forecast:" in line:
+            break
+    assert "forecast:" in seen[-1], "".join(seen)[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, rest[-2000:]
+    assert "Traceback" not in rest and "death signal" not in rest, rest[-3000:]
+    assert rest.strip().splitlines()[-1] == "interrupted (SIGTERM): every rank was stopped", rest[-1000:]
