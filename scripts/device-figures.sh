@@ -38,7 +38,7 @@ step lora "${LORA_S:-230}" $B --method lora --model "$SD15" --resolution "$RES" 
   --statistic median --ranks-per-node none --json-out "$OUT/lora.json"
 step ti "${TI_S:-80}" $B --model "$SD15" --resolution "$RES" --steps 4 --warmup 1 --statistic median \
   --ranks-per-node none --no-baseline --no-rss --json-out "$OUT/ti.json"
-step lorapp "${PP_S:-170}" $B --method lora --with-prior-preservation --model "$SD15" --resolution "$RES" --steps 3 \
+step lorapp "${PP_S:-240}" $B --method lora --with-prior-preservation --model "$SD15" --resolution "$RES" --steps 3 \
   --warmup 1 --statistic median --ranks-per-node none --json-out "$OUT/lorapp.json"
 step classbench "${CLS_S:-90}" $B --class-images 3 --model "$SD15" --resolution "$CRES" --class-inference-steps 10 \
   --json-out "$OUT/class.json"
