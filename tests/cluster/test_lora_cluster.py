@@ -8,15 +8,13 @@ A DreamBooth run (captions, a pivotal token, prior preservation, buckets) goes t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cluster.clusterlib import REPO, cli
+from tests.cluster.clusterlib import cli
+from tests.cluster.test_distributed_training import offline
 from tests.cluster.test_run import assert_nothing_left, cluster_name, root_home  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
@@ -40,9 +38,11 @@ def lora_args(model, data, out, batch: int, steps: int, *extra: str) -> list[str
 
 
 def train_alone(args: list[str]) -> None:
-    done = subprocess.run([sys.executable, "-m", "xeontune.train", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **OFFLINE})
-    assert done.returncode == 0, done.stderr[-3000:]
+    """The single-process reference, in this process (no process start: its imports cost about 7 s)."""
+    from xeontune.cli import main
+
+    with offline():
+        assert main(["train", *args]) == 0
 
 
 def fused(model, family: str, out=None, weight_name: str | None = None) -> dict[str, torch.Tensor]:
