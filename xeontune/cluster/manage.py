@@ -377,9 +377,10 @@ def teardown(name: str, provider_name: str | None = None, region: str | None = N
 
 
 def _stop_job_on_this_machine(record: ClusterRecord) -> None:
-    """A detached job whose ranks run on this machine (localhost, namespaces) outlives the deletion of
-    its cluster: stop it first, as Ctrl-C stops an attached one (SIGINT to its runner, which passes it to
-    every rank; a second one stops them hard). Clouds' jobs end with their VMs, Slurm's are cancelled."""
+    """A detached job whose runner is on this machine (localhost, namespaces, Ray's driver) outlives the
+    deletion of its cluster: stop it first, as Ctrl-C stops an attached one (SIGINT to its runner, which
+    passes it to every rank, or aborts Ray Train's run; a second one stops them hard). Clouds' jobs end
+    with their VMs, Slurm's are cancelled."""
     from xeontune.job import engines
     from xeontune.job.record import load_job, record_path
 

@@ -9,7 +9,7 @@ Seconds per step are wall-clock seconds since the end of this process's first st
 warms up: allocations, first kernels) over the steps since, so checkpoints and validation
 between steps are counted too.
 
-A job that was stopped and started again (a Slurm requeue: cluster/providers/slurm.py sets the
+A job that was stopped and started again (a Slurm requeue: job/engines/srun.py sets the
 ``*_ENV`` below) also says the time its restarts lost: the wall time from the job's first start to
 this run's start, less what the steps it resumed from took at today's pace. That is the queue wait,
 the steps done after the last checkpoint and done again, and the earlier runs' start-ups.
