@@ -47,20 +47,18 @@ def load_vectors(path):
 
 
 def train_alone(tiny, output_dir, batch: int, steps: int, *extra: str) -> None:
-    """The single-process reference, in this process: the same trainer without a process start (whose
-    imports cost about 7 s on 2 cores)."""
+    train_in_process(train_args(tiny, output_dir, batch, steps, *extra))
+
+
+def train_in_process(args: list[str]) -> None:
+    """A single-process reference, in this process: the same trainer, offline, without a process start
+    (whose imports cost about 7 s on 2 cores)."""
     from xeontune.cli import main
 
-    with offline():
-        assert main(["train", *train_args(tiny, output_dir, batch, steps, *extra)]) == 0
-
-
-@contextlib.contextmanager
-def offline():
     with pytest.MonkeyPatch.context() as mp:
         for key, value in OFFLINE.items():
             mp.setenv(key, value)
-        yield
+        assert main(["train", *args]) == 0
 
 
 def launch(cluster, tiny, output_dir, batch: int, steps: int, *extra: str,

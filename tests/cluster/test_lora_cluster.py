@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.cluster.clusterlib import cli
-from tests.cluster.test_distributed_training import offline
+from tests.cluster.test_distributed_training import train_in_process
 from tests.cluster.test_run import assert_nothing_left, cluster_name, root_home  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
@@ -35,14 +35,6 @@ def lora_args(model, data, out, batch: int, steps: int, *extra: str) -> list[str
             "--save-steps", "0", "--no-random-flip", "--mixed-precision", "fp32",
             # Adam's default 1e-8 magnifies the rounding of a near-zero gradient past 1e-5 (test_lora.py)
             "--adam-epsilon", "1e-5", *extra]
-
-
-def train_alone(args: list[str]) -> None:
-    """The single-process reference, in this process (no process start: its imports cost about 7 s)."""
-    from xeontune.cli import main
-
-    with offline():
-        assert main(["train", *args]) == 0
 
 
 def fused(model, family: str, out=None, weight_name: str | None = None) -> dict[str, torch.Tensor]:
@@ -97,7 +89,7 @@ def test_lora_on_three_ranks_matches_one_process_and_loads_in_both_layouts(local
     assert dist.returncode == 0, dist.stdout[-3000:] + dist.stderr[-3000:]
     if family == "sd":
         assert "aspect-ratio buckets (width x height: images): 64x64: 2, 48x80: 2, 80x48: 2" in dist.stdout + dist.stderr
-    train_alone(lora_args(model, data, tmp_path / "one", 3, 3, "--scale-lr", *extra))
+    train_in_process(lora_args(model, data, tmp_path / "one", 3, 3, "--scale-lr", *extra))
     got, want = load_file(tmp_path / "dist" / DIFFUSERS_FILE), load_file(tmp_path / "one" / DIFFUSERS_FILE)
     assert got.keys() == want.keys()
     assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5

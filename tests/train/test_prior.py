@@ -123,6 +123,7 @@ def test_prior_preservation_mistakes_are_one_line_errors(tiny_model, sample_imag
     assert "needs --class-data-dir and --class-prompt" in one_line_error(capsys, args[:at] + args[at + 2:])
     at = args.index("--with-prior-preservation")
     assert "need --with-prior-preservation" in one_line_error(capsys, args[:at] + args[at + 1:])
+    assert "--sample-batch-size must be at least 1" in one_line_error(capsys, args + ["--sample-batch-size", "0"])
     ti = ["train", "--placeholder-token", "<x>", "--initializer-token", "toy", "--with-prior-preservation",
           *args[args.index("--class-data-dir"):args.index("--prior-loss-weight")], "--model", str(tiny_model),
           "--data-dir", str(sample_images)]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.cluster.test_distributed_training import MOVED_MIN, moved_from_initializer, offline
+from tests.cluster.test_distributed_training import MOVED_MIN, moved_from_initializer, train_in_process
 from xeontune import placement
 from xeontune.train.options import parse_args
 from xeontune.train.ranks import TEXT_ENCODER_LINEAR_SHARE, frozen_weight_bytes, packs, plan_ranks
@@ -193,10 +193,7 @@ def test_two_ranks_match_one_process_with_twice_the_batch(base_args, tiny_model,
                           "--mixed-precision", "fp32", "--scale-lr", "--learning-rate", "5e-3", "--no-random-flip"]
     ranks = run_train(common + ["--output-dir", str(tmp_path / "ranks"), "--nproc-per-node", "2",
                                 "--train-batch-size", "1"])
-    from xeontune.cli import main
-
-    with offline():  # the reference in this process: no 7 s of imports for a new one
-        assert main(["train", *common, "--output-dir", str(tmp_path / "one"), "--train-batch-size", "2"]) == 0
+    train_in_process(common + ["--output-dir", str(tmp_path / "one"), "--train-batch-size", "2"])
     assert "2 rank(s) on this machine" in ranks.stdout and "global batch 1 x 2 rank(s) = 2" in ranks.stdout
     got, want = vectors(tmp_path / "ranks"), vectors(tmp_path / "one")
     diff = max(float((got[k] - want[k]).abs().max()) for k in want)
@@ -582,7 +579,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_one_line_and_no_traceback
 
     proc = subprocess.Popen([sys.executable, "-m", "xeontune.cli", "train", *base_args, "--nproc-per-node", "2",
                              "--resolution", "32", "--max-train-steps", "100000", "--checkpointing-steps", "0",
-                             "--save-steps", "0", "--output-dir", str(tmp_path / "out")],
+                             "--save-steps", "0", "--mixed-precision", "fp32", "--output-dir", str(tmp_path / "out")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen = []
     for line in proc.stderr:  # until the ranks step: the forecast comes after the first steps

@@ -71,21 +71,20 @@ def ensure_class_images(components: Any, method: Any, opts: Any, sync: Any, rank
     with method.inference(components):
         pipe = make_pipeline(components)
         started = time.perf_counter()
-        bar = tqdm(total=len(mine), desc="class images", unit="image", disable=rank != 0)
-        for first in range(0, len(mine), opts.sample_batch_size):  # batches: many threads fill better
-            names = mine[first:first + opts.sample_batch_size]
-            with torch.no_grad(), autocast():
-                images = pipe([opts.class_prompt] * len(names), num_inference_steps=opts.class_inference_steps,
-                              generator=[sample_generator(opts.seed ^ CLASS_IMAGE_SEED, _generated_index(name))
-                                         for name in names],
-                              height=opts.resolution, width=opts.resolution).images
-            for name, image in zip(names, images, strict=True):
-                buffer = io.BytesIO()
-                image.save(buffer, format="PNG")
-                drawn[name] = buffer.getvalue()
-                write(class_dir / name, drawn[name])
-            bar.update(len(names))
-        bar.close()
+        with tqdm(total=len(mine), desc="class images", unit="image", disable=rank != 0) as bar:
+            for first in range(0, len(mine), opts.sample_batch_size):  # batches fill many threads better
+                names = mine[first:first + opts.sample_batch_size]
+                with torch.no_grad(), autocast():
+                    images = pipe([opts.class_prompt] * len(names), num_inference_steps=opts.class_inference_steps,
+                                  generator=[sample_generator(opts.seed ^ CLASS_IMAGE_SEED, _generated_index(name))
+                                             for name in names],
+                                  height=opts.resolution, width=opts.resolution).images
+                for name, image in zip(names, images, strict=True):
+                    buffer = io.BytesIO()
+                    image.save(buffer, format="PNG")
+                    drawn[name] = buffer.getvalue()
+                    write(class_dir / name, drawn[name])
+                bar.update(len(names))
     if sync.group is not None:
         shares: list[Any] = [None] * world
         torch.distributed.all_gather_object(shares, drawn, group=sync.group)
