@@ -21,7 +21,11 @@ if [ "${SKIP_IPEX:-}" != 1 ]; then
     ipex=$!
 fi
 failed=""
-HF_HUB_OFFLINE=1 "$BIN/python" -m pytest -q -ra --durations=10 || failed="$failed main(tests/)"
+# Two workers: a test waiting on Slurm, Ray, SSH or a signal leaves a core idle that the other worker's
+# test takes (docs/architecture.md, "Tests"). The `solo` tests need the machine to themselves: after.
+HF_HUB_OFFLINE=1 "$BIN/python" -m pytest -q -ra --durations=10 -n 2 --dist loadgroup -m "not solo" \
+    || failed="$failed main(tests/)"
+HF_HUB_OFFLINE=1 "$BIN/python" -m pytest -q -ra -m solo || failed="$failed main-solo(tests/)"
 if [ "${SKIP_IPEX:-}" = 1 ]; then
     echo "SKIP_IPEX=1: not running make test-ipex"
 elif wait "$ipex"; then

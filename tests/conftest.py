@@ -46,6 +46,44 @@ def signal_handlers_restored():
     assert not changed, f"the test left the handler of {', '.join(changed)} changed (restored now)"
 
 
+# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup): a test's group is its
+# module, so a module's fixtures (a Slurm, a Ray or a namespace cluster) are made once, on one worker.
+# Every test that starts a Slurm is in one group: two Slurms at once would give their first jobs the
+# same job id, and so the same rank port (train/world.py). Tests marked `solo` run afterwards, alone:
+# a localhost job refuses to start while another test trains on this machine, and uses the fixed
+# rendezvous port.
+# Ray's workers listen on ports from 10002 up, where Slurm's jobs put their rank port: one group too.
+OWN_PORTS_GROUP = "slurm-and-ray"
+OWN_PORTS_FIXTURES = frozenset({"slurm", "on_slurm", "on_preemptible_slurm", "ray_cluster"})
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Each test's group, as it is collected: before xdist reads the groups (collection_modifyitems)."""
+    if item.get_closest_marker("xdist_group") is None:
+        group = OWN_PORTS_GROUP if OWN_PORTS_FIXTURES & set(getattr(item, "fixturenames", ())) else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def libraries_out_of_the_gcs_way():
+    """torch, diffusers, transformers and peft: millions of objects that live as long as this process.
+    Frozen, the GC's passes skip them (the in-process training tests ran about 20 % faster), as
+    ``hardware.defer_gc`` does for a rank. On one of two workers, one thread: both cores stay busy."""
+    import gc
+
+    import accelerate  # noqa: F401
+    import diffusers.models  # noqa: F401
+    import peft  # noqa: F401
+    import torch
+    import transformers.models.clip  # noqa: F401
+
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()
+    yield
+
+
 # The two kinds of CPU the project meets, as /proc/cpuinfo flags: tests of a decision that depends on
 # the CPU fake these, so both outcomes are asserted on every machine.
 AMX_XEON_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
@@ -103,3 +141,4 @@ def sample_images(tmp_path_factory):
     out = tmp_path_factory.mktemp("data") / "sample"
     models.write_sample_data(out, count=6, size=64)
     return out
+

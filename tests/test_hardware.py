@@ -167,3 +167,38 @@ def test_release_freed_memory_hands_tcmallocs_pages_back():
     before, held, after = map(int, out.stdout.split())
     assert held - before > 2**30, f"tcmalloc handed the freed tensors back by itself: {before=} {held=}"
     assert after - before < 0.2 * 2**30, (before, held, after)
+
+
+GC_CHECK = """
+import gc, weakref
+from xeontune import hardware
+
+hardware.resume_gc()  # not deferred: nothing changes
+assert gc.get_freeze_count() == 0
+usual = gc.get_threshold()
+hardware.defer_gc()
+assert gc.get_threshold() == hardware._STARTUP_GC_THRESHOLD != usual
+
+class Node:
+    pass
+
+cycle = Node()
+cycle.me = cycle
+gone = weakref.ref(cycle)
+del cycle
+kept = [Node() for _ in range(1000)]
+hardware.resume_gc()
+assert gc.get_threshold() == usual
+assert gone() is None  # garbage is collected, not frozen with what startup kept
+frozen = gc.get_freeze_count()
+assert frozen > len(kept)
+hardware.resume_gc()  # once only
+assert gc.get_freeze_count() == frozen
+print("ok")
+"""
+
+
+def test_a_ranks_start_defers_the_gc_then_freezes_what_it_kept_and_frees_its_garbage():
+    """In a process of its own: the entry points (`python -m xeontune.train`, `xeontune train`) defer."""
+    done = subprocess.run([sys.executable, "-c", GC_CHECK], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -323,9 +323,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if from_command_line and argv[:1] == ["train"]:
-        from xeontune.hardware import reexec_with_allocator
+        from xeontune.hardware import defer_gc, reexec_with_allocator
 
         reexec_with_allocator(["-m", "xeontune.cli", *argv])
+        defer_gc()  # as a rank's entry point: until the models are loaded
     if argv and argv[0] in ("train", "bench"):
         # These own their (long) flag lists; argparse.REMAINDER would not pass leading --flags through.
         args = argparse.Namespace(func=_cmd_train if argv[0] == "train" else _cmd_bench,

@@ -65,10 +65,16 @@ class Slurm:
     def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=self.env)
 
-    def jobs(self) -> list[str]:
-        """Job ids still known to the controller as pending or running."""
-        out = self.run("squeue", "-h", "-o", "%i %T").stdout
-        return [line.split()[0] for line in out.splitlines() if line.strip()]
+    def jobs(self, settle_s: float = 30.0) -> list[str]:
+        """Job ids still known to the controller as pending or running. A job that ended is listed as
+        COMPLETING until its nodes have cleaned up (seconds, on a busy machine): waited out, up to
+        ``settle_s``, then listed like any other."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            rows = [line.split() for line in self.run("squeue", "-h", "-o", "%i %T").stdout.splitlines() if line.strip()]
+            if not any(state == "COMPLETING" for _, state in rows) or time.monotonic() > deadline:
+                return [job for job, _ in rows]
+            time.sleep(0.2)
 
     def client_env(self, **settings: object) -> dict[str, str]:
         """``env`` with a slurm.conf of the commands' own (sbatch, scontrol, ...): the daemons' plus

@@ -18,6 +18,8 @@ from xeontune.cli import main
 from xeontune.cluster.providers import localhost
 from xeontune.job import engines
 
+pytestmark = pytest.mark.solo  # launches on localhost: refused while another test trains on this machine
+
 
 @pytest.fixture
 def fake(xeontune_home, monkeypatch):

@@ -12,7 +12,7 @@ from tests.cluster.clusterlib import REPO, cli
 from xeontune.cluster import files, manage, providers
 from xeontune.job import start as launcher
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.solo]  # localhost jobs: this machine to themselves
 
 
 def test_three_ranks_all_reduce_on_localhost(xeontune_home):

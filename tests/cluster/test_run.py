@@ -370,6 +370,7 @@ def test_ctrl_c_reaches_the_ranks_through_ssh_tt(local_cluster, tiny, tmp_path):
     print(f"SIGTERM forwarded as Ctrl-C through ssh -tt: job ended in {took:.1f} s, exit {rc}")
 
 
+@pytest.mark.solo  # a localhost job
 def test_run_on_localhost_writes_straight_into_the_output_dir(xeontune_home, tiny, tmp_path):
     """No SSH, no root: the ranks run here and write --output-dir themselves; there is nothing to copy."""
     out = tmp_path / "out"

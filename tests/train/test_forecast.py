@@ -59,6 +59,7 @@ def test_a_run_prints_its_forecast(tiny_model, sample_images, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # a localhost job
 def test_launch_prints_the_forecast_of_rank_0(tiny_model, sample_images, tmp_path, xeontune_home):
     """Through `xeontune launch` on a 2-rank localhost cluster: rank 0 forecasts, time only ($0)."""
     env = {**os.environ, "XEONTUNE_HOME": str(xeontune_home), "HF_HUB_OFFLINE": "1"}

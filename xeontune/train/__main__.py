@@ -170,7 +170,8 @@ def _plan_ranks(opts):
 if __name__ == "__main__":
     # Re-exec once with tcmalloc (or jemalloc) preloaded when this host has it; XEONTUNE_ALLOCATOR=none
     # turns this off. Only here and in the CLI: a caller importing main() keeps its own process.
-    from xeontune.hardware import reexec_with_allocator
+    from xeontune.hardware import defer_gc, reexec_with_allocator
 
     reexec_with_allocator(["-m", "xeontune.train", *sys.argv[1:]])
+    defer_gc()  # until the models are loaded (loop.train calls resume_gc)
     sys.exit(main())

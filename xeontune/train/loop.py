@@ -607,6 +607,7 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
 
     accelerator = make_accelerator(opts)
     run, state = setup(opts, accelerator)
+    hardware.resume_gc()  # started: the process's GC as usual again (deferred by a rank's entry point)
     main = accelerator.is_main_process
     out = run.output_dir
     start_step = state.step if state else 0
