@@ -48,11 +48,10 @@ def signal_handlers_restored():
 
 # `make test` runs the suite on two pytest-xdist workers (--dist loadgroup): a test's group is its
 # module, so a module's fixtures (a Slurm, a Ray or a namespace cluster) are made once, on one worker.
-# Every test that starts a Slurm is in one group: two Slurms at once would give their first jobs the
-# same job id, and so the same rank port (train/world.py). Tests marked `solo` run afterwards, alone:
-# a localhost job refuses to start while another test trains on this machine, and uses the fixed
-# rendezvous port.
-# Ray's workers listen on ports from 10002 up, where Slurm's jobs put their rank port: one group too.
+# Every test that starts a Slurm or a Ray is in one group: two Slurms at once give their first jobs the
+# same job id, and so the same rank port (train/world.py), and Ray's workers listen on ports from 10002
+# up, where those rank ports are. Tests marked `solo` run afterwards, alone: a localhost job refuses to
+# start while another test trains on this machine, and uses the fixed rendezvous port.
 OWN_PORTS_GROUP = "slurm-and-ray"
 OWN_PORTS_FIXTURES = frozenset({"slurm", "on_slurm", "on_preemptible_slurm", "ray_cluster"})
 
@@ -141,4 +140,3 @@ def sample_images(tmp_path_factory):
     out = tmp_path_factory.mktemp("data") / "sample"
     models.write_sample_data(out, count=6, size=64)
     return out
-

@@ -292,7 +292,7 @@ _gc_threshold_before: tuple[int, int, int] | None = None
 
 
 def defer_gc() -> None:
-    """Rare GC passes until ``resume_gc``: a rank's start ran about 1 s (15 %) faster on the tiny model
+    """Rare GC passes until ``resume_gc``: a rank's start ran about 1.2 s (13 %) faster on the tiny model
     (docs/performance.md). For a process's entry point only: a caller importing the trainer keeps its GC."""
     import gc
 
