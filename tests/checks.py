@@ -33,17 +33,47 @@ def _vectors(path: Path) -> dict:
     return load_file(str(path / EMBEDS if path.is_dir() else path))
 
 
+# "It trained": the vectors moved away from the initializer's row (which they start as, and which is not
+# zero) by far more than fp32 rounding (the rows are below 0.1: an ulp there is under 1e-8), and by less
+# than one step of Adam moves them (about the learning rate, 5e-4 or more in these tests).
+MOVED_MIN = 1e-4
+
+
+def run_moved_from_initializer(run_dir: Path) -> float:
+    """The largest change of any learned value of the textual-inversion run in ``run_dir`` from its
+    initializer token's row in its base model's text encoder(s), as its train_config.json names them."""
+    import json
+
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    config = json.loads((run_dir / "train_config.json").read_text())
+    vectors = _vectors(run_dir)
+    # SDXL's file holds one row set per encoder (clip_l, clip_g); SD1/SD2's, the placeholder token's
+    parts = ({"clip_l": ("tokenizer", "text_encoder", CLIPTextModel),
+              "clip_g": ("tokenizer_2", "text_encoder_2", CLIPTextModelWithProjection)}
+             if vectors.keys() == {"clip_l", "clip_g"} else
+             {key: ("tokenizer", "text_encoder", CLIPTextModel) for key in vectors})
+    moved = 0.0
+    for key, (tokenizer_dir, encoder_dir, encoder_class) in parts.items():
+        tokenizer = CLIPTokenizer.from_pretrained(config["model"], subfolder=tokenizer_dir)
+        table = encoder_class.from_pretrained(config["model"], subfolder=encoder_dir).get_input_embeddings().weight
+        [token_id] = tokenizer.encode(config["initializer_token"], add_special_tokens=False)
+        moved = max(moved, float((vectors[key] - table[token_id].detach()).abs().max()))
+    return moved
+
+
 def assert_same_vectors(got: Path, want: Path, atol: float = 1e-5, trained: bool = True) -> float:
-    """The learned vectors of ``got`` (a run's output dir, or the file itself) are those of ``want``: the
-    same names, and no element further than ``atol`` apart (0: bit for bit). ``trained``: the reference's
-    vectors are not all zero (a run that trained nothing would match anything). Returns the largest
-    difference."""
+    """The learned vectors of ``got`` (a run's output dir, or the file itself) are those of ``want`` (a
+    run's output dir): the same names, and no element further than ``atol`` apart (0: bit for bit).
+    ``trained``: the reference's vectors moved from their initializer by more than rounding (a run that
+    trained nothing would match anything). Returns the largest difference."""
     have, expected = _vectors(got), _vectors(want)
     assert have.keys() == expected.keys(), (sorted(have), sorted(expected))
     diff = max(float((have[k].double() - expected[k].double()).abs().max()) for k in expected)
     assert diff <= atol, f"learned vectors differ from the reference's by {diff:.3g} (allowed: {atol:g})"
     if trained:
-        assert all(float(v.abs().max()) > 0 for v in expected.values()), "the reference learned nothing"
+        moved = run_moved_from_initializer(want)
+        assert moved > MOVED_MIN, f"the reference moved {moved:.2e} from its initializer: it learned nothing"
     return diff
 
 

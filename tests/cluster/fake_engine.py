@@ -5,14 +5,16 @@ ranks: each "rank" prints a line, rank 0 writes a result file into the output di
 then waits for a stop signal when ``FAKE_ENGINE_HOLD`` is set (a long job, for `logs` and
 `teardown`). Registering it (``engines.register("fake", __name__)``) and a provider whose
 ``engine`` is "fake" is all it takes for `launch`, `launch --detach`, `logs` and `teardown` to run
-through it. Every call is logged in ``CALLS``.
+through it. Every call is logged in ``CALLS``. ``FAKE_ENGINE_REFUSE`` makes its preflight refuse.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
+from xeontune.errors import UserError
 from xeontune.job.engines import Engine, Plan
 
 if TYPE_CHECKING:
@@ -48,6 +50,11 @@ class FakeEngine(Engine):
 
     def preflight(self, record: ClusterRecord, plan: Plan) -> None:
         CALLS.append(("preflight", plan.world_size))
+        if os.environ.get("FAKE_ENGINE_REFUSE"):
+            raise UserError(f"fake engine: {os.environ['FAKE_ENGINE_REFUSE']}")
+
+    def submit(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> None:  # a scheduler's job
+        CALLS.append(("submit", spec.ranks))
 
 
 ENGINE = FakeEngine()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.bf16_bounds import BF16_LOSS_RTOL, BF16_VECTOR_RTOL
+from tests.checks import MOVED_MIN
 from tests.cluster.clusterlib import REPO, cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
@@ -68,12 +69,6 @@ def launch(cluster, tiny, output_dir, batch: int, steps: int, *extra: str,
                *train_args(tiny, output_dir, batch, steps, *extra), env=OFFLINE)
     assert dist.returncode == 0, dist.stdout[-3000:] + dist.stderr[-3000:]
     return dist
-
-
-# "It trained": the vectors moved away from the initializer's row (which they start as, and which is not
-# zero) by far more than fp32 rounding (the rows are below 0.1: an ulp there is under 1e-8), and by less
-# than one step of Adam moves them (about the learning rate, 5e-4 or more in these tests).
-MOVED_MIN = 1e-4
 
 
 def moved_from_initializer(model, vectors) -> float:

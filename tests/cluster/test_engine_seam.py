@@ -79,6 +79,20 @@ def test_a_detached_job_of_a_registered_engine_is_followed_and_stopped(fake, cap
     assert not Path(f"/proc/{job.pid}").exists()
 
 
+@pytest.mark.parametrize("scheduled", [False, True], ids=["process-job", "scheduler-job"])
+def test_the_engines_preflight_refuses_before_anything_is_recorded(fake, capsys, tmp_path, tiny_model, monkeypatch,
+                                                                    scheduled):
+    from xeontune.job import record
+
+    monkeypatch.setattr(fake_engine.FakeEngine, "scheduled", scheduled)
+    assert main(["cluster", "up", "--provider", "localhost", "-n", "1", "--name", "engp"]) == 0
+    monkeypatch.setenv("FAKE_ENGINE_REFUSE", "no launcher on the head")
+    assert main(["launch", "-n", "1", "--name", "engp", "--", *_job(tmp_path, tiny_model)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: fake engine: no launcher on the head"
+    assert fake == [("plan", 1), ("preflight", 1)]  # never submitted, never started
+    assert not record.record_path("engp").exists()
+
+
 def test_an_unknown_engine_is_a_one_line_error(xeontune_home, monkeypatch, capsys, tmp_path, tiny_model):
     monkeypatch.setattr(localhost.Localhost, "engine", "warp")
     assert main(["cluster", "up", "--provider", "localhost", "-n", "1", "--name", "engw"]) == 0

@@ -333,8 +333,8 @@ def test_a_failed_rank_gives_its_exit_code_and_the_job_is_deleted(tmp_path):
     assert calls(env)[-1][2] == "delete" and "failed (exit code 2)" in err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_or_sigterm_deletes_the_job(tmp_path, sig):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_ctrl_c_sigterm_or_a_closed_terminal_deletes_the_job(tmp_path, sig):
     env = fake_kubectl(tmp_path, outcome="never")
     proc = drive(env, *RUN, "--", *TRAIN)
     try:

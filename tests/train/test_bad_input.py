@@ -191,6 +191,7 @@ def bomb_png(path, width: int, height: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow  # trains a step
 def test_decompression_bomb_is_skipped_with_a_warning(caplog, base_args, sample_images, tmp_path):
     from PIL import Image
 
