@@ -58,7 +58,7 @@ OWN_PORTS_FIXTURES = frozenset({"slurm", "on_slurm", "on_preemptible_slurm", "ra
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     """Each test's group, as it is collected: before xdist reads the groups (collection_modifyitems)."""
-    if item.get_closest_marker("xdist_group") is None:
+    if item.config.pluginmanager.hasplugin("xdist") and item.get_closest_marker("xdist_group") is None:
         group = OWN_PORTS_GROUP if OWN_PORTS_FIXTURES & set(getattr(item, "fixturenames", ())) else item.module.__name__
         item.add_marker(pytest.mark.xdist_group(group))
 
