@@ -12,9 +12,10 @@ PYTHON=${PYTHON:-python3}
 VENV=${IPEX_VENV:-.venv-ipex}
 TORCH_VERSION=2.8.0
 IPEX_VERSION=2.8.0
-# Same lower bounds as pyproject.toml; everything the trainer imports (peft for --method lora), minus torch. IPEX is archived
-# and will not follow transformers: 5.24 removed transformers.modeling_attn_mask_utils, which
-# `import intel_extension_for_pytorch` needs (NameError at import), so transformers stays below it.
+# Same lower bounds as pyproject.toml; everything the trainer imports (peft for --method lora), minus
+# torch. IPEX is archived and will not follow transformers: 5.24 removed
+# transformers.modeling_attn_mask_utils, which `import intel_extension_for_pytorch` needs (NameError at
+# import), so transformers stays below it.
 DEPS=(
     "diffusers>=0.35" "transformers>=4.50,<5.24" "accelerate>=1.10" "peft>=0.17" "safetensors>=0.4"
     "huggingface_hub>=0.30" numpy pillow pyyaml tqdm psutil "pytest>=8" pytest-timeout

@@ -39,27 +39,31 @@ def _vectors(path: Path) -> dict:
 MOVED_MIN = 1e-4
 
 
+def initializer_row(model, token: str = "toy", tokenizer_dir: str = "tokenizer",
+                    encoder_dir: str = "text_encoder"):
+    """The row of ``token`` (the initializer) in the token table of the base ``model``'s text encoder."""
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    encoder_class = CLIPTextModelWithProjection if encoder_dir == "text_encoder_2" else CLIPTextModel
+    tokenizer = CLIPTokenizer.from_pretrained(model, subfolder=tokenizer_dir)
+    table = encoder_class.from_pretrained(model, subfolder=encoder_dir).get_input_embeddings().weight
+    [token_id] = tokenizer.encode(token, add_special_tokens=False)  # as the trainer reads it ("toy</w>")
+    return table[token_id].detach()
+
+
 def run_moved_from_initializer(run_dir: Path) -> float:
     """The largest change of any learned value of the textual-inversion run in ``run_dir`` from its
     initializer token's row in its base model's text encoder(s), as its train_config.json names them."""
     import json
 
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
     config = json.loads((run_dir / "train_config.json").read_text())
     vectors = _vectors(run_dir)
     # SDXL's file holds one row set per encoder (clip_l, clip_g); SD1/SD2's, the placeholder token's
-    parts = ({"clip_l": ("tokenizer", "text_encoder", CLIPTextModel),
-              "clip_g": ("tokenizer_2", "text_encoder_2", CLIPTextModelWithProjection)}
+    parts = ({"clip_l": ("tokenizer", "text_encoder"), "clip_g": ("tokenizer_2", "text_encoder_2")}
              if vectors.keys() == {"clip_l", "clip_g"} else
-             {key: ("tokenizer", "text_encoder", CLIPTextModel) for key in vectors})
-    moved = 0.0
-    for key, (tokenizer_dir, encoder_dir, encoder_class) in parts.items():
-        tokenizer = CLIPTokenizer.from_pretrained(config["model"], subfolder=tokenizer_dir)
-        table = encoder_class.from_pretrained(config["model"], subfolder=encoder_dir).get_input_embeddings().weight
-        [token_id] = tokenizer.encode(config["initializer_token"], add_special_tokens=False)
-        moved = max(moved, float((vectors[key] - table[token_id].detach()).abs().max()))
-    return moved
+             {key: ("tokenizer", "text_encoder") for key in vectors})
+    rows = {key: initializer_row(config["model"], config["initializer_token"], *dirs) for key, dirs in parts.items()}
+    return max(float((vectors[key] - row).abs().max()) for key, row in rows.items())
 
 
 def assert_same_vectors(got: Path, want: Path, atol: float = 1e-5, trained: bool = True) -> float:

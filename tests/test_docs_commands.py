@@ -18,21 +18,26 @@ from xeontune.train import options
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-SUBCOMMANDS = {"model", "sample-data", "train", "doctor", "bench", "cluster", "launch", "run", "fetch", "logs",
-               "teardown"}
-PLACEHOLDERS = ("...", "<train options>", "$")  # a shortened command (or a shell variable): not all its train options are there
+SUBCOMMANDS = {"model", "sample-data", "train", "doctor", "bench", "cluster", "launch", "run", "fetch",
+               "logs", "teardown"}
+# A shortened command, a shell variable or a config file: not all its train options are on the line.
+PLACEHOLDERS = ("...", "<train options>", "$", "--config")
 SHELL_OPERATORS = {"|", "||", "&&", ";", "&"}
+COMMAND = re.compile(
+    r"^\s*(?:\$\s+)?"  # a prompt
+    r"(?:[A-Z_][A-Z0-9_]*=(?:\$\([^)]*\)|\S*)\s+)*"  # VAR=value, VAR=$(...)
+    r"(?:sudo\s+(?:-E\s+)?|/usr/bin/time\s+-v\s+)?(?:\S*/)?"  # sudo, time, a path to the script
+    r"(xeontune\s+(\S+).*)$")
 
 
 def shown_commands(doc: Path) -> list[str]:
     """The `xeontune <subcommand> ...` lines of the doc's shell blocks, continuation lines joined; a line
-    may start with `$ `, environment assignments, `sudo`, `/usr/bin/time -v` or a path. Output lines in a block (`xeontune bench: ...`) are
-    not commands."""
+    may start with `$ `, environment assignments, `sudo`, `/usr/bin/time -v` or a path. Output lines
+    in a block (`xeontune bench: ...`) are not commands."""
     commands = []
     for block in re.findall(r"```(?:sh|bash|console|shell)?\n(.*?)```", doc.read_text(), re.S):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-            match = re.match(r"^\s*(?:\$\s+)?(?:[A-Z_][A-Z0-9_]*=(?:\$\([^)]*\)|\S*)\s+)*"  # VAR=... VAR=$(...)
-                             r"(?:sudo\s+(?:-E\s+)?|/usr/bin/time\s+-v\s+)?(?:\S*/)?(xeontune\s+(\S+).*)$", line)
+            match = COMMAND.match(line)
             if match and match[2] in SUBCOMMANDS:
                 commands.append(match[1])
     return commands
@@ -48,15 +53,20 @@ def _argv(command: str) -> list[str]:
     return argv[:cut]
 
 
-def _parse_cli(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+def _raise_errors(parser: argparse.ArgumentParser) -> None:
+    """argparse's errors as UserErrors that say what was wrong, in ``parser`` and every subcommand's."""
     def error(message: str) -> None:
-        raise UserError(message)
+        raise UserError(f"{parser.prog}: {message}")
 
     parser.error = error  # type: ignore[method-assign]
-    for action in parser._actions:  # the subcommands' parsers too
+    for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                sub.error = error  # type: ignore[method-assign]
+                _raise_errors(sub)
+
+
+def _parse_cli(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    _raise_errors(parser)
     return parser.parse_args(argv)
 
 

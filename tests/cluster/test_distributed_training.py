@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.bf16_bounds import BF16_LOSS_RTOL, BF16_VECTOR_RTOL
-from tests.checks import MOVED_MIN
+from tests.checks import MOVED_MIN, initializer_row
 from tests.cluster.clusterlib import REPO, cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
@@ -175,12 +175,7 @@ def test_three_ranks_match_one_process_in_bf16(local_cluster, tiny, tmp_path):
 
 def initial_vector(model):
     """The row of the initializer token ("toy") in the base model's text encoder."""
-    from transformers import CLIPTextModel, CLIPTokenizer
-
-    tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer")
-    table = CLIPTextModel.from_pretrained(model, subfolder="text_encoder").get_input_embeddings().weight
-    [token_id] = tokenizer.encode("toy", add_special_tokens=False)  # as the trainer reads it ("toy</w>")
-    return table[token_id].detach()
+    return initializer_row(model, "toy")
 
 
 def test_allreduce_stays_small_at_sd15_text_width(local_cluster, sample_images, tmp_path):

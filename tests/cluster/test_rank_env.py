@@ -32,7 +32,8 @@ def test_every_engines_ranks_get_the_shared_environment(engine, xeontune_home, m
     plan = start.plan_for(record, spec)
     shared = every_rank_env("gloo")
     assert shared.items() <= plan.env.items(), (engine, plan.env)
-    assert plan.env.get("OMP_NUM_THREADS") == "4", plan.env  # a node's 4 cores, 1 rank a node: each engine derives it
+    # a node's 4 cores for its 1 rank: each engine derives the threads itself
+    assert plan.env.get("OMP_NUM_THREADS") == "4", plan.env
 
 
 def test_the_pods_get_the_shared_environment():

@@ -186,6 +186,23 @@ def test_run_without_sbatch_on_path_is_one_line(xeontune_home, monkeypatch, tmp_
     assert "no sbatch on PATH" in _error_line(capsys)
 
 
+def test_launch_on_a_slurm_cluster_without_sbatch_here_is_one_line_and_records_no_job(xeontune_home, monkeypatch,
+                                                                                       tmp_path, capsys):
+    """The engine's preflight: checked before the job is recorded or its script written."""
+    from xeontune.cli import main
+    from xeontune.cluster import state
+    from xeontune.job import record
+
+    state.save(state.ClusterRecord(name="hpc", provider="slurm", cores_per_node=1,
+                                   extra={"partition": "debug", "nodes": "3", "cpus_per_node": "1"}))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["launch", "--name", "hpc", "-n", "3", "--", "--model", "org/m", "--placeholder-token", "<t>",
+                 "--initializer-token", "toy", "--data-dir", str(tmp_path), "--output-dir",
+                 str(tmp_path / "out")]) == 2
+    assert "no sbatch on PATH" in _error_line(capsys)
+    assert not record.record_path("hpc").exists()
+
+
 def test_a_failing_scontrol_is_reported_in_its_own_words(monkeypatch):
     """Not "no default partition" or "unknown partition (partitions: none)" when scontrol itself failed."""
     from xeontune.cluster.providers import slurm

@@ -170,8 +170,8 @@ def start_scheduled(record: ClusterRecord, spec: LaunchSpec, engine: Engine, job
     from xeontune.job import fetch
 
     job.detached = True  # the scheduler holds it, whatever becomes of this process
-    plan = engine.plan(record, spec, job)  # every refusal that needs no scheduler, before anything is written
-    preflight(record, plan)  # the provider's and the engine's own, as for a process job
+    plan = engine.plan(record, spec, job)  # the plan's own refusals (the partition's shape), then
+    preflight(record, plan)  # the provider's and the engine's (sbatch missing), before anything is written
     job_record.save_job(job)
     if spec.env:
         write_secret_env(record, job.job_dir, spec.env)

@@ -150,9 +150,11 @@ class Srun(Engine):
         return Plan(argv=[*argv, os.path.join(job.job_dir, "job.sbatch")], world_size=spec.ranks, backend=spec.backend,
                     env=env, program="sbatch", wdir=wdir, script="\n".join(lines) + "\n")
 
+    def preflight(self, record: ClusterRecord, plan: Plan) -> None:
+        slurm._tool("sbatch")  # no sbatch here: one line, before the job is recorded
+
     def submit(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> None:
         plan = self.plan(record, spec, job)
-        slurm._tool("sbatch")
         os.makedirs(job.job_dir, mode=0o700, exist_ok=True)
         atomic_write_text(Path(plan.argv[-1]), plan.script, mode=0o700)
         out = slurm._run(*plan.argv)
