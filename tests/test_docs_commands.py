@@ -14,6 +14,7 @@ import pytest
 
 from xeontune import bench, cli
 from xeontune.errors import UserError
+from xeontune.job.spec import strip_dashes
 from xeontune.train import options
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +86,6 @@ def test_a_command_in_the_docs_parses(doc, command):
         _parse_cli(bench.build_parser(), rest)
     else:
         args = _parse_cli(cli.build_parser(), argv)
-        train_args = [a for a in getattr(args, "train_args", []) or []]
-        train_args = train_args[1:] if train_args[:1] == ["--"] else train_args
+        train_args = strip_dashes(getattr(args, "train_args", None) or [])  # as `launch` and `run` read them
     if train_args and not any(p in " ".join(train_args) for p in PLACEHOLDERS):
         options.read_options(train_args)
