@@ -12,10 +12,13 @@ OUT ?= $(METHOD)_output
 .PHONY: venv venv-ipex single-node-test test test-fast test-ipex bench lint clean
 
 # The venv is (re)made when pyproject.toml changes; torch is pinned to the CPU build there.
+# `make test` builds the IPEX venv at the same time, and both editable installs write build/ and
+# xeontune.egg-info here: they take turns on a lock (flock, where the system has it).
+LOCK := $(if $(shell command -v flock),flock pyproject.toml)
 $(BIN)/xeontune: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(LOCK) $(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
 venv: $(BIN)/xeontune

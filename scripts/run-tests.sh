@@ -1,28 +1,38 @@
 #!/usr/bin/env bash
 # `make test`: installs what the tests need, then runs every suite, each even when an earlier one
-# fails (the exit status is non-zero if any did). Two waits overlap work that would otherwise add
-# minutes on a fresh machine: the system packages install while the main venv builds, and the IPEX
-# venv (torch 2.8's CUDA wheels: about 7 GB to fetch and unpack) builds, niced, while the main suite
-# runs. SKIP_IPEX=1 leaves the IPEX suite out (locally).
+# fails (the exit status is non-zero if any did). Everything that installs starts at once, so that
+# no core waits: the system packages, the main venv, and, niced, the IPEX venv (torch 2.8's CUDA
+# wheels: about 7 GB to fetch and unpack), which takes the core the main venv's pip leaves idle and
+# then whatever the main suite leaves. (It used to start with the main suite: on a fresh machine it
+# then competed with it for both cores, and the IPEX suite could wait for it at the end.)
+# SKIP_IPEX=1 leaves the IPEX suite out (locally).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${VENV:-.venv}/bin
 logs=$(mktemp -d)
-trap 'rm -rf "$logs"' EXIT
+background=()
+# On an early exit nothing installs on behind our back (each script's children first: pip, apt).
+stop_background() {
+    for pid in "${background[@]}"; do pkill -P "$pid" 2>/dev/null; kill "$pid" 2>/dev/null; done
+    rm -rf "$logs"
+}
+trap stop_background EXIT
 
 scripts/install-test-deps.sh >"$logs/deps" 2>&1 &
 deps=$!
+background+=("$deps")
+if [ "${SKIP_IPEX:-}" != 1 ]; then
+    nice -n 19 scripts/ipex-venv.sh >"$logs/ipex" 2>&1 &
+    ipex=$!
+    background+=("$ipex")
+fi
 make --no-print-directory venv || { wait "$deps"; exit 1; }
 wait "$deps" || { cat "$logs/deps" >&2; echo "error: installing the tests' system packages failed" >&2; exit 1; }
 cat "$logs/deps"
 
-if [ "${SKIP_IPEX:-}" != 1 ]; then
-    nice -n 19 scripts/ipex-venv.sh >"$logs/ipex" 2>&1 &
-    ipex=$!
-fi
 failed=""
 # Two workers: a test waiting on Slurm, Ray, SSH or a signal leaves a core idle that the other worker's
-# test takes (docs/architecture.md, "Tests"). The `solo` tests need the machine to themselves: after.
+# test takes (docs/architecture.md, "Conventions", on tests). The `solo` tests need the machine alone: after.
 HF_HUB_OFFLINE=1 "$BIN/python" -m pytest -q -ra --durations=10 -n 2 --dist loadgroup -m "not solo" \
     || failed="$failed main(tests/)"
 HF_HUB_OFFLINE=1 "$BIN/python" -m pytest -q -ra -m solo || failed="$failed main-solo(tests/)"

@@ -3,10 +3,11 @@
 The one file written piecemeal is the trainer's ``metrics.jsonl``: appended a line per step, so a
 crash loses at most the line being written (a resume drops a line cut short). Throwaway files in a
 temporary directory (the tokenizer files ``models`` reads back at once) need no atomicity either.
-Two writers keep their own rename for a reason: the bf16 weight copies (``components._write_copy``:
-ranks racing to write one, the first rename wins and the others discard theirs), and the job's
-private files on the head (``job.start.put_head_text``: created 0600 before their first byte, written
-before the job that reads them starts).
+Two writers do not come here, for a reason: the bf16 weight copies keep their own rename
+(``components._write_copy``: ranks racing to write one, the first rename wins and the others discard
+theirs), and the job's private files on the head (``job.start.put_head_text``) are written in place,
+locally or over SFTP: created 0600 before their first byte, and whole before the job that reads them
+starts, so nothing can read them half-written.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ class Provider:
     autostop_action: str = ""
     autostop_note: str = "this provider has no way for the head to stop the cluster"
     # One job at a time: `launch` and `run` refuse a job while one trains there (its head; localhost:
-    # this machine). False where a scheduler shares the nodes out among jobs (Ray's resources).
+    # this machine). False where a scheduler shares the nodes out among jobs (Slurm's queue, Ray's
+    # resources).
     one_job_at_a_time: bool = True
     # The flags only this provider reads (``ProviderOption``), delivered in ``ClusterSpec.options``.
     options: tuple[ProviderOption, ...] = ()

@@ -113,6 +113,7 @@ class Slurm(Provider):
     uses_ssh = False
     needs_bootstrap = False
     engine = "srun"  # xeontune/job/engines/srun.py: one batch job, one srun task per rank
+    one_job_at_a_time = False  # Slurm queues each job until its nodes are free
     wait_timeout_s = 1.0
     default_iface = ""
     autostop_note = "a Slurm cluster is the scheduler's: a job ends at its --time limit, nothing idles here"
