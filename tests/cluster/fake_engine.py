@@ -53,8 +53,8 @@ class FakeEngine(Engine):
         if os.environ.get("FAKE_ENGINE_REFUSE"):
             raise UserError(f"fake engine: {os.environ['FAKE_ENGINE_REFUSE']}")
 
-    def submit(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> None:  # a scheduler's job
-        CALLS.append(("submit", spec.ranks))
+    def submit(self, record: ClusterRecord, plan: Plan, job: JobInfo) -> None:  # a scheduler's job
+        CALLS.append(("submit", plan.world_size))
 
 
 ENGINE = FakeEngine()

@@ -175,7 +175,7 @@ def start_scheduled(record: ClusterRecord, spec: LaunchSpec, engine: Engine, job
     job_record.save_job(job)
     if spec.env:
         write_secret_env(record, job.job_dir, spec.env)
-    engine.submit(record, spec, job)
+    engine.submit(record, plan, job)
     job_record.save_job(job)
     say(f"submitted {record.provider} job {job.scheduler_id}: {spec.ranks} rank(s), "
         f"{min(spec.ranks, spec.ppn)} per node, backend {spec.backend}; log: {job.log_path}")

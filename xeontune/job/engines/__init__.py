@@ -72,8 +72,9 @@ class Engine:
 
     # --- a scheduler's job (``scheduled``) ------------------------------------------------------
 
-    def submit(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> None:
-        """Hand the job over; its log goes to ``job.log_path``, its exit status to ``job.rc_path``.
+    def submit(self, record: ClusterRecord, plan: Plan, job: JobInfo) -> None:
+        """Hand the job over as ``plan`` (this engine's, already through ``preflight``) starts it; its
+        log goes to ``job.log_path``, its exit status to ``job.rc_path``.
         Sets ``job.scheduler_id``. Raise UserError when the scheduler refuses it."""
         raise NotImplementedError
 

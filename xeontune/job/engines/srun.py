@@ -153,8 +153,7 @@ class Srun(Engine):
     def preflight(self, record: ClusterRecord, plan: Plan) -> None:
         slurm._tool("sbatch")  # no sbatch here: one line, before the job is recorded
 
-    def submit(self, record: ClusterRecord, spec: LaunchSpec, job: JobInfo) -> None:
-        plan = self.plan(record, spec, job)
+    def submit(self, record: ClusterRecord, plan: Plan, job: JobInfo) -> None:
         os.makedirs(job.job_dir, mode=0o700, exist_ok=True)
         atomic_write_text(Path(plan.argv[-1]), plan.script, mode=0o700)
         out = slurm._run(*plan.argv)
