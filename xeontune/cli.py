@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_sample_data)
 
     p = sub.add_parser(
-        "train", help="train a textual-inversion embedding (see `xeontune train --help`)", add_help=False
+        "train", help="train a textual-inversion embedding or a LoRA (see `xeontune train --help`)", add_help=False
     )
     p.add_argument("train_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_train)

@@ -9,6 +9,8 @@ its own, with tolerances derived from bf16's precision; bf16 on the tiny model r
 from __future__ import annotations
 
 import json
+import threading
+import types
 
 import pytest
 import torch
@@ -292,3 +294,101 @@ def test_latents_are_cached_a_bounded_number_of_pixels_at_a_time(tiny_model):
     torch.testing.assert_close(by_default.mean, one_by_one.mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(by_default.std, one_by_one.std, rtol=1e-5, atol=1e-6)
     assert [Latents.encode_batch(torch.empty(1, 3, side, side)) for side in (256, 512, 768, 1024)] == [4, 1, 1, 1]
+
+
+def test_only_the_images_a_step_can_draw_are_encoded(tiny_model):
+    """Without flips (--no-random-flip) the mirror images are never drawn, so never encoded (half the
+    VAE's work before the first step); with flips always, only the mirrors. Each draws what the cache
+    of both gives."""
+    from diffusers import AutoencoderKL
+
+    from xeontune.train.data import Batch, Latents
+
+    vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae").eval()
+    encoded: list[torch.Tensor] = []
+    encode = vae.encode
+    vae.encode = lambda pixels: (encoded.append(pixels), encode(pixels))[1]
+    pixels = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    both = Latents(vae, pixels, cached=True, flip_p=0.5)
+    assert torch.equal(torch.cat(encoded), torch.cat([pixels, pixels.flip(-1)]))
+
+    def drawn(latents: Latents, flip: bool) -> torch.Tensor:
+        eps = torch.randn(3, *both.latent_shape(), generator=torch.Generator().manual_seed(1))
+        batch = Batch(positions=[0, 1, 2], image_index=torch.tensor([2, 0, 1]), flip=torch.full((3,), flip),
+                      input_ids=torch.zeros(3, 77, dtype=torch.long), input_ids_2=None, latent_eps=eps,
+                      noise=eps, timesteps=torch.zeros(3, dtype=torch.long), prompt_index=torch.zeros(3))
+        return latents.sample(batch)
+
+    for flip_p, flip in ((0.0, False), (1.0, True)):
+        encoded.clear()
+        one_side = Latents(vae, pixels, cached=True, flip_p=flip_p)
+        assert torch.equal(torch.cat(encoded), pixels.flip(-1) if flip else pixels)
+        torch.testing.assert_close(drawn(one_side, flip), drawn(both, flip), rtol=1e-5, atol=1e-6)
+
+
+class ThreadRanks:
+    """``data.Spread`` for ranks that are threads of this process: gather meets at a barrier."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.values: list[object] = [None] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+    def rank_view(self, rank: int):
+        ranks = self
+
+        class View:
+            def __init__(self) -> None:
+                self.rank, self.world = rank, ranks.world
+
+            def gather(self, value: object) -> list[object]:
+                ranks.values[rank] = value
+                ranks.barrier.wait()
+                return list(ranks.values)
+
+        return View()
+
+
+@pytest.mark.parametrize(("count", "flip_p"), [(5, 0.5), (1, 0.0)])
+def test_ranks_share_the_latent_encoding_and_all_get_every_latent(tiny_model, count, flip_p):
+    """Each of 3 ranks encodes its share (about a third; with one image, some none) and every rank ends
+    with the latents one process encodes; rank 0's progress counts every rank's images."""
+    from diffusers import AutoencoderKL
+
+    from xeontune.train.data import Latents
+
+    vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae").eval()
+    pixels = torch.randn(count, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    alone = Latents(vae, pixels, cached=True, flip_p=flip_p, encode_batch=2)
+    encodes = count * (2 if flip_p else 1)
+    ranks, done = ThreadRanks(3), [0, 0, 0]
+    results: list[Latents | BaseException | None] = [None] * 3
+    calls = [0, 0, 0]
+
+    def run(rank: int) -> None:
+        def encode(pixels: torch.Tensor):
+            calls[rank] += len(pixels)
+            return vae.encode(pixels)
+
+        try:
+            latents = Latents(types.SimpleNamespace(encode=encode, dtype=vae.dtype, config=vae.config), pixels,
+                              cached=True, flip_p=flip_p, encode_batch=2, spread=ranks.rank_view(rank),
+                              progress=lambda n: done.__setitem__(rank, done[rank] + n))
+            results[rank] = latents
+        except BaseException as exc:  # noqa: BLE001 (raised below, in the test's thread)
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:  # the cause first: the other ranks only saw the barrier break
+        raise next((r for r in failed if not isinstance(r, threading.BrokenBarrierError)), failed[0])
+    assert calls == [len(range(r, encodes, 3)) for r in range(3)] and sum(calls) == encodes
+    assert done[0] == encodes
+    for result in results:
+        assert isinstance(result, Latents)
+        torch.testing.assert_close(result.mean, alone.mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(result.std, alone.std, rtol=1e-5, atol=1e-6)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -362,17 +363,29 @@ class SamplePlan:
         )
 
 
+class Spread(Protocol):
+    """The ranks of a job, to share work out (``loop.Sync``): this rank, how many, and every rank's value."""
+
+    rank: int
+    world: int
+
+    def gather(self, value: Any) -> list[Any]: ...
+
+
 class Latents:
     """VAE latents of the training images.
 
-    With ``cached=True`` each image's latent distribution (and its mirror image's) is encoded once;
-    a step draws ``mean + std * eps`` from it, which is exactly what encoding every step computes.
+    With ``cached=True`` each image's latent distribution (and its mirror image's, where ``flip_p``
+    lets a step draw it) is encoded once; a step draws ``mean + std * eps`` from it, which is exactly
+    what encoding every step computes. With ``spread`` each rank encodes its share and every rank gets
+    all of them (N ranks on a node each encoding everything took N times as long).
     With ``cached=False`` the VAE encodes every step (what the common example script does).
     ``crops`` (from ``load_images_with_crops``) are kept per image and per mirror image, for SDXL's time_ids.
     """
 
     def __init__(self, vae: torch.nn.Module, images: torch.Tensor, cached: bool, encode_batch: int | None = None,
-                 crops: torch.Tensor | None = None, masks: torch.Tensor | None = None) -> None:
+                 crops: torch.Tensor | None = None, masks: torch.Tensor | None = None, flip_p: float = 0.5,
+                 spread: Spread | None = None, progress: Callable[[int], object] | None = None) -> None:
         self.vae: torch.nn.Module | None = vae  # None once the caller frees it (cached mode)
         self.images = images
         self.cached = cached
@@ -386,14 +399,28 @@ class Latents:
         self.scaling = float(getattr(vae.config, "scaling_factor", 0.18215))
         self.mean: torch.Tensor | None = None
         self.std: torch.Tensor | None = None
+        # Only what a step can draw is encoded: --no-random-flip (flip_p 0) halves the VAE's work.
+        self.mirrored = [m for m, drawn in ((False, flip_p < 1), (True, flip_p > 0)) if drawn]
         if cached:
-            both = torch.cat([images, images.flip(-1)])  # [originals, mirrored]
+            encoded = torch.cat([images.flip(-1) if m else images for m in self.mirrored])
+            rank, world = (spread.rank, spread.world) if spread else (0, 1)
+            per_call = encode_batch or self.encode_batch(images)
+            shares = [len(range(r, len(encoded), world)) for r in range(world)]  # image i is rank i % world's
             means, stds = [], []
-            for chunk in both.split(encode_batch or self.encode_batch(images)):
+            mine = encoded[rank::world]
+            for call, chunk in enumerate(mine.split(per_call) if len(mine) else ()):  # split(): one empty chunk
                 mean, std = self._encode(chunk)
                 means.append(mean)
                 stds.append(std)
-            self.mean, self.std = torch.cat(means), torch.cat(stds)
+                if progress:  # what all ranks encoded in their call number `call` (rank 0 has the most)
+                    progress(sum(min(per_call, max(0, n - call * per_call)) for n in shares))
+            share = (torch.cat(means), torch.cat(stds)) if means else None  # a rank may have no share
+            gathered = spread.gather(share) if spread and world > 1 else [share]
+            shape = next(g for g in gathered if g is not None)[0].shape[1:]
+            self.mean, self.std = torch.empty(len(encoded), *shape), torch.empty(len(encoded), *shape)
+            for r, share in enumerate(gathered):
+                if share is not None:
+                    self.mean[r::world], self.std[r::world] = share
 
     @staticmethod
     def encode_batch(images: torch.Tensor) -> int:
@@ -430,7 +457,7 @@ class Latents:
     def sample(self, batch: Batch) -> torch.Tensor:
         if self.cached:
             assert self.mean is not None and self.std is not None
-            index = batch.image_index + batch.flip.long() * len(self.images)
+            index = batch.image_index + (batch.flip.long() * len(self.images) if len(self.mirrored) == 2 else 0)
             mean, std = self.mean[index], self.std[index]
         else:
             pixels = self.images[batch.image_index]

@@ -94,9 +94,25 @@ class Sync:
             return cls()
         return cls(torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else torch.distributed.get_rank(self.group)
+
+    @property
+    def world(self) -> int:
+        return 1 if self.group is None else torch.distributed.get_world_size(self.group)
+
     def wait(self) -> None:
         if self.group is not None:
             torch.distributed.barrier(group=self.group)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (pickled: for setup's data, not for a step's)."""
+        if self.group is None:
+            return [value]
+        values: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(values, value, group=self.group)
+        return values
 
     def all_true(self, value: bool) -> bool:
         """True on every rank when ``value`` is True on every rank (a decision all ranks must share)."""
@@ -111,8 +127,7 @@ class Sync:
         copy of --data-dir differs would train the same vectors on other images, silently)."""
         if self.group is None:
             return
-        values: list[Any] = [None] * torch.distributed.get_world_size(self.group)
-        torch.distributed.all_gather_object(values, value, group=self.group)
+        values = self.gather(value)
         odd = [rank for rank, v in enumerate(values) if v != values[0]]
         if odd:
             raise UserError(f"rank(s) {', '.join(map(str, odd))} loaded other {what} than rank 0 ({values[odd[0]]} "
@@ -475,8 +490,7 @@ def setup(
         num_class_images = len(read)
         images.add([img for _, img in read], opts)  # into every bucket (each batch is of one)
         masks = [m if m is None else torch.cat([m, torch.ones(num_class_images, *m.shape[1:])]) for m in masks]
-    latents = BucketLatents([Latents(components.vae, part.pixels, cached=opts.cache_latents, crops=part.crops,
-                                     masks=mask) for part, mask in zip(images.parts, masks, strict=True)])
+    latents = cache_latents(components, images, masks, opts, sync, main)
     if main and images.bucketed:
         log.info("aspect-ratio buckets (width x height: images): %s",
                  ", ".join(f"{p.size[0]}x{p.size[1]}: {len(p.members)}" for p in images.parts))
@@ -549,6 +563,26 @@ def release_text_encoders(components: Components, opts: TrainOptions) -> None:
         return
     components.text_encoder = components.text_encoder_2 = None
     hardware.release_freed_memory()
+
+
+def cache_latents(components: Components, images: Any, masks: list[torch.Tensor | None], opts: TrainOptions,
+                  sync: Sync, main: bool) -> BucketLatents:
+    """The latents of every bucket's images: encoded once, each rank its share (or every step, when
+    --no-cache-latents), with a bar on a terminal and the time in the log: minutes for many images."""
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    mirrors = 0 < opts.flip_p < 1  # both sides can be drawn (as Latents encodes them)
+    count = sum(len(part.pixels) for part in images.parts) * (2 if mirrors else 1)
+    with tqdm(total=count, desc="latents", unit="image", disable=not (main and opts.cache_latents
+                                                                     and sys.stderr.isatty())) as bar:
+        latents = BucketLatents([Latents(components.vae, part.pixels, cached=opts.cache_latents, crops=part.crops,
+                                         masks=mask, flip_p=opts.flip_p, spread=sync, progress=bar.update)
+                                 for part, mask in zip(images.parts, masks, strict=True)])
+    if main and opts.cache_latents:
+        log.info("cached %d latents (%d images%s) in %.1f s over %d rank(s)", count, count // (2 if mirrors else 1),
+                 " and their mirror images" if mirrors else "", time.perf_counter() - started, sync.world)
+    return latents
 
 
 def release_vae_parts(components: Components, latents: BucketLatents, opts: TrainOptions) -> None:
