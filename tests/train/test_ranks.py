@@ -204,7 +204,8 @@ def test_two_ranks_match_one_process_with_twice_the_batch(base_args, tiny_model,
     lines = metrics(tmp_path / "ranks")
     assert [r["step"] for r in lines] == [1, 2, 3]  # only rank 0 logs
     assert all(0 < r["allreduce_bytes"] <= 16 * 1024 for r in lines)
-    assert [round(r["loss"], 5) for r in lines] == [round(r["loss"], 5) for r in metrics(tmp_path / "one")]
+    # within 1e-5, not rounded: the ranks' latents are encoded in other batches than one process's
+    assert [r["loss"] for r in lines] == pytest.approx([r["loss"] for r in metrics(tmp_path / "one")], abs=1e-5)
 
 
 @pytest.mark.slow

@@ -349,32 +349,33 @@ class ThreadRanks:
         return View()
 
 
-@pytest.mark.parametrize(("count", "flip_p"), [(5, 0.5), (1, 0.0)])
-def test_ranks_share_the_latent_encoding_and_all_get_every_latent(tiny_model, count, flip_p):
-    """Each of 3 ranks encodes its share (about a third; with one image, some none) and every rank ends
-    with the latents one process encodes; rank 0's progress counts every rank's images."""
+@pytest.mark.parametrize(("sizes", "flip_p"), [((5, 1), 0.5), ((1,), 0.0)], ids=["two-buckets", "one-image"])
+def test_ranks_share_the_latent_encoding_and_all_get_every_latent(tiny_model, sizes, flip_p):
+    """3 ranks share the encoding of all buckets' latents out evenly (two buckets of 5 and 1 images with
+    their mirrors: 4 each; one image: some ranks none) and every rank ends with the latents one process
+    encodes; rank 0's progress counts about the whole job's."""
     from diffusers import AutoencoderKL
 
-    from xeontune.train.data import Latents
+    from xeontune.train.data import Latents, encode_latents
 
     vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae").eval()
-    pixels = torch.randn(count, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-    alone = Latents(vae, pixels, cached=True, flip_p=flip_p, encode_batch=2)
-    encodes = count * (2 if flip_p else 1)
-    ranks, done = ThreadRanks(3), [0, 0, 0]
-    results: list[Latents | BaseException | None] = [None] * 3
-    calls = [0, 0, 0]
+    generator = torch.Generator().manual_seed(0)
+    pixels = [torch.randn(n, 3, 64, 64 + 32 * i, generator=generator) for i, n in enumerate(sizes)]
+    alone = [Latents(vae, p, cached=True, flip_p=flip_p, encode_batch=2) for p in pixels]
+    rows = sum(sizes) * (2 if flip_p else 1)
+    ranks, done, calls = ThreadRanks(3), [0, 0, 0], [0, 0, 0]
+    results: list[list[Latents] | BaseException | None] = [None] * 3
 
     def run(rank: int) -> None:
-        def encode(pixels: torch.Tensor):
-            calls[rank] += len(pixels)
-            return vae.encode(pixels)
+        def encode(batch: torch.Tensor):
+            calls[rank] += len(batch)
+            return vae.encode(batch)
 
         try:
-            latents = Latents(types.SimpleNamespace(encode=encode, dtype=vae.dtype, config=vae.config), pixels,
-                              cached=True, flip_p=flip_p, encode_batch=2, spread=ranks.rank_view(rank),
-                              progress=lambda n: done.__setitem__(rank, done[rank] + n))
-            results[rank] = latents
+            model = types.SimpleNamespace(encode=encode, dtype=vae.dtype, config=vae.config)
+            parts = [Latents(model, p, cached=True, flip_p=flip_p, encode_batch=2, encode=False) for p in pixels]
+            encode_latents(parts, ranks.rank_view(rank), lambda n: done.__setitem__(rank, done[rank] + n))
+            results[rank] = parts
         except BaseException as exc:  # noqa: BLE001 (raised below, in the test's thread)
             results[rank] = exc
 
@@ -386,9 +387,10 @@ def test_ranks_share_the_latent_encoding_and_all_get_every_latent(tiny_model, co
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:  # the cause first: the other ranks only saw the barrier break
         raise next((r for r in failed if not isinstance(r, threading.BrokenBarrierError)), failed[0])
-    assert calls == [len(range(r, encodes, 3)) for r in range(3)] and sum(calls) == encodes
-    assert done[0] == encodes
-    for result in results:
-        assert isinstance(result, Latents)
-        torch.testing.assert_close(result.mean, alone.mean, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(result.std, alone.std, rtol=1e-5, atol=1e-6)
+    assert calls == [len(range(r, rows, 3)) for r in range(3)] and sum(calls) == rows
+    assert done[0] >= rows
+    for parts in results:
+        assert isinstance(parts, list)
+        for part, reference in zip(parts, alone, strict=True):
+            torch.testing.assert_close(part.mean, reference.mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(part.std, reference.std, rtol=1e-5, atol=1e-6)

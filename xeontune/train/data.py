@@ -366,10 +366,19 @@ class SamplePlan:
 class Spread(Protocol):
     """The ranks of a job, to share work out (``loop.Sync``): this rank, how many, and every rank's value."""
 
-    rank: int
-    world: int
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world(self) -> int: ...
 
     def gather(self, value: Any) -> list[Any]: ...
+
+
+def drawn_sides(flip_p: float) -> list[bool]:
+    """Which sides of an image a step can draw (False: as it is, True: mirrored): only those are encoded,
+    so --no-random-flip (flip_p 0) halves the VAE's work."""
+    return [mirrored for mirrored, drawn in ((False, flip_p < 1), (True, flip_p > 0)) if drawn]
 
 
 class Latents:
@@ -377,15 +386,16 @@ class Latents:
 
     With ``cached=True`` each image's latent distribution (and its mirror image's, where ``flip_p``
     lets a step draw it) is encoded once; a step draws ``mean + std * eps`` from it, which is exactly
-    what encoding every step computes. With ``spread`` each rank encodes its share and every rank gets
-    all of them (N ranks on a node each encoding everything took N times as long).
-    With ``cached=False`` the VAE encodes every step (what the common example script does).
-    ``crops`` (from ``load_images_with_crops``) are kept per image and per mirror image, for SDXL's time_ids.
+    what encoding every step computes. With ``spread`` the ranks share the encoding out
+    (``encode_latents``). With ``cached=False`` the VAE encodes every step (what the common example
+    script does). ``crops`` (from ``load_images_with_crops``) are kept per image and per mirror image,
+    for SDXL's time_ids. ``encode=False`` leaves the cache to the caller's ``encode_latents`` (the
+    buckets of a run encoded together).
     """
 
     def __init__(self, vae: torch.nn.Module, images: torch.Tensor, cached: bool, encode_batch: int | None = None,
                  crops: torch.Tensor | None = None, masks: torch.Tensor | None = None, flip_p: float = 0.5,
-                 spread: Spread | None = None, progress: Callable[[int], object] | None = None) -> None:
+                 spread: Spread | None = None, encode: bool = True) -> None:
         self.vae: torch.nn.Module | None = vae  # None once the caller frees it (cached mode)
         self.images = images
         self.cached = cached
@@ -397,30 +407,17 @@ class Latents:
         # (original h, original w, crop top, crop left) of [originals, mirrored], indexed as the cache
         self.crops = torch.cat([crops[:, :4], torch.cat([crops[:, :3], crops[:, 4:]], dim=1)])
         self.scaling = float(getattr(vae.config, "scaling_factor", 0.18215))
-        self.mean: torch.Tensor | None = None
+        self.sides = drawn_sides(flip_p)
+        self.per_call = encode_batch or self.encode_batch(images)
+        self.mean: torch.Tensor | None = None  # the cache: one row per image and drawn side, sides in order
         self.std: torch.Tensor | None = None
-        # Only what a step can draw is encoded: --no-random-flip (flip_p 0) halves the VAE's work.
-        self.mirrored = [m for m, drawn in ((False, flip_p < 1), (True, flip_p > 0)) if drawn]
-        if cached:
-            encoded = torch.cat([images.flip(-1) if m else images for m in self.mirrored])
-            rank, world = (spread.rank, spread.world) if spread else (0, 1)
-            per_call = encode_batch or self.encode_batch(images)
-            shares = [len(range(r, len(encoded), world)) for r in range(world)]  # image i is rank i % world's
-            means, stds = [], []
-            mine = encoded[rank::world]
-            for call, chunk in enumerate(mine.split(per_call) if len(mine) else ()):  # split(): one empty chunk
-                mean, std = self._encode(chunk)
-                means.append(mean)
-                stds.append(std)
-                if progress:  # what all ranks encoded in their call number `call` (rank 0 has the most)
-                    progress(sum(min(per_call, max(0, n - call * per_call)) for n in shares))
-            share = (torch.cat(means), torch.cat(stds)) if means else None  # a rank may have no share
-            gathered = spread.gather(share) if spread and world > 1 else [share]
-            shape = next(g for g in gathered if g is not None)[0].shape[1:]
-            self.mean, self.std = torch.empty(len(encoded), *shape), torch.empty(len(encoded), *shape)
-            for r, share in enumerate(gathered):
-                if share is not None:
-                    self.mean[r::world], self.std[r::world] = share
+        if cached and encode:
+            encode_latents([self], spread)
+
+    def side_pixels(self, rows: list[int]) -> torch.Tensor:
+        """The pixels of cache rows ``rows`` (row k: image k % n, on side k // n)."""
+        n = len(self.images)
+        return torch.stack([self.images[k % n].flip(-1) if self.sides[k // n] else self.images[k % n] for k in rows])
 
     @staticmethod
     def encode_batch(images: torch.Tensor) -> int:
@@ -457,13 +454,49 @@ class Latents:
     def sample(self, batch: Batch) -> torch.Tensor:
         if self.cached:
             assert self.mean is not None and self.std is not None
-            index = batch.image_index + (batch.flip.long() * len(self.images) if len(self.mirrored) == 2 else 0)
+            if len(self.sides) == 2:
+                index = batch.image_index + batch.flip.long() * len(self.images)
+            else:  # one side encoded: the plan, drawing flips with the same flip_p, draws only that one
+                assert bool((batch.flip == self.sides[0]).all()), "a flip drawn that flip_p rules out"
+                index = batch.image_index
             mean, std = self.mean[index], self.std[index]
         else:
             pixels = self.images[batch.image_index]
             pixels = torch.where(batch.flip[:, None, None, None], pixels.flip(-1), pixels)
             mean, std = self._encode(pixels)
         return (mean + std * batch.latent_eps) * self.scaling
+
+
+def encode_latents(parts: list[Latents], spread: Spread | None = None,
+                   progress: Callable[[int], object] | None = None) -> None:
+    """Fill the caches of ``parts`` (a run's buckets): every part's rows in one list, row j rank
+    ``j % N``'s, so that N ranks each encode about 1/N of them whatever the buckets (N ranks on a node
+    each encoding everything took N times as long); one gather gives every rank every row. Each rank
+    builds only its own rows' pixels. ``progress`` (rank 0's bar) counts what all ranks encoded, taking
+    the others to keep pace."""
+    rank, world = (spread.rank, spread.world) if spread else (0, 1)
+    rows = [(p, k) for p, part in enumerate(parts) for k in range(len(part.images) * len(part.sides))]
+    mine: dict[int, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
+    for p, part in enumerate(parts):
+        ks = [k for q, k in rows[rank::world] if q == p]
+        for first in range(0, len(ks), part.per_call):
+            chunk = ks[first:first + part.per_call]
+            mean, std = part._encode(part.side_pixels(chunk))
+            done = mine.setdefault(p, ([], [], []))
+            done[0].extend(chunk)
+            done[1].append(mean)
+            done[2].append(std)
+            if progress:
+                progress(len(chunk) * world)
+    share = {p: (torch.tensor(ks), torch.cat(means), torch.cat(stds)) for p, (ks, means, stds) in mine.items()}
+    gathered = spread.gather(share) if spread and world > 1 else [share]
+    for p, part in enumerate(parts):
+        got = [g[p] for g in gathered if p in g]
+        count = len(part.images) * len(part.sides)
+        part.mean = got[0][1].new_empty(count, *got[0][1].shape[1:])
+        part.std = torch.empty_like(part.mean)
+        for ks, mean, std in got:
+            part.mean[ks], part.std[ks] = mean, std
 
 
 def sample_loss(pred: torch.Tensor, target: torch.Tensor, root_weight: torch.Tensor | None, batch: Batch,

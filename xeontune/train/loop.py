@@ -27,7 +27,7 @@ from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text, file_in_the_way
 from xeontune.train import checkpoint, methods, preempt, prior, validation
-from xeontune.train.buckets import BucketLatents, load_training_images
+from xeontune.train.buckets import BucketLatents, TrainingImages, load_training_images
 from xeontune.train.components import (
     Components,
     cast_text_encoder_linears,
@@ -41,6 +41,7 @@ from xeontune.train.data import (
     Batch,
     Latents,
     SamplePlan,
+    encode_latents,
     image_set_digest,
     load_masks,
     read_images,
@@ -565,24 +566,26 @@ def release_text_encoders(components: Components, opts: TrainOptions) -> None:
     hardware.release_freed_memory()
 
 
-def cache_latents(components: Components, images: Any, masks: list[torch.Tensor | None], opts: TrainOptions,
-                  sync: Sync, main: bool) -> BucketLatents:
-    """The latents of every bucket's images: encoded once, each rank its share (or every step, when
-    --no-cache-latents), with a bar on a terminal and the time in the log: minutes for many images."""
+def cache_latents(components: Components, images: TrainingImages, masks: list[torch.Tensor | None],
+                  opts: TrainOptions, sync: Sync, main: bool) -> BucketLatents:
+    """The latents of every bucket's images: encoded once, the ranks sharing the work out (or every
+    step, with --no-cache-latents), a bar on a terminal and the time in the log: minutes for many images."""
     from tqdm.auto import tqdm
 
-    started = time.perf_counter()
-    mirrors = 0 < opts.flip_p < 1  # both sides can be drawn (as Latents encodes them)
-    count = sum(len(part.pixels) for part in images.parts) * (2 if mirrors else 1)
-    with tqdm(total=count, desc="latents", unit="image", disable=not (main and opts.cache_latents
-                                                                     and sys.stderr.isatty())) as bar:
-        latents = BucketLatents([Latents(components.vae, part.pixels, cached=opts.cache_latents, crops=part.crops,
-                                         masks=mask, flip_p=opts.flip_p, spread=sync, progress=bar.update)
-                                 for part, mask in zip(images.parts, masks, strict=True)])
-    if main and opts.cache_latents:
-        log.info("cached %d latents (%d images%s) in %.1f s over %d rank(s)", count, count // (2 if mirrors else 1),
-                 " and their mirror images" if mirrors else "", time.perf_counter() - started, sync.world)
-    return latents
+    parts = [Latents(components.vae, part.pixels, cached=opts.cache_latents, crops=part.crops, masks=mask,
+                     flip_p=opts.flip_p, encode=False) for part, mask in zip(images.parts, masks, strict=True)]
+    if opts.cache_latents:
+        started = time.perf_counter()
+        count = sum(len(part.images) * len(part.sides) for part in parts)
+        with tqdm(total=count, desc="latents", unit="latent", disable=not (main and sys.stderr.isatty())) as bar:
+            encode_latents(parts, sync, lambda n: bar.update(min(n, bar.total - bar.n)))
+            bar.update(bar.total - bar.n)
+        if main:
+            sides = {(False,): "each image", (True,): "each image's mirror image",
+                     (False, True): "each image and its mirror image"}[tuple(parts[0].sides)]
+            log.info("cached %d latents (%s) in %.1f s over %d rank(s)", count, sides,
+                     time.perf_counter() - started, sync.world)
+    return BucketLatents(parts)
 
 
 def release_vae_parts(components: Components, latents: BucketLatents, opts: TrainOptions) -> None:

@@ -56,9 +56,7 @@ def ensure_class_images(components: Any, method: Any, opts: Any, sync: Any, rank
     class_dir.mkdir(parents=True, exist_ok=True)
     missing = missing_names(class_image_names(class_dir), opts.num_class_images)
     if sync.group is not None:  # what any node lacks is generated (every node computes the same list)
-        lists: list[Any] = [None] * world
-        torch.distributed.all_gather_object(lists, missing, group=sync.group)
-        missing = sorted(set().union(*lists))
+        missing = sorted(set().union(*sync.gather(missing)))
     if not missing:
         return
     mine = missing[rank::world]
@@ -86,9 +84,7 @@ def ensure_class_images(components: Any, method: Any, opts: Any, sync: Any, rank
                     write(class_dir / name, drawn[name])
                 bar.update(len(names))
     if sync.group is not None:
-        shares: list[Any] = [None] * world
-        torch.distributed.all_gather_object(shares, drawn, group=sync.group)
-        for share in shares:
+        for share in sync.gather(drawn):
             for name, data in share.items():
                 if not (class_dir / name).exists():  # a node without a shared filesystem
                     write(class_dir / name, data)
