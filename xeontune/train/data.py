@@ -489,10 +489,12 @@ def encode_latents(parts: list[Latents], spread: Spread | None = None,
             if progress:
                 progress(len(chunk) * world)
     share = {p: (torch.tensor(ks), torch.cat(means), torch.cat(stds)) for p, (ks, means, stds) in mine.items()}
+    del mine  # the gather holds every rank's share at once: not this one's twice
     gathered = spread.gather(share) if spread and world > 1 else [share]
     for p, part in enumerate(parts):
         got = [g[p] for g in gathered if p in g]
         count = len(part.images) * len(part.sides)
+        assert sum(len(ks) for ks, _, _ in got) == count, "a latent row no rank encoded"
         part.mean = got[0][1].new_empty(count, *got[0][1].shape[1:])
         part.std = torch.empty_like(part.mean)
         for ks, mean, std in got:
