@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from xeontune.errors import TrainingError, UserError
 from xeontune.quiet import quiet_libraries
@@ -78,6 +79,8 @@ def _main(argv: list[str] | None) -> int:
         from xeontune.train.options import parse_args
 
         opts = parse_args(argv)
+        if not Path(opts.data_dir).is_dir():  # before seconds of imports (setup says the same, later)
+            raise UserError(f"data dir {opts.data_dir} does not exist or is not a directory")
         from xeontune.train import ranks
 
         if opts.nproc_per_node != "1" and not ranks.inside_a_launch():
