@@ -476,9 +476,10 @@ def encode_latents(parts: list[Latents], spread: Spread | None = None,
     the others to keep pace."""
     rank, world = (spread.rank, spread.world) if spread else (0, 1)
     rows = [(p, k) for p, part in enumerate(parts) for k in range(len(part.images) * len(part.sides))]
+    own = rows[rank::world]
     mine: dict[int, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
     for p, part in enumerate(parts):
-        ks = [k for q, k in rows[rank::world] if q == p]
+        ks = [k for q, k in own if q == p]
         for first in range(0, len(ks), part.per_call):
             chunk = ks[first:first + part.per_call]
             mean, std = part._encode(part.side_pixels(chunk))
