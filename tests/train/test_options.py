@@ -76,3 +76,16 @@ def test_invalid_values(flags, message):
 def test_missing_required():
     with pytest.raises(UserError, match="--placeholder-token, --initializer-token"):
         parse_args(["--model", "m", "--data-dir", "d"])
+
+
+def test_textual_inversion_mirrors_images_by_default_and_lora_only_when_asked():
+    """As the example scripts: textual_inversion.py flips (flip_p 0.5), train_dreambooth_lora.py does not."""
+    ti = parse_args(REQUIRED)
+    assert ti.random_flip is True and ti.flip_p == 0.5
+    lora = ["--method", "lora", "--model", "m", "--data-dir", "d"]
+    assert (parse_args(lora).random_flip, parse_args(lora).flip_p) == (False, 0.0)
+    assert parse_args(lora + ["--random-flip"]).flip_p == 0.5
+    assert parse_args(lora + ["--random_flip", "--flip-p", "0.25"]).flip_p == 0.25  # the SDXL example's spelling
+    with pytest.raises(UserError, match="^--flip-p needs --random-flip: --method lora does not mirror"):
+        parse_args(lora + ["--flip-p", "0.25"])
+    assert parse_args(REQUIRED + ["--no-random-flip"]).flip_p == 0.0

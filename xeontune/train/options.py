@@ -96,7 +96,9 @@ class TrainOptions:
                        "some image is not nearest the square", choices=("auto", "on", "off"), group="model and data")
     bucket_step: int = opt(64, "the buckets' sides are multiples of this (64: what SD's UNets need)",
                            group="model and data")
-    random_flip: bool = opt(True, "mirror images at random (flip probability --flip-p)", group="model and data")
+    random_flip: bool | None = opt(None, "mirror images at random, with probability --flip-p (default: on for "
+                                   "textual inversion, off for LoRA, as diffusers' examples and kohya; a flip "
+                                   "doubles the latent cache's VAE work)", group="model and data")
     flip_p: float = opt(0.5, "probability of mirroring an image when --random-flip", group="model and data")
     # optimisation
     train_batch_size: int = opt(1, "images per rank per step; the global batch is this x ranks x "
@@ -398,8 +400,9 @@ SHARED_WITH = {"placeholder_token": ("lora",), "initializer_token": ("lora",), "
                "learnable_property": ("lora",)}
 METHOD_REQUIRED = {"textual_inversion": ("placeholder_token", "initializer_token"), "lora": ()}
 METHOD_DEFAULTS = {
-    "textual_inversion": {"learning_rate": 5e-4, "output_dir": "textual_inversion_output"},
-    "lora": {"learning_rate": 1e-4, "output_dir": "lora_output"},
+    "textual_inversion": {"learning_rate": 5e-4, "output_dir": "textual_inversion_output", "random_flip": True},
+    # no flips: a DreamBooth subject's text or asymmetry is part of it (train_dreambooth_lora.py does not flip)
+    "lora": {"learning_rate": 1e-4, "output_dir": "lora_output", "random_flip": False},
 }
 
 
@@ -429,6 +432,8 @@ def validate(o: TrainOptions) -> TrainOptions:
                if getattr(o, n) in (None, "")]
     if missing:
         raise UserError(f"missing required option(s): {', '.join(missing)}")
+    if o.random_flip is None and o.flip_p != 0.5 and not METHOD_DEFAULTS[o.method]["random_flip"]:
+        raise UserError(f"--flip-p needs --random-flip: --method {o.method} does not mirror images unless asked")
     _check_method_options(o)
     if o.mixed_precision == "no":
         o.mixed_precision = "fp32"
