@@ -432,7 +432,7 @@ def validate(o: TrainOptions) -> TrainOptions:
                if getattr(o, n) in (None, "")]
     if missing:
         raise UserError(f"missing required option(s): {', '.join(missing)}")
-    if o.random_flip is None and o.flip_p != 0.5 and not METHOD_DEFAULTS[o.method]["random_flip"]:
+    if o.random_flip is None and o.flip_p != TrainOptions.flip_p and not METHOD_DEFAULTS[o.method]["random_flip"]:
         raise UserError(f"--flip-p needs --random-flip: --method {o.method} does not mirror images unless asked")
     _check_method_options(o)
     if o.mixed_precision == "no":
