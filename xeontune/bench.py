@@ -624,10 +624,10 @@ def bench_class_images(args: argparse.Namespace, log=print) -> dict[str, Any]:
         run, _ = loop.setup(opts, loop.make_accelerator(opts))  # the frozen models as training prepares them
         autocast = run.autocast
         warm = replace(opts, class_data_dir=str(Path(tmp) / "warm"), num_class_images=1)
-        prior.ensure_class_images(run.components, run.method, warm, run.sync, 0, 1, autocast)
+        prior.ensure_class_images(run.components, run.method, warm, run.sync, autocast)
         timed = replace(opts, class_data_dir=str(Path(tmp) / "class"), num_class_images=count)
         start = time.perf_counter()
-        prior.ensure_class_images(run.components, run.method, timed, run.sync, 0, 1, autocast)
+        prior.ensure_class_images(run.components, run.method, timed, run.sync, autocast)
         ours = time.perf_counter() - start
         log(f"xeontune: {count} class images in {ours:.1f} s")
         del run

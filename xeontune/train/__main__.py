@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 from xeontune.errors import TrainingError, UserError
 from xeontune.quiet import quiet_libraries
@@ -76,11 +75,10 @@ def _main(argv: list[str] | None) -> int:
     preempt.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        from xeontune.train.options import parse_args
+        from xeontune.train.options import parse_args, require_dir
 
         opts = parse_args(argv)
-        if not Path(opts.data_dir).is_dir():  # before seconds of imports (setup says the same, later)
-            raise UserError(f"data dir {opts.data_dir} does not exist or is not a directory")
+        require_dir(opts.data_dir, "data dir")  # before seconds of imports (reading the images checks it again)
         from xeontune.train import ranks
 
         if opts.nproc_per_node != "1" and not ranks.inside_a_launch():

@@ -24,6 +24,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from xeontune.errors import UserError
+from xeontune.train.options import require_dir
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,7 @@ def read_images(data_dir: str | Path, limit: int | None = None) -> Iterator[tupl
     """Each readable image of the folder, upright, by name (the first ``limit``); unreadable files are
     skipped with a warning, and a folder with none is a one-line error."""
     root = Path(data_dir)
-    if not root.is_dir():
-        raise UserError(f"data dir {root} does not exist or is not a directory")
+    require_dir(root, "data dir")
     if not any(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
         raise UserError(f"data dir {root} is empty")
     found = 0
@@ -386,8 +386,7 @@ class Latents:
 
     With ``cached=True`` each image's latent distribution (and its mirror image's, where ``flip_p``
     lets a step draw it) is encoded once; a step draws ``mean + std * eps`` from it, which is exactly
-    what encoding every step computes. With ``spread`` the ranks share the encoding out
-    (``encode_latents``). With ``cached=False`` the VAE encodes every step (what the common example
+    what encoding every step computes. With ``cached=False`` the VAE encodes every step (what the common example
     script does). ``crops`` (from ``load_images_with_crops``) are kept per image and per mirror image,
     for SDXL's time_ids. ``encode=False`` leaves the cache to the caller's ``encode_latents`` (the
     buckets of a run encoded together).
@@ -395,7 +394,7 @@ class Latents:
 
     def __init__(self, vae: torch.nn.Module, images: torch.Tensor, cached: bool, encode_batch: int | None = None,
                  crops: torch.Tensor | None = None, masks: torch.Tensor | None = None, flip_p: float = 0.5,
-                 spread: Spread | None = None, encode: bool = True) -> None:
+                 encode: bool = True) -> None:
         self.vae: torch.nn.Module | None = vae  # None once the caller frees it (cached mode)
         self.images = images
         self.cached = cached
@@ -412,7 +411,7 @@ class Latents:
         self.mean: torch.Tensor | None = None  # the cache: one row per image and drawn side, sides in order
         self.std: torch.Tensor | None = None
         if cached and encode:
-            encode_latents([self], spread)
+            encode_latents([self])
 
     def side_pixels(self, rows: list[int]) -> torch.Tensor:
         """The pixels of cache rows ``rows`` (row k: image k % n, on side k // n)."""

@@ -484,8 +484,7 @@ def setup(
 
     num_class_images = 0
     if opts.with_prior_preservation:  # the class images join the instance images after them
-        prior.ensure_class_images(components, method, opts, sync, accelerator.process_index, world,
-                                  lambda: precision_autocast(precision))
+        prior.ensure_class_images(components, method, opts, sync, lambda: precision_autocast(precision))
         read = list(read_images(opts.class_data_dir, limit=opts.num_class_images))
         sync.check_same(image_set_digest([path for path, _ in read]), "class images")
         num_class_images = len(read)

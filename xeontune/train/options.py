@@ -424,6 +424,12 @@ def _check_method_options(o: TrainOptions) -> None:
             setattr(o, name, value)
 
 
+def require_dir(path: str | Path, what: str) -> None:
+    """A one-line error unless ``path`` is a folder (light: the entry point checks --data-dir with it
+    before importing torch, and reading the images checks it again)."""
+    if not Path(path).is_dir():
+        raise UserError(f"{what} {path} does not exist or is not a directory")
+
 def validate(o: TrainOptions) -> TrainOptions:
     """Check what can be checked without loading anything; raise UserError with one line."""
     if o.method not in METHOD_NAMES:

@@ -46,13 +46,13 @@ def _generated_index(name: str) -> int | None:
     return int(stem) if name.startswith("class-") and name.endswith(".png") and stem.isdigit() else None
 
 
-def ensure_class_images(components: Any, method: Any, opts: Any, sync: Any, rank: int, world: int,
-                        autocast: Any) -> None:
+def ensure_class_images(components: Any, method: Any, opts: Any, sync: Any, autocast: Any) -> None:
     """Generate what DIR lacks (on any node) of ``--num-class-images``, each rank its share, then give
     every node every image."""
     from tqdm.auto import tqdm
 
     class_dir = Path(opts.class_data_dir)
+    rank, world = sync.rank, sync.world
     class_dir.mkdir(parents=True, exist_ok=True)
     missing = missing_names(class_image_names(class_dir), opts.num_class_images)
     if sync.group is not None:  # what any node lacks is generated (every node computes the same list)
