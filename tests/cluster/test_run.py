@@ -109,26 +109,6 @@ def assert_nothing_left(name: str) -> None:
     assert not state.exists(name)
 
 
-def test_run_trains_fetches_and_deletes_the_cluster(root_home, cluster_name, tiny, tmp_path):
-    out = tmp_path / "out"
-    start = time.monotonic()
-    proc = cli("run", "--provider", "local", "-n", "3", "--name", cluster_name, "--",
-               *train_args(tiny, out, 1, 3, "--mixed-precision", "fp32", "--validation-prompt", "a <cat-toy>",
-                           "--validation-steps", "3", "--num-validation-images", "1",
-                           "--validation-inference-steps", "2"), env=OFFLINE)
-    took = time.monotonic() - start
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    moved = moved_from_initializer(tiny["model"], load_vectors(out)["<cat-toy>"])
-    assert moved > MOVED_MIN, f"moved {moved:.2e} from the initializer"
-    assert [p.name for p in (out / "validation").iterdir()] == ["step-000003-0.png"]
-    assert (out / "metrics.jsonl").read_text().count("\n") == 3
-    assert not list(out.glob(".*.tmp"))  # files landed by rename only
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith(f"deleted cluster {cluster_name!r} (local): ") and "bridge" in last, last
-    assert_nothing_left(cluster_name)
-    print(f"xeontune run, 3 nodes, 3 steps: {took:.1f} s (up, train, fetch, teardown); moved {moved:.2e}")
-
-
 def test_run_refuses_an_output_dir_holding_a_run_before_creating_anything(root_home, cluster_name, tiny, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -453,8 +433,10 @@ def test_a_dropped_connection_mid_run_is_reattached_and_loses_nothing(root_home,
     assert_nothing_left(cluster_name)
 
 
-def test_run_trains_sdxl_and_the_fetched_file_loads_into_diffusers(root_home, cluster_name, sample_images, tmp_path):
-    """`run --provider local -n 3` on sdxl-tiny (64 px, 2 steps): the fetched learned_embeds has the
+def test_run_trains_sdxl_fetches_and_deletes_the_cluster_and_the_file_loads_into_diffusers(
+        root_home, cluster_name, sample_images, tmp_path):
+    """`run --provider local -n 3` on sdxl-tiny (64 px, 3 steps, a validation image at step 3): the
+    outputs are fetched (landed by rename), the cluster is deleted, the fetched learned_embeds has the
     clip_l / clip_g layout, and StableDiffusionXLPipeline takes it, one load_textual_inversion per encoder."""
     import torch
     from diffusers import StableDiffusionXLPipeline
@@ -464,16 +446,25 @@ def test_run_trains_sdxl_and_the_fetched_file_loads_into_diffusers(root_home, cl
 
     xl = {"model": models.build_pipeline("sdxl-tiny", tmp_path / "sdxl-tiny"), "data": sample_images}
     out = tmp_path / "out"
+    start = time.monotonic()
     proc = cli("run", "--provider", "local", "-n", "3", "--name", cluster_name, "--",
-               *train_args(xl, out, 1, 2, "--mixed-precision", "fp32", "--resolution", "64"), env=OFFLINE)
+               *train_args(xl, out, 1, 3, "--mixed-precision", "fp32", "--resolution", "64",
+                           "--validation-prompt", "a <cat-toy>", "--validation-steps", "3",
+                           "--num-validation-images", "1", "--validation-inference-steps", "2"), env=OFFLINE)
+    took = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [p.name for p in (out / "validation").iterdir()] == ["step-000003-0.png"]
+    assert not list(out.glob(".*.tmp"))  # files landed by rename only
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"deleted cluster {cluster_name!r} (local): ") and "bridge" in last, last
     assert_nothing_left(cluster_name)
+    print(f"xeontune run, 3 nodes, 3 steps: {took:.1f} s (up, train, fetch, teardown)")
     got = load_vectors(out)
     assert {k: tuple(v.shape) for k, v in got.items()} == {"clip_l": (1, 32), "clip_g": (1, 64)}  # sdxl-tiny's widths
     with safe_open(str(out / "learned_embeds.safetensors"), "pt") as f:
         assert f.metadata()["name"] == "<cat-toy>"
     sent = [json.loads(line)["allreduce_bytes"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert sent == [(32 + 64) * 4 + 4] * 2  # 3 ranks: one row per encoder and the loss, each step
+    assert sent == [(32 + 64) * 4 + 4] * 3  # 3 ranks: one row per encoder and the loss, each step
 
     pipe = StableDiffusionXLPipeline.from_pretrained(str(xl["model"]))
     pairs = ((pipe.tokenizer, pipe.text_encoder, "clip_l"), (pipe.tokenizer_2, pipe.text_encoder_2, "clip_g"))

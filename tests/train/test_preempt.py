@@ -30,42 +30,45 @@ def _args(tiny_model, sample_images, steps: int) -> list[str]:
 STEPS = 60
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory) -> References:
-    """The straight run, trained once for both signals."""
-    return References(tmp_path_factory.mktemp("straight"))
-
-
-def _signal_mid_run(args: list[str], out: Path, signum: int, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _signal_mid_run(args: list[str], out: Path, signum: int, env: dict[str, str],
+                    after: int) -> subprocess.CompletedProcess:
+    """``signum`` to the run once metrics.jsonl holds ``after`` steps."""
     proc = subprocess.Popen([sys.executable, "-m", "xeontune.train", *args], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_for_lines(out / "metrics.jsonl", 3, timeout_s=240, poll_s=0.05, until=lambda: proc.poll() is not None)
+    wait_for_lines(out / "metrics.jsonl", after, timeout_s=240, poll_s=0.05, until=lambda: proc.poll() is not None)
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
-def test_a_signal_mid_run_checkpoints_stops_and_the_resumed_run_equals_a_straight_one(
-        signum, tiny_model, sample_images, tmp_path, references):
+def test_sigusr1_then_sigterm_mid_run_each_checkpoint_and_stop_and_the_resumed_run_equals_a_straight_one(
+        tiny_model, sample_images, tmp_path):
+    """SIGUSR1 (Slurm's --signal notice) after step 3: a checkpoint, status 75 and the batch script's
+    mark; the resumed run gets SIGTERM (a preemption) 3 steps on: a checkpoint, status 143 and no mark
+    (Slurm requeues, not the batch script); resumed again, the run ends with a straight run's vectors.
+    (One run for both signals: each run's start costs this 2-core machine ~10 s.)"""
     steps, out, mark = STEPS, tmp_path / "out", tmp_path / "preempted"
-    args = _args(tiny_model, sample_images, steps)
+    args = [*_args(tiny_model, sample_images, steps), "--output-dir", str(out)]
     env = {**os.environ, preempt.ENV: "1", preempt.MARK_ENV: str(mark)}
-    stopped = _signal_mid_run([*args, "--output-dir", str(out)], out, signum, env)
-    assert stopped.returncode == (75 if signum == signal.SIGUSR1 else 143), stopped.stderr[-3000:]
-    done = len(lines(out / "metrics.jsonl"))
-    assert 3 <= done < steps
-    name = signal.Signals(signum).name
-    assert f"checkpoint-{done} written on {name}: stopped, to resume from it" in stopped.stderr
-    assert (out / f"checkpoint-{done}").is_dir() and not (out / EMBEDS).exists()
-    assert mark.exists() == (signum == signal.SIGUSR1)  # on SIGTERM Slurm requeues, not the batch script
+    resume = ["--resume-from-checkpoint", "latest"]
+    done = 0
+    for signum, status, resuming in ((signal.SIGUSR1, 75, []), (signal.SIGTERM, 143, resume)):
+        stopped = _signal_mid_run([*args, *resuming], out, signum, env, after=done + 3)
+        assert stopped.returncode == status, stopped.stderr[-3000:]
+        before, done = done, len(lines(out / "metrics.jsonl"))
+        assert before + 3 <= done < steps
+        name = signal.Signals(signum).name
+        assert f"checkpoint-{done} written on {name}: stopped, to resume from it" in stopped.stderr
+        assert (out / f"checkpoint-{done}").is_dir() and not (out / EMBEDS).exists()
+        assert mark.exists() == (signum == signal.SIGUSR1)  # on SIGTERM Slurm requeues, not the batch script
+        mark.unlink(missing_ok=True)
 
-    resumed = subprocess.run([sys.executable, "-m", "xeontune.train", *args, "--output-dir", str(out),
-                              "--resume-from-checkpoint", "latest"], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=600)
+    resumed = subprocess.run([sys.executable, "-m", "xeontune.train", *args, *resume], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    straight = references.train([sys.executable, "-m", "xeontune.train", *args], cwd=REPO)
+    straight = References(tmp_path).train([sys.executable, "-m", "xeontune.train",
+                                           *_args(tiny_model, sample_images, steps)], cwd=REPO)
     assert_same_vectors(out, straight, atol=0.0)
 
 
