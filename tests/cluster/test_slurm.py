@@ -168,7 +168,15 @@ def on_slurm(slurm, xeontune_home, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.chdir(tmp_path)
-    return slurm
+    yield slurm
+    # A test that failed with its job running must not hold the module's three nodes: every test after
+    # it would wait behind that job and fail too (seen once: a 100000-step job ran on for 26 minutes).
+    left = slurm.jobs(settle_s=5)
+    if left:
+        slurm.run("scancel", "--full", "--quiet", *left)
+        deadline = time.monotonic() + 60
+        while slurm.jobs(settle_s=5) and time.monotonic() < deadline:
+            time.sleep(0.5)
 
 
 def _error_line(capsys) -> str:
