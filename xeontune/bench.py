@@ -475,12 +475,13 @@ class BaselineWorker:
     Protocol: the worker prints one JSON line when ready ({"gflop", "note"}), then for every step
     number it reads on stdin, one JSON line {"elapsed", "phases"}. It exits at end of input."""
 
-    def __init__(self, args: argparse.Namespace, model: Path, tmp: Path) -> None:
+    def __init__(self, args: argparse.Namespace, model: Path, tmp: Path, precision: str) -> None:
         argv = [
             sys.executable, "-m", "xeontune.bench", "--baseline-worker", "--model", str(model),
             "--resolution", str(args.resolution), "--batch-size", str(args.batch_size),
             "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--mixed-precision", args.mixed_precision, "--allocator", "none",  # inherits ours via the env
+            # this process's precision, not "auto" again: the same for both variants, decided once
+            "--mixed-precision", precision, "--allocator", "none",  # inherits ours via the env
             "--method", args.method, "--rank", str(args.rank), *prior_flag(args),
         ]
         self.log_path = tmp / "baseline-worker.log"
@@ -661,7 +662,8 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         data = Path(tmp) / "data"
         models.write_sample_data(data, count=4, size=args.resolution)
         opts = variant_options(model, data, Path(tmp) / "optimized", args, "optimized")
-        worker = None if args.no_baseline or args.one_at_a_time else BaselineWorker(args, model, Path(tmp))
+        precision = hardware.choose_precision(args.mixed_precision)[0]  # as the trainer decides it
+        worker = None if args.no_baseline or args.one_at_a_time else BaselineWorker(args, model, Path(tmp), precision)
         with worker or contextlib.nullcontext():
             accelerator = loop.make_accelerator(opts)
             run, _ = loop.setup(opts, accelerator)  # the trainer as `xeontune train` runs it
@@ -683,7 +685,7 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         # ranks below size themselves by what this process leaves free
         reset_peak_rss()
         if args.one_at_a_time and not args.no_baseline:
-            with BaselineWorker(args, model, Path(tmp)) as worker:
+            with BaselineWorker(args, model, Path(tmp), precision) as worker:
                 notes.append(f"baseline: {worker.ready['note']}; stepped after the optimized variant (--one-at-a-time)")
                 times["baseline"], warmups["baseline"], phases["baseline"] = [], [], []
                 for rnd in range(args.warmup + args.steps):
