@@ -81,6 +81,10 @@ def test_auto_buckets_only_where_some_image_is_not_nearest_the_square(sample_ima
     assert all(p.pixels.shape == (len(p.members), 3, p.size[1], p.size[0]) for p in mixed.parts)
     assert not load(tmp_path / "shaped", "--buckets", "off").bucketed
     assert load(sample_images, "--buckets", "on").bucketed
+    # --resolution 72 is no multiple of the step (16): the buckets hold no square one, yet square
+    # images stay square at 72, not cut to the squarest bucket (80x64)
+    odd = load(sample_images, "--resolution", "72")
+    assert not odd.bucketed and odd.parts[0].pixels.shape == (6, 3, 72, 72)
 
 
 def test_each_global_micro_batch_is_one_bucket_and_every_image_comes_once_an_epoch():

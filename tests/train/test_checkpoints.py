@@ -159,7 +159,7 @@ def test_a_damaged_state_file_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_resuming_at_or_past_the_last_step_and_the_final_outputs(base_args, tmp_path, capsys):
+def test_resuming_at_or_past_the_last_step_and_the_final_outputs(base_args, tmp_path, capsys, caplog):
     """A checkpoint at the last step: the run writes its outputs and says nothing was left to train
     (it crashed on the missing loss). Past the last step: a one-line error (it wrote the later step's
     vectors labelled as the earlier one). A run's output dir given for a checkpoint: says which to give.
@@ -185,6 +185,17 @@ def test_resuming_at_or_past_the_last_step_and_the_final_outputs(base_args, tmp_
 
     resumed, straight = (load_file(d / "learned_embeds.safetensors") for d in (again, out))
     assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
+    assert (again / "checkpoint-3" / "state.pt").is_file()  # another output dir: a copy of its own
+    # in its own output dir the checkpoint it resumed from is not written again (a second write
+    # replaces the dir: two renames, between which a kill would leave none)
+    state, before = out / "checkpoint-3" / "state.pt", (out / "checkpoint-3" / "state.pt").stat()
+    assert main(["train", *common, *steps, "--resume-from-checkpoint", "latest"]) == 0
+    assert (state.stat().st_ino, state.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    # another batch: the data position is step x batch, so the run says it draws other images
+    caplog.clear()
+    assert main(["train", *common, *steps, "--output-dir", str(tmp_path / "batch2"), "--train-batch-size", "2",
+                 "--resume-from-checkpoint", str(out / "checkpoint-3")]) == 0
+    assert "written at a batch of 1 a step" in caplog.text and "this run's is 2" in caplog.text
 
     rc, errors, _ = run_cli(capsys, [*common, "--max-train-steps", "2", "--output-dir", str(tmp_path / "past"),
                                      "--resume-from-checkpoint", str(out / "checkpoint-3")])

@@ -260,8 +260,12 @@ def test_resume_matches_a_straight_run_in_the_other_families(family, model_of, l
 
 def test_resume_matches_a_straight_run_and_refuses_other_checkpoints(lora_args, base_args, tmp_path, capsys):
     common = lora_args() + ["--train-text-encoder", "--max-train-steps", "6", "--checkpointing-steps", "3",
-                            "--lr-scheduler", "cosine"]
+                            "--lr-scheduler", "cosine", "--lora-dropout", "0.25"]
     checkpoint = resume_matches(common, tmp_path)
+    # dropout's masks come from --seed: the same command again trains the same adapters
+    train(common + ["--output-dir", str(tmp_path / "again")])
+    first, rerun = (load_file(str(tmp_path / d / DIFFUSERS_FILE)) for d in ("a", "again"))
+    assert max_diff(first, rerun) <= 1e-6
 
     # other adapters (a rank of 8): one line, exit 2, from the command line as a user runs it
     proc = subprocess.run([sys.executable, "-m", "xeontune.cli", "train", *common, "--rank", "8", "--output-dir",

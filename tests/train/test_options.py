@@ -67,6 +67,8 @@ def test_config_file_errors(tmp_path):
     (["--resolution", "100"], "multiple of 8"),
     (["--mixed-precision", "fp16"], "fp16 is not supported"),
     (["--train-batch-size", "0"], "--train-batch-size"),
+    (["--seed", str(3 * 10**15)], "--seed must be between 0 and 4294967295"),  # overflowed the sample plan's seeds
+    (["--seed", "-1"], "--seed must be between 0"),
 ])
 def test_invalid_values(flags, message):
     with pytest.raises(UserError, match=message):

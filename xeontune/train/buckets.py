@@ -1,7 +1,7 @@
 """Aspect-ratio buckets: photos of any shape trained near their own aspect ratio, not squeezed or cut
 to a square.
 
-``--buckets`` (auto: on when some image's nearest bucket is not the square) puts each image in the
+``--buckets`` (auto: on when some image's nearest bucket is not the squarest) puts each image in the
 bucket of nearest aspect ratio among a few sizes of about ``--resolution`` squared pixels, multiples of
 ``--bucket-step`` (64), from 1:2 to 2:1; the image is scaled to cover its bucket and the excess cut
 evenly from both sides. Latents are cached per bucket (``BucketLatents``: one ``Latents`` each), the
@@ -93,7 +93,10 @@ def load_training_images(opts: Any) -> TrainingImages:
                         f"{opts.bucket_step}")
     chosen = [nearest_bucket(img.width, img.height, sizes) for img in upright] if sizes[:1] else []
     square = (opts.resolution, opts.resolution)
-    if opts.buckets == "off" or not chosen or (opts.buckets == "auto" and all(c == square for c in chosen)):
+    # auto: square images stay square at --resolution, even where it is no multiple of --bucket-step
+    # (the buckets then hold no square one, and a square image's nearest would be cut to 1024x960)
+    squarest = nearest_bucket(1, 1, sizes) if sizes else square
+    if opts.buckets == "off" or not chosen or (opts.buckets == "auto" and all(c == squarest for c in chosen)):
         pixels, crops = fit_square(upright, opts.resolution, opts.center_crop)
         return TrainingImages(paths, [BucketImages(square, pixels, crops, list(range(len(paths))))], bucketed=False)
     parts = []

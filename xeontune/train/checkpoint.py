@@ -1,8 +1,9 @@
 """Exact save/resume: what the method learned, optimizer, scheduler, RNG states and the data position.
 
-The data path is a function of (seed, sample position), so the step number is the whole data
-position; RNG states are saved as well so that anything else drawing random numbers (validation)
-also continues where it was.
+The data path is a function of (seed, sample position), and each micro-batch seeds torch's global
+RNG from its position (LoRA's dropout), so with the same batch, ranks and accumulation the step
+number is the whole data position (a resume with others is warned: it draws other images). Rank 0's
+RNG states are saved as well, for anything else drawing random numbers.
 
 - Durable: ``state.pt`` and then ``complete.json`` (its size and SHA-256) are fsynced inside a
   temporary dir, which is renamed to ``checkpoint-N`` and the rename fsynced. A dir without a
@@ -49,6 +50,7 @@ class TrainState:
     vectors: torch.Tensor | None = None  # textual inversion
     placeholder_tokens: list[str] | None = None
     learned: dict[str, Any] | None = None  # other methods: their own tensors and settings
+    samples_per_step: int | None = None  # batch x ranks x accumulation: the data position is step x this
 
 
 def rng_state() -> dict[str, Any]:

@@ -201,10 +201,23 @@ def preprocess(img: Image.Image, resolution: int, center_crop: bool) -> torch.Te
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
 
-def sample_generator(seed: int, position: int) -> torch.Generator:
+def _mixed(seed: int, position: int) -> int:
     # splitmix-style mixing so nearby (seed, position) pairs give unrelated streams
-    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**63 - 1)
-    return torch.Generator().manual_seed(x)
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**63 - 1)
+
+
+def sample_generator(seed: int, position: int) -> torch.Generator:
+    return torch.Generator().manual_seed(_mixed(seed, position))
+
+
+STEP_STREAM = 0xD209_0D7  # what a micro-batch draws from torch's global RNG (LoRA's dropout)
+
+
+def seed_global_rng(seed: int, position: int) -> None:
+    """Seed torch's global RNG for the micro-batch whose first sample is ``position``: what the step draws
+    from it (LoRA's dropout masks) is then the same in a resumed run as in a straight one and in a rerun,
+    and differs between ranks (a checkpoint holds rank 0's RNG state only)."""
+    torch.manual_seed(_mixed(seed ^ STEP_STREAM, position))
 
 
 @dataclass

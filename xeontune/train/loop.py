@@ -46,6 +46,7 @@ from xeontune.train.data import (
     load_masks,
     read_images,
     sample_loss,
+    seed_global_rng,
 )
 from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
@@ -212,6 +213,7 @@ class Run:
     backend_notes: list[str] = field(default_factory=list)  # what packing, IPEX, compile, checkpointing did
     text_cache: TextCache | None = None  # the frozen encoders' outputs per prompt
     reduced: list[torch.nn.Parameter] = field(default_factory=list)  # trainable, outside DDP: all-reduced here
+    checkpoint_on_disk: Path | None = None  # the checkpoint this state is already in (resumed from or saved)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "method":  # copy/pickle probes; a method not set yet
@@ -225,6 +227,10 @@ class Run:
     @property
     def world(self) -> int:
         return self.accelerator.num_processes
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.opts.train_batch_size * self.world * self.opts.gradient_accumulation_steps
 
     def positions(self, step: int, micro: int) -> list[int]:
         """This rank's share of a global micro-batch: rank r takes samples [r*b, (r+1)*b)."""
@@ -304,6 +310,7 @@ def train_step(run: Run, step: int) -> torch.Tensor:
         with run.accelerator.accumulate(*run.ddp_modules):
             with phase("data"):
                 batch = run.plan.batch(run.positions(step, micro))
+                seed_global_rng(run.opts.seed, batch.positions[0])
             with phase("latents"):
                 latents = run.latents.sample(batch)
                 noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
@@ -553,6 +560,12 @@ def setup(
         optimizer.load_state_dict(state.optimizer)
         lr_scheduler.load_state_dict(state.lr_scheduler)
         checkpoint.restore_rng(state.rng)
+        run.checkpoint_on_disk = resume_path
+        if state.samples_per_step not in (None, run.samples_per_step) and main:
+            log.warning("%s was written at a batch of %d a step (--train-batch-size x ranks x "
+                        "--gradient-accumulation-steps), this run's is %d: it trains on from step %d, but "
+                        "not on the images a straight run would have drawn", where, state.samples_per_step,
+                        run.samples_per_step, state.step)
     return run, state
 
 
@@ -667,7 +680,7 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
     run.sync.wait()  # rank 0 may have cleared a large previous run
     metrics = open(out / METRICS, "a") if main else None  # noqa: SIM115 (closed below)
 
-    global_batch = opts.train_batch_size * run.world * opts.gradient_accumulation_steps
+    global_batch = run.samples_per_step
     # A bar on a terminal; under mpirun or in a log file, one plain line every ~5% of the run.
     interactive = main and sys.stderr.isatty()
     bar = tqdm(total=run.max_steps, initial=start_step, disable=not interactive, desc="train", unit="step")
@@ -757,11 +770,19 @@ def _between_steps(run: Run, step: int, writer) -> None:
 
 
 def save_checkpoint(run: Run, step: int) -> Path:
+    """``checkpoint-<step>``, unless it holds this very state already: a preemption on a checkpoint step,
+    or a run resumed from its last step. Rewriting it would only spend the grace period, and replacing
+    a directory is two renames, between which a SIGKILL would leave no checkpoint at all."""
+    target = run.output_dir / f"checkpoint-{step}"
+    if run.checkpoint_on_disk is not None and run.checkpoint_on_disk.resolve() == target.resolve():
+        return target
     state = checkpoint.TrainState(
         step=step, optimizer=run.optimizer.state_dict(), lr_scheduler=run.lr_scheduler.state_dict(),
-        rng=checkpoint.rng_state(), method=run.method.name, **run.method.state(),
+        rng=checkpoint.rng_state(), method=run.method.name, samples_per_step=run.samples_per_step,
+        **run.method.state(),
     )
-    return checkpoint.save(run.output_dir, state, run.opts.checkpoints_total_limit)
+    run.checkpoint_on_disk = checkpoint.save(run.output_dir, state, run.opts.checkpoints_total_limit)
+    return run.checkpoint_on_disk
 
 
 def run_validation(run: Run, step: int, writer) -> list[Path]:

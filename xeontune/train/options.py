@@ -449,6 +449,7 @@ def validate(o: TrainOptions) -> TrainOptions:
     finite = math.isfinite
     checks = [
         (o.num_vectors >= 1, f"--num-vectors must be at least 1, got {o.num_vectors}"),
+        (0 <= o.seed < 2**32, f"--seed must be between 0 and {2**32 - 1}, got {o.seed}"),
         (o.resolution > 0 and o.resolution % 8 == 0, f"--resolution must be a positive multiple of 8, got {o.resolution}"),
         (o.train_batch_size >= 1, "--train-batch-size must be at least 1"),
         (o.bucket_step >= 8 and o.bucket_step % 8 == 0, "--bucket-step must be a positive multiple of 8"),
