@@ -124,6 +124,15 @@ def test_an_output_dir_below_a_file_is_refused_before_the_model_loads(capsys, ba
     assert_one_line_error(capsys, args, tmp_path / "afile" / "out", f"{tmp_path / 'afile'} is a file, not a folder")
 
 
+def test_a_users_own_pipeline_folder_is_not_replaced_by_the_saved_pipeline(capsys, base_args, tmp_path):
+    out = tmp_path / "out"
+    (out / "pipeline").mkdir(parents=True)
+    (out / "pipeline" / "notes.txt").write_text("mine")
+    rc, errors = run_cli(capsys, replace(base_args, "--output-dir", str(out)) + ["--save-as-full-pipeline"])
+    assert rc == 2 and len(errors) == 1 and "is there and is not a saved pipeline" in errors[0], errors
+    assert (out / "pipeline" / "notes.txt").read_text() == "mine" and sorted(os.listdir(out)) == ["pipeline"]
+
+
 def test_unknown_hub_id_offline(capsys, base_args, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = replace(base_args, "--model", "nobody/no-such-model")

@@ -160,6 +160,12 @@ def test_both_files_load_into_diffusers_and_the_full_pipeline_holds_them(family,
     assert modules == {k.removesuffix(".alpha") for k in kohya if k.endswith(".alpha")}
     assert len(modules) == sum(".lora_A." in name for name in result.learned)
     assert all(float(kohya[f"{m}.alpha"]) == alpha for m in modules)
+    from safetensors import safe_open
+
+    with safe_open(str(out / KOHYA_FILE), "pt") as f:  # A1111 tells SD1 from SD2 LoRAs by it
+        meta = f.metadata()
+    assert (meta["ss_base_model_version"], meta["ss_v2"]) == {
+        "sd1": ("sd_v1", "False"), "sd2": ("sd_v2_v", "True"), "sdxl": ("sdxl_base_v1-0", "False")}[family]
 
     pipeline_cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
     base = pipeline_cls.from_pretrained(str(model))

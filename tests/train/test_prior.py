@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from tests.one_line import one_line_error
 from xeontune.cli import main
-from xeontune.train.data import Batch, SamplePlan, sample_loss
-from xeontune.train.prior import GENERATED, missing_names
+from xeontune.train.data import Batch, SamplePlan, read_images, sample_loss
+from xeontune.train.prior import GENERATED, class_image_names, missing_names
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -59,6 +59,18 @@ def test_missing_names_count_the_users_own_class_images():
     assert missing_names([], 3) == [GENERATED.format(i) for i in range(3)]
     assert missing_names(["dog1.jpg", GENERATED.format(1)], 4) == [GENERATED.format(0), GENERATED.format(2)]
     assert missing_names(["a.png", "b.png", "c.png"], 2) == []
+
+
+def test_a_damaged_class_image_counts_as_missing_and_the_next_readable_one_takes_its_place(tmp_path):
+    """Not N-1 class images for N asked: a damaged generated image is drawn again, and the first N
+    readable images of the folder are read (not the first N files, one of them unreadable)."""
+    for i in range(3):
+        Image.new("RGB", (8, 8), (i * 80, 0, 0)).save(tmp_path / GENERATED.format(i))
+    whole = (tmp_path / GENERATED.format(0)).read_bytes()
+    (tmp_path / GENERATED.format(0)).write_bytes(whole[: len(whole) // 2])  # cut short, as by a full disk
+    assert class_image_names(tmp_path) == [GENERATED.format(1), GENERATED.format(2)]
+    assert missing_names(class_image_names(tmp_path), 3) == [GENERATED.format(0)]
+    assert [p.name for p, _ in read_images(tmp_path, limit=2)] == [GENERATED.format(1), GENERATED.format(2)]
 
 
 def prior_args(model, data, class_dir, out, *more) -> list[str]:

@@ -97,14 +97,16 @@ def fit_square(upright: list[Image.Image], resolution: int, center_crop: bool) -
 
 
 def read_images(data_dir: str | Path, limit: int | None = None) -> Iterator[tuple[Path, Image.Image]]:
-    """Each readable image of the folder, upright, by name (the first ``limit``); unreadable files are
-    skipped with a warning, and a folder with none is a one-line error."""
+    """Each readable image of the folder, upright, by name (the first ``limit`` readable ones); unreadable
+    files are skipped with a warning, and a folder with none is a one-line error."""
     root = Path(data_dir)
     require_dir(root, "data dir")
     if not any(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
         raise UserError(f"data dir {root} is empty")
     found = 0
-    for path in sorted(p for p in root.iterdir() if is_image_file(p))[:limit]:
+    for path in sorted(p for p in root.iterdir() if is_image_file(p)):
+        if limit is not None and found >= limit:
+            break
         try:
             with Image.open(path) as img:
                 img.load()
@@ -164,9 +166,10 @@ def load_masks(paths: list[Path], resolution: int, center_crop: bool,
         try:
             with Image.open(mask) as img, Image.open(path) as image:
                 upright = ImageOps.exif_transpose(img).convert("L")
-                if upright.size != ImageOps.exif_transpose(image).size:
-                    raise UserError(f"mask {mask} is {upright.width}x{upright.height}, its image "
-                                    f"{image.width}x{image.height}: a mask must match its image's size")
+                shown = ImageOps.exif_transpose(image).size  # as a viewer shows it, as it trains
+                if upright.size != shown:
+                    raise UserError(f"mask {mask} is {upright.width}x{upright.height}, its image (upright) "
+                                    f"{shown[0]}x{shown[1]}: a mask must match its image's size")
                 if bucket:
                     box, _ = cover_box(upright.width, upright.height, bucket)
                     small = upright.resize((width // 8, height // 8), Image.BOX, box=box)
@@ -176,7 +179,7 @@ def load_masks(paths: list[Path], resolution: int, center_crop: bool,
                         left, top = (upright.width - edge) // 2, (upright.height - edge) // 2
                         upright = upright.crop((left, top, left + edge, top + edge))
                     small = upright.resize((width // 8, height // 8), Image.BOX)
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
             raise UserError(f"mask {mask} is not a readable image ({exc.__class__.__name__})") from None
         masks.append(torch.from_numpy(np.asarray(small, dtype=np.float32) / 255.0)[None])
     return torch.stack(masks)

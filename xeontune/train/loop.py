@@ -381,6 +381,10 @@ def check_output_dir(opts: TrainOptions) -> Path:
     blocker = file_in_the_way(out)
     if blocker is not None and blocker != out:  # found now, not after the model loads
         raise UserError(f"--output-dir {out}: {blocker} is a file, not a folder")
+    pipeline = out / "pipeline"
+    if opts.save_as_full_pipeline and pipeline.exists() and not (pipeline / "model_index.json").is_file():
+        raise UserError(f"--save-as-full-pipeline: {pipeline} is there and is not a saved pipeline, which "
+                        "the run would replace: move it or pick another --output-dir")
     if opts.resume_from_checkpoint or not out.exists():
         return out
     if not out.is_dir():
@@ -664,31 +668,31 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
         raise UserError(f"--resume-from-checkpoint: the checkpoint is at step {start_step}, past --max-train-steps "
                         f"{run.max_steps}: raise --max-train-steps to train on from it")
 
-    writer = None
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        if opts.overwrite and not opts.resume_from_checkpoint:
-            clear_previous_run(out)
-        atomic_write_json(out / RUN_CONFIG, {**opts.to_json(), "precision": run.precision,
-                                                      "world_size": run.world})
-        if start_step:
-            keep_metrics_up_to(out / METRICS, start_step)
-        if opts.report_to == "tensorboard":
-            writer = _tensorboard_writer(out / opts.logging_dir)
-        if opts.validate_at_start and opts.validation_prompt and not start_step:
-            run_validation(run, 0, writer)  # before anything trained: what the base model draws
-    run.sync.wait()  # rank 0 may have cleared a large previous run
-    metrics = open(out / METRICS, "a") if main else None  # noqa: SIM115 (closed below)
-
-    global_batch = run.samples_per_step
-    # A bar on a terminal; under mpirun or in a log file, one plain line every ~5% of the run.
-    interactive = main and sys.stderr.isatty()
-    bar = tqdm(total=run.max_steps, initial=start_step, disable=not interactive, desc="train", unit="step")
-    log_every = max(1, run.max_steps // 20)
-    forecast = Forecast.for_run(run.max_steps, start_step) if main else None
-    loss_value: float | None = None
-    preempt.defer_term(True)
+    writer = metrics = bar = None  # opened in the try: closed whatever fails, validation at start included
     try:
+        if main:
+            out.mkdir(parents=True, exist_ok=True)
+            if opts.overwrite and not opts.resume_from_checkpoint:
+                clear_previous_run(out)
+            atomic_write_json(out / RUN_CONFIG, {**opts.to_json(), "precision": run.precision,
+                                                      "world_size": run.world})
+            if start_step:
+                keep_metrics_up_to(out / METRICS, start_step)
+            if opts.report_to == "tensorboard":
+                writer = _tensorboard_writer(out / opts.logging_dir)
+            if opts.validate_at_start and opts.validation_prompt and not start_step:
+                run_validation(run, 0, writer)  # before anything trained: what the base model draws
+        run.sync.wait()  # rank 0 may have cleared a large previous run
+        metrics = open(out / METRICS, "a") if main else None  # noqa: SIM115 (closed below)
+
+        global_batch = run.samples_per_step
+        # A bar on a terminal; under mpirun or in a log file, one plain line every ~5% of the run.
+        interactive = main and sys.stderr.isatty()
+        bar = tqdm(total=run.max_steps, initial=start_step, disable=not interactive, desc="train", unit="step")
+        log_every = max(1, run.max_steps // 20)
+        forecast = Forecast.for_run(run.max_steps, start_step) if main else None
+        loss_value: float | None = None
+        preempt.defer_term(True)
         for step in range(start_step, run.max_steps):
             started = time.perf_counter()
             loss = train_step(run, step)
@@ -740,7 +744,8 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
         result_path = _finish(run, writer) if main else None
     finally:
         preempt.defer_term(False)
-        bar.close()
+        if bar:
+            bar.close()
         if metrics:
             metrics.close()
         if writer:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 
 from xeontune.io import atomic_path
 from xeontune.train.data import is_image_file, sample_generator
@@ -31,7 +32,17 @@ CLASS_IMAGE_SEED = 0xC1A55_1A6E  # the class images' seeds, apart from every tra
 
 
 def class_image_names(class_dir: Path) -> list[str]:
-    return sorted(p.name for p in class_dir.iterdir() if is_image_file(p)) if class_dir.is_dir() else []
+    """The readable images of DIR: a damaged one counts as missing (a generated one is drawn again)."""
+    return sorted(p.name for p in class_dir.iterdir() if is_image_file(p) and _readable(p)) if class_dir.is_dir() else []
+
+
+def _readable(path: Path) -> bool:
+    try:
+        with Image.open(path) as img:
+            img.verify()  # the whole file's structure (PNG: every chunk's CRC), without decoding pixels
+        return True
+    except Exception:  # PIL raises many kinds for damaged files; any of them means unusable
+        return False
 
 
 def missing_names(have: list[str], wanted: int) -> list[str]:

@@ -79,6 +79,7 @@ class Lora(Method):
 
         opts = self.opts
         self.family = components.family
+        self.base_model_version = kohya_model_version(components)
         if self.token:
             self.token.install(components)  # its rows are spliced in before peft wraps the encoders' layers
         self.models = {"unet": components.unet}
@@ -237,7 +238,8 @@ class Lora(Method):
             kohya[key] = value.contiguous()
         metadata = {"ss_network_module": "networks.lora", "ss_network_dim": str(self.opts.rank),
                     "ss_network_alpha": str(self.alpha), "ss_steps": str(step),
-                    "ss_base_model_version": "sdxl_base_v1-0" if self.family == "sdxl" else "sd_v1"}
+                    "ss_base_model_version": self.base_model_version,
+                    "ss_v2": str(self.base_model_version.startswith("sd_v2"))}
         with atomic_path(path, durable=True) as tmp:
             save_file(kohya, str(tmp), metadata=metadata)
         return path
@@ -266,3 +268,15 @@ class Lora(Method):
         pipeline.unload_lora_weights()
         with self.token.merged_into(pipeline) if self.token else contextlib.nullcontext():
             yield
+
+
+def kohya_model_version(components: Any) -> str:
+    """What kohya's metadata calls the base model (``ss_base_model_version``, which A1111 reads to tell
+    SD1 from SD2 LoRAs): SD2's UNet projects attention with Linear layers, SD1's with 1x1 convolutions;
+    a v-prediction SD2 (768 px) takes ``_v``, as kohya's sd-scripts write it."""
+    if components.family == "sdxl":
+        return "sdxl_base_v1-0"
+    if not getattr(components.unet.config, "use_linear_projection", False):
+        return "sd_v1"
+    v = getattr(components.noise_scheduler.config, "prediction_type", "epsilon") == "v_prediction"
+    return "sd_v2_v" if v else "sd_v2"
