@@ -80,8 +80,10 @@ class Lora(Method):
         opts = self.opts
         self.family = components.family
         self.base_model_version = kohya_model_version(components)
+        token_rows = []
         if self.token:
             self.token.install(components)  # its rows are spliced in before peft wraps the encoders' layers
+            token_rows = self.token.parameters()
         self.models = {"unet": components.unet}
         if opts.train_text_encoder:
             self.models.update(zip(ENCODER_NAMES, components.text_encoders, strict=False))
@@ -98,6 +100,8 @@ class Lora(Method):
                     raise UserError(f"--lora-targets {opts.lora_targets}: {str(exc).splitlines()[0]}") from None
         for _, p in self.named_parameters():
             p.data = p.data.float()
+        for p in token_rows:  # peft froze every parameter of the models it wrapped but its own: these too
+            p.requires_grad_(True)
         # Loaded models are in eval mode, which would switch the adapters' dropout off while training.
         self.dropouts = [m for model in self.models.values() for name, m in model.named_modules()
                          if ".lora_dropout." in name and isinstance(m, nn.Dropout)]
