@@ -184,6 +184,26 @@ def test_masks_are_cropped_and_scaled_as_their_images_and_mirrored_with_them(fol
         load_masks(paths, 64, False)
 
 
+def test_mask_mistakes_are_one_line_errors_before_the_model_loads(tiny_model, folder, tmp_path, capsys, caplog):
+    """A mask beside no image (a typo), one not named NAME.mask.png (it was trained as a picture), and
+    masks that leave nothing to learn: one line each; a single black mask: a warning naming it."""
+    args = train_args(tiny_model, folder, tmp_path / "out", *LORA, "--instance-prompt", "a photo of sks toy")
+    Image.new("L", (64, 64), 255).save(folder / "toy_9.mask.png")
+    assert "toy_9.mask.png has no image beside it" in one_line_error(capsys, args)
+    (folder / "toy_9.mask.png").rename(folder / "toy_01.mask.jpg")
+    _, paths, _ = load_images_with_crops(folder, 64, False)
+    assert len(paths) == 6  # not a seventh training image
+    assert "masks are named toy_01.mask.png" in one_line_error(capsys, args)
+    (folder / "toy_01.mask.jpg").unlink()
+    for i in range(6):
+        Image.new("L", (64, 64), 0).save(folder / f"toy_0{i}.mask.png")
+    assert "every image's mask" in one_line_error(capsys, args) and not (tmp_path / "out").exists()
+    for i in range(1, 6):
+        (folder / f"toy_0{i}.mask.png").unlink()
+    caplog.clear()
+    assert load_masks(paths, 64, False) is not None and "toy_00.mask.png is black all over" in caplog.text
+
+
 @pytest.mark.slow
 def test_all_white_masks_train_exactly_as_no_masks(tiny_model, folder, tmp_path):
     args = (*LORA, "--instance-prompt", "a photo of sks toy")

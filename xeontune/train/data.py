@@ -33,13 +33,33 @@ MASK_SUFFIX = ".mask.png"  # IMAGE.mask.png beside IMAGE.jpg: white = learn, bla
 
 
 def is_image_file(path: Path) -> bool:
-    """A training image of the folder: not hidden, an image suffix, not another image's mask."""
+    """A training image of the folder: not hidden, an image suffix, not a mask (``NAME.mask.<suffix>``)."""
     return (path.is_file() and not path.name.startswith(".") and path.suffix.lower() in IMAGE_SUFFIXES
-            and not path.name.lower().endswith(MASK_SUFFIX))
+            and not _is_mask_name(path))
+
+
+def _is_mask_name(path: Path) -> bool:
+    return Path(path.stem).suffix.lower() == ".mask"
 
 
 def mask_path(image: Path) -> Path:
     return image.with_name(image.stem + MASK_SUFFIX)
+
+
+def check_mask_files(data_dir: str | Path) -> None:
+    """Every mask of the folder belongs to an image and is named as one: a mask beside no image (a typo)
+    or in another format would otherwise be silently unused."""
+    root = Path(data_dir)
+    stems = {p.stem for p in root.iterdir() if is_image_file(p)}
+    for path in sorted(root.iterdir()):
+        if path.name.startswith(".") or path.suffix.lower() not in IMAGE_SUFFIXES or not _is_mask_name(path):
+            continue
+        image_stem = Path(path.stem).stem
+        if not path.name.endswith(MASK_SUFFIX):
+            raise UserError(f"mask {path}: masks are named {image_stem}{MASK_SUFFIX} (a PNG; white = learn, "
+                            "black = ignore)")
+        if image_stem not in stems:
+            raise UserError(f"mask {path} has no image beside it (an image named {image_stem}.png, .jpg, ...)")
 
 OBJECT_TEMPLATES = (
     "a photo of a {}",
@@ -181,7 +201,10 @@ def load_masks(paths: list[Path], resolution: int, center_crop: bool,
                     small = upright.resize((width // 8, height // 8), Image.BOX)
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
             raise UserError(f"mask {mask} is not a readable image ({exc.__class__.__name__})") from None
-        masks.append(torch.from_numpy(np.asarray(small, dtype=np.float32) / 255.0)[None])
+        weights = torch.from_numpy(np.asarray(small, dtype=np.float32) / 255.0)[None]
+        if not weights.any():
+            log.warning("mask %s is black all over: its image teaches nothing (white marks what trains)", mask)
+        masks.append(weights)
     return torch.stack(masks)
 
 

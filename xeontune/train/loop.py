@@ -41,6 +41,7 @@ from xeontune.train.data import (
     Batch,
     Latents,
     SamplePlan,
+    check_mask_files,
     encode_latents,
     image_set_digest,
     load_masks,
@@ -454,10 +455,14 @@ def setup(
     if opts.resume_from_checkpoint and main:
         resume_path, resume_data = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
     images = load_training_images(opts)  # in aspect-ratio buckets where --buckets says so
+    check_mask_files(opts.data_dir)
     image_paths = images.paths
     sync.check_same(image_set_digest(image_paths), "training images")
     masks = [load_masks([image_paths[i] for i in part.members], opts.resolution, opts.center_crop,
                         part.size if images.bucketed else None) for part in images.parts]
+    if all(m is not None and not m.any() for m in masks):
+        raise UserError(f"every image's mask in {opts.data_dir} is black all over, so nothing would train: "
+                        "white marks what the loss counts (IMAGE.mask.png)")
     given = image_prompts(opts.data_dir, image_paths, instance_prompt=opts.instance_prompt,
                           caption_column=opts.caption_column)
     sync.check_same(prompts_digest(given), "training prompts")
