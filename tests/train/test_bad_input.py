@@ -54,6 +54,9 @@ def test_a_missing_data_dir_is_said_before_the_heavy_imports(base_args, tmp_path
 def test_empty_data_dir(capsys, base_args, tmp_path):
     (tmp_path / "empty").mkdir()
     assert_one_line_error(capsys, replace(base_args, "--data-dir", str(tmp_path / "empty")), tmp_path / "out", "is empty")
+    (tmp_path / "empty" / "photos").mkdir()  # the images one folder too deep: said so, not "empty"
+    assert_one_line_error(capsys, replace(base_args, "--data-dir", str(tmp_path / "empty")), tmp_path / "out",
+                          "holds no files, only folders (photos)")
 
 
 def test_no_readable_image(capsys, base_args, tmp_path):
@@ -187,8 +190,12 @@ def test_output_dir_holding_another_run(capsys, base_args, tmp_path):
     before = (tmp_path / "out" / "learned_embeds.safetensors").read_bytes()
     rc, errors = run_cli(capsys, args)
     assert rc == 2 and len(errors) == 1 and "--overwrite" in errors[0]
+    assert "it left no checkpoint" in errors[0] and "--resume-from-checkpoint" not in errors[0]  # none to resume
     assert (tmp_path / "out" / "learned_embeds.safetensors").read_bytes() == before
-    assert main(["train", *args, "--overwrite"]) == 0
+    assert main(["train", *args, "--overwrite", "--checkpointing-steps", "1"]) == 0
+    rc, errors = run_cli(capsys, args)
+    assert rc == 2 and len(errors) == 1 and "--resume-from-checkpoint latest to continue it" in errors[0]
+    shutil.rmtree(tmp_path / "out" / "checkpoint-1")
 
     # a run that ended before its first step left only its config and an empty log: the same command
     # runs again without --overwrite (it said "holds another run" for a run that had trained nothing)

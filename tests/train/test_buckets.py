@@ -15,6 +15,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from xeontune.cli import main
+from xeontune.errors import UserError
 from xeontune.train.buckets import bucket_sizes, fit_to_bucket, load_training_images, nearest_bucket
 from xeontune.train.data import Latents, SamplePlan
 from xeontune.train.options import parse_args
@@ -85,6 +86,9 @@ def test_auto_buckets_only_where_some_image_is_not_nearest_the_square(sample_ima
     # images stay square at 72, not cut to the squarest bucket (80x64)
     odd = load(sample_images, "--resolution", "72")
     assert not odd.bucketed and odd.parts[0].pixels.shape == (6, 3, 72, 72)
+    # ... and images of several shapes are refused there, not a square photo cut to 1:2
+    with pytest.raises(UserError, match="give a --resolution that is one too"):
+        load(tmp_path / "shaped", "--resolution", "72")
 
 
 def test_each_global_micro_batch_is_one_bucket_and_every_image_comes_once_an_epoch():

@@ -99,6 +99,8 @@ def test_pivotal_mistakes_are_one_line_errors(tiny_model, sample_images, tmp_pat
     lora_only = ["train", "--method", "lora", "--instance-prompt", "x", *base[base.index("--model"):]]
     assert "--train-token-fraction needs --placeholder-token" in one_line_error(
         capsys, lora_only + ["--train-token-fraction", "0.5"])
+    assert "--num-vectors and --learnable-property need --placeholder-token (pivotal tuning)" in one_line_error(
+        capsys, lora_only + ["--num-vectors", "2", "--learnable-property", "style"])
     line = one_line_error(capsys, base + ["--instance-prompt", "a photo of a toy"])
     assert "no prompt contains --placeholder-token <sks>" in line
     assert not (tmp_path / "out").exists()

@@ -136,6 +136,15 @@ def test_prior_preservation_mistakes_are_one_line_errors(tiny_model, sample_imag
     at = args.index("--with-prior-preservation")
     assert "need --with-prior-preservation" in one_line_error(capsys, args[:at] + args[at + 1:])
     assert "--sample-batch-size must be at least 1" in one_line_error(capsys, args + ["--sample-batch-size", "0"])
+    # a prior-preservation option without it would change nothing: said, not ignored
+    lora_only = args[:at] + args[at + 1:args.index("--class-data-dir")] + args[args.index("--prior-loss-weight") + 2:]
+    assert main(lora_only + ["--num-class-images", "3", "--prior-loss-weight", "0.5"]) == 2
+    assert "--num-class-images and --prior-loss-weight need --with-prior-preservation" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    at = args.index("--class-data-dir") + 1
+    assert "--class-data-dir " + str(tmp_path / "afile") + " is a file" in one_line_error(
+        capsys, args[:at] + [str(tmp_path / "afile")] + args[at + 1:])
+    assert "is the --data-dir" in one_line_error(capsys, args[:at] + [str(sample_images)] + args[at + 1:])
     ti = ["train", "--placeholder-token", "<x>", "--initializer-token", "toy", "--with-prior-preservation",
           *args[args.index("--class-data-dir"):args.index("--prior-loss-weight")], "--model", str(tiny_model),
           "--data-dir", str(sample_images)]

@@ -99,6 +99,10 @@ def load_training_images(opts: Any) -> TrainingImages:
     if opts.buckets == "off" or not chosen or (opts.buckets == "auto" and all(c == squarest for c in chosen)):
         pixels, crops = fit_square(upright, opts.resolution, opts.center_crop)
         return TrainingImages(paths, [BucketImages(square, pixels, crops, list(range(len(paths))))], bucketed=False)
+    if square not in sizes:  # auto, images of several shapes: without a square bucket a square photo is cut to 1:2
+        raise UserError(f"the images are of several shapes, so --buckets auto puts them in aspect-ratio buckets, "
+                        f"whose sides are multiples of --bucket-step {opts.bucket_step}: give a --resolution "
+                        f"that is one too, a smaller --bucket-step, or --buckets off (square crops)")
     parts = []
     for size in sizes:
         members = [i for i, c in enumerate(chosen) if c == size]

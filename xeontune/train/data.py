@@ -122,6 +122,10 @@ def read_images(data_dir: str | Path, limit: int | None = None) -> Iterator[tupl
     root = Path(data_dir)
     require_dir(root, "data dir")
     if not any(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
+        folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if folders:
+            raise UserError(f"data dir {root} holds no files, only folders ({', '.join(folders[:3])}): the images "
+                            "must be in it, not in folders below it")
         raise UserError(f"data dir {root} is empty")
     found = 0
     for path in sorted(p for p in root.iterdir() if is_image_file(p)):

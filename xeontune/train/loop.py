@@ -377,6 +377,15 @@ def make_accelerator(opts: TrainOptions):
     )
 
 
+def check_class_dir(opts: TrainOptions) -> None:
+    class_dir, data_dir = Path(opts.class_data_dir), Path(opts.data_dir)
+    if class_dir.exists() and not class_dir.is_dir():
+        raise UserError(f"--class-data-dir {class_dir} is a file, not a folder")
+    if class_dir.resolve() == data_dir.resolve():
+        raise UserError(f"--class-data-dir {class_dir} is the --data-dir: generated class images would become "
+                        "training images of the subject; give the class images a folder of their own")
+
+
 def check_output_dir(opts: TrainOptions) -> Path:
     out = Path(opts.output_dir)
     blocker = file_in_the_way(out)
@@ -395,9 +404,11 @@ def check_output_dir(opts: TrainOptions) -> Path:
     if set(previous) <= {RUN_CONFIG, metrics.name} and (not metrics.is_file() or metrics.stat().st_size == 0):
         return out  # a run that ended before its first step: nothing to lose, and the same command may retry
     if previous and not opts.overwrite:
+        resumable = checkpoint.list_checkpoints(out)
         raise UserError(
-            f"--output-dir {out} holds another run ({', '.join(previous[:3])}); "
-            "pass --overwrite to replace it or --resume-from-checkpoint latest to continue it"
+            f"--output-dir {out} holds another run ({', '.join(previous[:3])}); pass --overwrite to replace it"
+            + (" or --resume-from-checkpoint latest to continue it" if resumable else " (it left no checkpoint "
+               "to continue from)")
         )
     if previous and not (out / RUN_CONFIG).is_file():
         raise UserError(
@@ -450,6 +461,8 @@ def setup(
     # Everything that can fail on the user's input is checked before anything is written. The output
     # dir and the checkpoint are rank 0's: without a shared filesystem the other ranks have neither.
     output_dir = check_output_dir(opts) if main else Path(opts.output_dir)
+    if opts.with_prior_preservation:
+        check_class_dir(opts)
     resume_path: Path | None = None
     resume_data: bytes | None = None
     if opts.resume_from_checkpoint and main:

@@ -424,6 +424,19 @@ def _check_method_options(o: TrainOptions) -> None:
             setattr(o, name, value)
 
 
+PRIOR_ONLY = ("class_data_dir", "class_prompt", "num_class_images", "prior_loss_weight", "class_inference_steps",
+              "sample_batch_size")
+PIVOTAL_ONLY = ("num_vectors", "learnable_property", "train_token_fraction")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in _fields() if f.name == name)
+
+
 def require_dir(path: str | Path, what: str) -> None:
     """A one-line error unless ``path`` is a folder (light: the entry point checks --data-dir with it
     before importing torch, and reading the images checks it again)."""
@@ -483,14 +496,10 @@ def validate(o: TrainOptions) -> TrainOptions:
         (0.0 < o.train_token_fraction <= 1.0, "--train-token-fraction must be in (0, 1]"),
         (not o.with_prior_preservation or (o.class_data_dir and o.class_prompt),
          "--with-prior-preservation needs --class-data-dir and --class-prompt"),
-        (o.with_prior_preservation or (o.class_data_dir is None and o.class_prompt is None),
-         "--class-data-dir and --class-prompt need --with-prior-preservation"),
         (o.num_class_images >= 1, "--num-class-images must be at least 1"),
         (finite(o.prior_loss_weight) and o.prior_loss_weight >= 0, "--prior-loss-weight must be >= 0"),
         (o.class_inference_steps >= 1, "--class-inference-steps must be at least 1"),
         (o.sample_batch_size >= 1, "--sample-batch-size must be at least 1"),
-        (o.train_token_fraction == 1.0 or o.placeholder_token is not None,
-         "--train-token-fraction needs --placeholder-token (pivotal tuning)"),
         (o.method != "lora" or (o.placeholder_token is None) == (o.initializer_token is None),
          "pivotal tuning needs both --placeholder-token and --initializer-token"),
         (bool(o.lora_target_names), "--lora-targets must name at least one module"),
@@ -498,6 +507,13 @@ def validate(o: TrainOptions) -> TrainOptions:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    # An option that would change nothing is a mistake to say, not to ignore (a user believes it acts).
+    for needed, names in (("--with-prior-preservation", () if o.with_prior_preservation else PRIOR_ONLY),
+                          ("--placeholder-token (pivotal tuning)",
+                           PIVOTAL_ONLY if o.method == "lora" and o.placeholder_token is None else ())):
+        stray = [_flag(n) for n in names if getattr(o, n) != _default(n)]
+        if stray:
+            raise UserError(f"{' and '.join(stray)} {'needs' if len(stray) == 1 else 'need'} {needed}")
     if not o.random_flip:
         o.flip_p = 0.0
     return o
