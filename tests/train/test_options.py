@@ -69,6 +69,7 @@ def test_config_file_errors(tmp_path):
     (["--train-batch-size", "0"], "--train-batch-size"),
     (["--seed", str(3 * 10**15)], "--seed must be between 0 and 4294967295"),  # overflowed the sample plan's seeds
     (["--seed", "-1"], "--seed must be between 0"),
+    (["--validate-at-start"], "--validate-at-start needs --validation-prompt"),
 ])
 def test_invalid_values(flags, message):
     with pytest.raises(UserError, match=message):

@@ -63,6 +63,9 @@ def test_the_instance_prompt_fills_in_for_uncaptioned_images_and_nothing_gives_n
     ("two captions", "toy_01.png has two different captions"),
     ("no column", "has no text field 'text' (--caption-column; its fields: caption)"),
     ("not json", "line 1 is not JSON"),
+    ("empty caption", "caption {folder}/toy_03.txt is empty"),
+    ("empty metadata caption", "the caption of 'toy_01.png' is empty"),
+    ("column without metadata", "--caption-column caption: names a field of metadata.jsonl"),
 ])
 def test_bad_caption_folders_are_one_line_errors(folder, mistake, message):
     if mistake == "uncaptioned":
@@ -77,10 +80,16 @@ def test_bad_caption_folders_are_one_line_errors(folder, mistake, message):
         (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "toy_01.png", "text": "a cat"}) + "\n")
     elif mistake == "no column":
         (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "toy_01.png", "caption": "x"}) + "\n")
+    elif mistake == "empty caption":
+        (folder / "toy_03.txt").write_text(" \n")
+    elif mistake == "empty metadata caption":
+        (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "toy_01.png", "text": " "}) + "\n")
+    elif mistake == "column without metadata":
+        (folder / "toy_01.txt").write_text("a toy")
     else:
         (folder / "metadata.jsonl").write_text("{file_name: toy_01.png}\n")
     with pytest.raises(UserError) as err:
-        prompts_of(folder)
+        prompts_of(folder, **({"caption_column": "caption"} if mistake == "column without metadata" else {}))
     assert message.format(folder=folder) in str(err.value) and "\n" not in str(err.value)
 
 

@@ -52,7 +52,7 @@ PREPACK_ENV = "XEONTUNE_IPEX_PREPACK"
 def prepare_frozen_models(
     unet: nn.Module, vae: nn.Module, *, precision: str, ipex: str = "auto", compile: bool = False,
     pack: str = "auto", checkpointing: bool = False, step_bytes: int | None = None, family: str = "sd",
-    agree: Callable[[bool], bool] | None = None,
+    agree: Callable[[bool], bool] | None = None, ipex_off_because: str = "--ipex off",
 ) -> tuple[nn.Module, nn.Module, list[str]]:
     """Return (unet, vae, notes): the models to train with and one line per decision taken.
 
@@ -81,7 +81,7 @@ def prepare_frozen_models(
         if auto_pack[0] and not everyone:
             auto_pack = (False, "not used (another rank of this run would not pack: every rank runs the same layers)")
     if ipex == "off":
-        notes.append("IPEX: off (--ipex off)")
+        notes.append(f"IPEX: off ({ipex_off_because})")
     elif ipex == "auto" and auto_pack[0]:
         # decided before IPEX is imported: importing it alone swaps in some of its kernels
         notes.append("IPEX: not used (" + (

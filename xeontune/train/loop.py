@@ -495,18 +495,18 @@ def setup(
     beside_unet = sum(module_bytes(m) for m in (*components.text_encoders, components.vae))
     method.install(components)  # before packing and compiling: they act on the models as the method left them
     notes: list[str] = []
-    ipex = opts.ipex
+    ipex, ipex_off_because = opts.ipex, "--ipex off"
     if not method.uses_ipex:
         if ipex == "on":
             raise UserError(f"--ipex on: --method {opts.method} does not run on IPEX; use --ipex off")
-        ipex = "off"
+        ipex, ipex_off_because = "off", f"--method {opts.method} does not run on it"
     if not shared:
         components.unet, components.vae, notes = prepare_frozen_models(
             components.unet, components.vae, precision=precision, ipex=ipex, compile=opts.compile,
             pack=opts.pack_weights, checkpointing=opts.gradient_checkpointing,
             step_bytes=placement.rank_memory_bytes(beside_unet, opts.resolution, opts.train_batch_size,
                                                    components.family, opts.gradient_checkpointing, precision),
-            family=components.family, agree=sync.all_true,
+            family=components.family, agree=sync.all_true, ipex_off_because=ipex_off_because,
         )
     if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
@@ -583,6 +583,8 @@ def setup(
         lr_scheduler.load_state_dict(state.lr_scheduler)
         checkpoint.restore_rng(state.rng)
         run.checkpoint_on_disk = resume_path
+        if main:
+            log.info("resumed from %s at step %d", where, state.step)
         if state.samples_per_step not in (None, run.samples_per_step) and main:
             log.warning("%s was written at a batch of %d a step (--train-batch-size x ranks x "
                         "--gradient-accumulation-steps), this run's is %d: it trains on from step %d, but "

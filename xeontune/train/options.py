@@ -118,7 +118,8 @@ class TrainOptions:
     adam_beta2: float = opt(0.999, "AdamW beta2")
     adam_weight_decay: float = opt(1e-2, "AdamW weight decay")
     adam_epsilon: float = opt(1e-8, "AdamW epsilon")
-    max_grad_norm: float | None = opt(None, "clip the gradient norm of the vectors to this (off by default)")
+    max_grad_norm: float | None = opt(None, "clip the gradient norm of what trains (the token's vectors, the adapters) "
+                                            "to this (off by default)")
     seed: int = opt(0, "seed of every random choice (samples, noise, timesteps, validation)")
     # hardware
     mixed_precision: str = opt("auto", "auto: bf16 only where the CPU has AMX or AVX512-BF16, else fp32",
@@ -155,10 +156,11 @@ class TrainOptions:
     overwrite: bool = opt(False, "replace the outputs of a previous run in --output-dir", group="outputs")
     save_format: str = opt("diffusers", "learned_embeds format: diffusers ({token: vectors}) or a1111 (emb_params)",
                            choices=("diffusers", "a1111"), group="outputs")
-    save_steps: int = opt(500, "also write learned_embeds-steps-N.safetensors every N steps (0: never)",
+    save_steps: int = opt(500, "also write a copy of the outputs every N steps (learned_embeds-steps-N"
+                          ".safetensors; LoRA: pytorch_lora_weights[_kohya]-steps-N.safetensors; 0: never)",
                           group="outputs")
-    save_as_full_pipeline: bool = opt(False, "also save the whole pipeline with the new token under "
-                                      "OUTPUT_DIR/pipeline", group="outputs")
+    save_as_full_pipeline: bool = opt(False, "also save the whole pipeline under OUTPUT_DIR/pipeline, with the new "
+                                      "token in it (LoRA: fused into its weights)", group="outputs")
     checkpointing_steps: int = opt(500, "write a resumable checkpoint every N steps (0: never)", group="outputs")
     checkpoints_total_limit: int | None = opt(None, "keep at most this many checkpoints", group="outputs")
     resume_from_checkpoint: str | None = opt(None, "a checkpoint dir, or 'latest' in --output-dir",
@@ -481,6 +483,7 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.num_validation_images >= 1, "--num-validation-images must be at least 1"),
         (o.validation_steps >= 0, "--validation-steps must be >= 0"),
         (o.validation_inference_steps >= 1, "--validation-inference-steps must be at least 1"),
+        (not o.validate_at_start or o.validation_prompt, "--validate-at-start needs --validation-prompt"),
         (o.save_steps >= 0 and o.checkpointing_steps >= 0, "--save-steps and --checkpointing-steps must be >= 0"),
         (o.checkpoints_total_limit is None or o.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1"),
         (o.max_grad_norm is None or o.max_grad_norm > 0, "--max-grad-norm must be positive"),

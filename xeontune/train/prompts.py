@@ -50,10 +50,18 @@ def read_captions(data_dir: Path, caption_column: str) -> dict[str, tuple[str, s
             raise UserError(f"caption {path} has no image beside it (an image named {path.stem}.png, .jpg, ...)")
         if len(owners) > 1:
             raise UserError(f"caption {path} could belong to {' or '.join(sorted(owners))}; rename one of them")
-        captions[owners[0]] = (_read_text(path), str(path))
+        text = _read_text(path)
+        if not text:
+            raise UserError(f"caption {path} is empty: write {owners[0]}'s caption in it, or delete it (the image "
+                            "then takes --instance-prompt)")
+        captions[owners[0]] = (text, str(path))
     metadata = data_dir / METADATA_FILE
+    if caption_column != "text" and not metadata.is_file():
+        raise UserError(f"--caption-column {caption_column}: names a field of {METADATA_FILE}, and {data_dir} has none")
     if metadata.is_file():
         for where, name, text in _metadata_lines(metadata, caption_column):
+            if not text:
+                raise UserError(f"{where}: the caption of {name!r} is empty")
             if name not in image_names:
                 raise UserError(f"{where}: file_name {name!r} is not an image in {data_dir}")
             if name in captions and captions[name][0] != text:
