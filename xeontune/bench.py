@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -287,6 +288,15 @@ def resolve_model(model: str, models_dir: str) -> Path:
     return path
 
 
+def class_images_beside(data: Path) -> Path:
+    """A class folder holding copies of the sample images (the trainer refuses its own data dir as one):
+    the timed step is the same with any class images, and none need generating."""
+    class_dir = data.with_name(data.name + "-class")
+    if not class_dir.is_dir():
+        shutil.copytree(data, class_dir)
+    return class_dir
+
+
 def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace, variant: str):
     """The trainer's options for one variant: the baseline differs only in the benchmark switches (and
     never packs): VAE every step, and textual inversion's whole token table or LoRA's text encoder every step."""
@@ -296,9 +306,9 @@ def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace
     own = ({"placeholder_token": TOKEN, "initializer_token": "toy", "train_full_table": variant == "baseline"}
            if method == "textual_inversion" else
            {"instance_prompt": INSTANCE_PROMPT, "rank": args.rank, "cache_text": variant != "baseline",
-            **({"with_prior_preservation": True, "class_data_dir": str(data), "class_prompt": CLASS_PROMPT,
-                "num_class_images": len(list(data.iterdir()))} if getattr(args, "with_prior_preservation", False)
-               else {})})
+            **({"with_prior_preservation": True, "class_data_dir": str(class_images_beside(data)),
+                "class_prompt": CLASS_PROMPT, "num_class_images": len(list(data.iterdir()))}
+               if getattr(args, "with_prior_preservation", False) else {})})
     return validate(TrainOptions(
         method=method, model=str(model), data_dir=str(data), **own,
         resolution=args.resolution, train_batch_size=args.batch_size, max_train_steps=args.warmup + args.steps,

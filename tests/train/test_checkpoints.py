@@ -192,6 +192,7 @@ def test_resuming_at_or_past_the_last_step_and_the_final_outputs(base_args, tmp_
     assert main(["train", *common, *steps, "--resume-from-checkpoint", "latest"]) == 0
     assert (state.stat().st_ino, state.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     # another batch: the data position is step x batch, so the run says it draws other images
+    caplog.set_level(logging.WARNING, logger="xeontune.train")
     caplog.clear()
     assert main(["train", *common, *steps, "--output-dir", str(tmp_path / "batch2"), "--train-batch-size", "2",
                  "--resume-from-checkpoint", str(out / "checkpoint-3")]) == 0
