@@ -516,7 +516,11 @@ def test_the_env_file_of_a_cancelled_job_is_deleted_once_slurm_says_it_ended(on_
         time.sleep(0.5)
     pids = rank_pids(str(out))
     assert len(pids) == 3 and env_file.exists(), on_slurm.log()
-    assert b"XT_SECRET=s3cret" in Path(f"/proc/{pids[0]}/environ").read_bytes()
+    environ, deadline = b"", time.monotonic() + 30
+    while not environ and time.monotonic() < deadline:  # it reads empty while a rank execs itself anew (tcmalloc)
+        environ = Path(f"/proc/{pids[0]}/environ").read_bytes()
+        time.sleep(0.1)
+    assert b"XT_SECRET=s3cret" in environ
     assert on_slurm.run("scancel", job.scheduler_id).returncode == 0
     assert main(["logs", "--name", "ev", "-f"]) == 1
     assert "ended CANCELLED without an exit status" in capsys.readouterr().err
