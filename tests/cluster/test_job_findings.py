@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,17 +21,7 @@ from xeontune.job import fetch, record, spec, start
 from xeontune.job.record import JobInfo
 
 REQUIRED = ["--model", "org/model", "--placeholder-token", "<t>", "--initializer-token", "toy"]
-# A folder of images here: run copies --data-dir from this machine, reading it first as a rank would
-DATA = tempfile.mkdtemp(prefix="xeontune-findings-data-")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _sample_data() -> Iterator[None]:
-    from xeontune import models
-
-    models.write_sample_data(Path(DATA), count=2, size=32)
-    yield
-    shutil.rmtree(DATA, ignore_errors=True)
+DATA = str(Path(__file__).parent)  # a folder that exists: run copies --data-dir from this machine
 
 
 @pytest.fixture
