@@ -377,15 +377,6 @@ def make_accelerator(opts: TrainOptions):
     )
 
 
-def check_class_dir(opts: TrainOptions) -> None:
-    class_dir, data_dir = Path(opts.class_data_dir), Path(opts.data_dir)
-    if class_dir.exists() and not class_dir.is_dir():
-        raise UserError(f"--class-data-dir {class_dir} is a file, not a folder")
-    if class_dir.resolve() == data_dir.resolve():
-        raise UserError(f"--class-data-dir {class_dir} is the --data-dir: generated class images would become "
-                        "training images of the subject; give the class images a folder of their own")
-
-
 def check_output_dir(opts: TrainOptions) -> Path:
     out = Path(opts.output_dir)
     blocker = file_in_the_way(out)
@@ -462,7 +453,7 @@ def setup(
     # dir and the checkpoint are rank 0's: without a shared filesystem the other ranks have neither.
     output_dir = check_output_dir(opts) if main else Path(opts.output_dir)
     if opts.with_prior_preservation:
-        check_class_dir(opts)
+        prior.check_class_dir(opts)
     resume_path: Path | None = None
     resume_data: bytes | None = None
     if opts.resume_from_checkpoint and main:

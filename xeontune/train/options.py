@@ -419,8 +419,7 @@ def _check_method_options(o: TrainOptions) -> None:
         owner = method_of_option(f)
         shared = o.method in SHARED_WITH.get(f.name, ())
         if owner not in (None, o.method) and not shared and getattr(o, f.name) != f.default:
-            flag = "--" + f.name.replace("_", "-")
-            raise UserError(f"{flag} is an option of --method {owner}, not of --method {o.method}")
+            raise UserError(f"{_flag(f.name)} is an option of --method {owner}, not of --method {o.method}")
     for name, value in METHOD_DEFAULTS[o.method].items():
         if getattr(o, name) is None:
             setattr(o, name, value)
@@ -435,8 +434,6 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _default(name: str) -> Any:
-    return next(f.default for f in _fields() if f.name == name)
 
 
 def require_dir(path: str | Path, what: str) -> None:
@@ -514,7 +511,7 @@ def validate(o: TrainOptions) -> TrainOptions:
     for needed, names in (("--with-prior-preservation", () if o.with_prior_preservation else PRIOR_ONLY),
                           ("--placeholder-token (pivotal tuning)",
                            PIVOTAL_ONLY if o.method == "lora" and o.placeholder_token is None else ())):
-        stray = [_flag(n) for n in names if getattr(o, n) != _default(n)]
+        stray = [_flag(n) for n in names if getattr(o, n) != getattr(TrainOptions, n)]
         if stray:
             raise UserError(f"{' and '.join(stray)} {'needs' if len(stray) == 1 else 'need'} {needed}")
     if not o.random_flip:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from xeontune.errors import UserError
 from xeontune.io import atomic_path
 from xeontune.train.data import is_image_file, sample_generator
 
@@ -29,6 +30,16 @@ log = logging.getLogger("xeontune.train")
 
 GENERATED = "class-{:05d}.png"
 CLASS_IMAGE_SEED = 0xC1A55_1A6E  # the class images' seeds, apart from every training stream
+
+
+def check_class_dir(opts: Any) -> None:
+    """Before anything loads: DIR must be a folder (or not exist yet), and not the --data-dir."""
+    class_dir, data_dir = Path(opts.class_data_dir), Path(opts.data_dir)
+    if class_dir.exists() and not class_dir.is_dir():
+        raise UserError(f"--class-data-dir {class_dir} is a file, not a folder")
+    if class_dir.resolve() == data_dir.resolve():
+        raise UserError(f"--class-data-dir {class_dir} is the --data-dir: generated class images would become "
+                        "training images of the subject; give the class images a folder of their own")
 
 
 def class_image_names(class_dir: Path) -> list[str]:
