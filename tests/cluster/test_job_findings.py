@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +23,17 @@ from xeontune.job import fetch, record, spec, start
 from xeontune.job.record import JobInfo
 
 REQUIRED = ["--model", "org/model", "--placeholder-token", "<t>", "--initializer-token", "toy"]
-DATA = str(Path(__file__).parent)  # a folder that exists: run copies --data-dir from this machine
+# A folder of images here: run copies --data-dir from this machine, reading it first as a rank would
+DATA = tempfile.mkdtemp(prefix="xeontune-findings-data-")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _sample_data() -> Iterator[None]:
+    from xeontune import models
+
+    models.write_sample_data(Path(DATA), count=2, size=32)
+    yield
+    shutil.rmtree(DATA, ignore_errors=True)
 
 
 @pytest.fixture

@@ -133,9 +133,9 @@ def marks(record) -> list[Path]:
 def test_a_failed_job_that_wrote_nothing_leaves_no_mark_on_a_reused_cluster(local_cluster, tiny, tmp_path):
     """A failed `run` on a reused cluster (its job stopped before its first file) left its job's
     mark, so the head's autostop kept the cluster billing for a day."""
-    (tmp_path / "empty").mkdir()
+    (tmp_path / "no-model").mkdir()  # a folder here, so run starts the job; the ranks find no pipeline in it
     proc = cli("run", "--provider", "local", "--name", local_cluster.name, "--",
-               *train_args({**tiny, "data": tmp_path / "empty"}, tmp_path / "out", 1, 2), env=OFFLINE)
+               *train_args({**tiny, "model": tmp_path / "no-model"}, tmp_path / "out", 1, 2), env=OFFLINE)
     assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"training failed (exit {proc.returncode}); the job wrote no outputs: nothing to fetch" in proc.stdout, \
         proc.stdout[-3000:]

@@ -185,12 +185,13 @@ def _error_line(capsys) -> str:
     return err[0]
 
 
-def test_run_without_sbatch_on_path_is_one_line(xeontune_home, monkeypatch, tmp_path, capsys):
+def test_run_without_sbatch_on_path_is_one_line(xeontune_home, monkeypatch, tmp_path, capsys, sample_images):
     from xeontune.cli import main
 
     monkeypatch.setenv("PATH", str(tmp_path))
     assert main(["run", "--provider", "slurm", "-n", "3", "--", "--model", "org/m", "--placeholder-token", "<t>",
-                 "--initializer-token", "toy", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "out")]) == 2
+                 "--initializer-token", "toy", "--data-dir", str(sample_images), "--output-dir",
+                 str(tmp_path / "out")]) == 2
     assert "no sbatch on PATH" in _error_line(capsys)
 
 

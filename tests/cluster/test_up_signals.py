@@ -37,8 +37,7 @@ from xeontune import cli
 from xeontune.cluster import state
 
 NOTHING = {"instances": [], "security_groups": [], "key_pairs": []}
-REQUIRED = ["--model", "org/model", "--placeholder-token", "<t>", "--initializer-token", "toy",
-            "--data-dir", str(Path(__file__).parent)]
+REQUIRED = ["--model", "org/model", "--placeholder-token", "<t>", "--initializer-token", "toy"]
 
 
 class Cloud:
@@ -176,12 +175,13 @@ def test_an_interrupted_rollback_says_what_is_left_and_how_to_delete_it(tmp_path
 
 
 @pytest.mark.slow
-def test_run_whose_up_rollback_is_interrupted_ends_with_what_is_left(tmp_path):
+def test_run_whose_up_rollback_is_interrupted_ends_with_what_is_left(tmp_path, sample_images):
     """`run`'s last line said "cluster 'X' was not created by this run and is kept" when its own
     `up` was interrupted while rolling back: it must say what may be left and how to delete it."""
     log = tmp_path / "run.log"
     argv = [sys.executable, "-m", "xeontune.cli", "run", "--provider", "aws", "-n", "2", "--name", "runhalf",
-            "--region", REGION, "--ssh-cidr", CIDR, "--", *REQUIRED, "--output-dir", str(tmp_path / "out")]
+            "--region", REGION, "--ssh-cidr", CIDR, "--", *REQUIRED, "--data-dir", str(sample_images), "--output-dir",
+            str(tmp_path / "out")]
     with proxied(hold=True) as (watch, url):
         proc = start(argv, url, log)
         wait_for(watch.waiting, proc, log, "waited for the nodes")

@@ -52,7 +52,7 @@ from xeontune.train.data import (
 from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
 from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, TFEVENTS_RE, VALIDATION_IMAGE_RE
-from xeontune.train.prompts import image_prompts, prompts_digest
+from xeontune.train.prompts import ImagePrompts, image_prompts, prompts_digest
 
 log = logging.getLogger("xeontune.train")
 
@@ -377,6 +377,28 @@ def make_accelerator(opts: TrainOptions):
     )
 
 
+def read_training_data(opts: TrainOptions) -> tuple[TrainingImages, list[torch.Tensor | None], ImagePrompts | None,
+                                                    methods.Method]:
+    """--data-dir as the run trains on it: its images (in buckets where --buckets says so), their masks
+    and prompts, and the method that checked the prompts. Every mistake in the folder is a one-line
+    error here, before a model loads; `xeontune run` calls this on the user's machine before it
+    creates a cluster, so a mistake costs no machine."""
+    if opts.with_prior_preservation:
+        prior.check_class_dir(opts)
+    images = load_training_images(opts)
+    check_mask_files(opts.data_dir)
+    masks = [load_masks([images.paths[i] for i in part.members], opts.resolution, opts.center_crop,
+                        part.size if images.bucketed else None) for part in images.parts]
+    if all(m is not None and not m.any() for m in masks):
+        raise UserError(f"every image's mask in {opts.data_dir} is black all over, so nothing would train: "
+                        "white marks what the loss counts (IMAGE.mask.png)")
+    given = image_prompts(opts.data_dir, images.paths, instance_prompt=opts.instance_prompt,
+                          caption_column=opts.caption_column)
+    method = methods.create(opts)
+    method.check_prompts(given)
+    return images, masks, given, method
+
+
 def check_output_dir(opts: TrainOptions) -> Path:
     out = Path(opts.output_dir)
     blocker = file_in_the_way(out)
@@ -452,26 +474,14 @@ def setup(
     # Everything that can fail on the user's input is checked before anything is written. The output
     # dir and the checkpoint are rank 0's: without a shared filesystem the other ranks have neither.
     output_dir = check_output_dir(opts) if main else Path(opts.output_dir)
-    if opts.with_prior_preservation:
-        prior.check_class_dir(opts)
     resume_path: Path | None = None
     resume_data: bytes | None = None
     if opts.resume_from_checkpoint and main:
         resume_path, resume_data = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
-    images = load_training_images(opts)  # in aspect-ratio buckets where --buckets says so
-    check_mask_files(opts.data_dir)
+    images, masks, given, method = read_training_data(opts)
     image_paths = images.paths
     sync.check_same(image_set_digest(image_paths), "training images")
-    masks = [load_masks([image_paths[i] for i in part.members], opts.resolution, opts.center_crop,
-                        part.size if images.bucketed else None) for part in images.parts]
-    if all(m is not None and not m.any() for m in masks):
-        raise UserError(f"every image's mask in {opts.data_dir} is black all over, so nothing would train: "
-                        "white marks what the loss counts (IMAGE.mask.png)")
-    given = image_prompts(opts.data_dir, image_paths, instance_prompt=opts.instance_prompt,
-                          caption_column=opts.caption_column)
     sync.check_same(prompts_digest(given), "training prompts")
-    method = methods.create(opts)
-    method.check_prompts(given)
     if opts.report_to == "tensorboard":
         _tensorboard_writer(None)  # fails now, not after the first outputs are written
     precision, reason = choose_precision(opts.mixed_precision)
