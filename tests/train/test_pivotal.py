@@ -5,6 +5,7 @@ load into diffusers together. fp32 throughout (the tests compare runs)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 
 from tests.one_line import one_line_error
 from xeontune.cli import main
+from xeontune.train import tokens
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +27,11 @@ def pivotal_args(model, data, out, *more) -> list[str]:
 
 
 def test_the_token_stops_after_its_fraction_while_the_adapters_go_on_and_both_files_load(tiny_model,
-                                                                                        sample_images, tmp_path):
+                                                                                        sample_images, tmp_path,
+                                                                                        caplog):
     from diffusers import StableDiffusionPipeline
 
+    caplog.set_level(logging.INFO, logger="xeontune.train")
     out = tmp_path / "out"
     # no --instance-prompt and no captions: textual inversion's templates, which name the token
     assert main(pivotal_args(tiny_model, sample_images, out, "--max-train-steps", "4", "--save-steps", "1",
@@ -35,11 +39,13 @@ def test_the_token_stops_after_its_fraction_while_the_adapters_go_on_and_both_fi
                              "--save-as-full-pipeline")) == 0
     names = {p.name for p in out.glob("*.safetensors")}
     assert {"learned_embeds.safetensors", LORA_FILE, "pytorch_lora_weights_kohya.safetensors"} <= names
+    stops = [r.getMessage() for r in caplog.records if "stops after step" in r.getMessage()]
+    assert stops == ["the token <sks> stops after step 2 of 4 (--train-token-fraction 0.5); the adapters go on"]
     token = [load_file(out / f"learned_embeds-steps-{s}.safetensors")["<sks>"] for s in (1, 2, 3, 4)]
     lora = [load_file(out / f"pytorch_lora_weights-steps-{s}.safetensors") for s in (1, 2, 3, 4)]
 
     pipe = StableDiffusionPipeline.from_pretrained(str(tiny_model))
-    toy = pipe.text_encoder.get_input_embeddings().weight[pipe.tokenizer.convert_tokens_to_ids("toy")]
+    toy = pipe.text_encoder.get_input_embeddings().weight[pipe.tokenizer.convert_tokens_to_ids("toy")].detach()
     moved = float((token[1] - toy).abs().max())
     print(f"token moved {moved:.2e} in 2 steps; steps 3-4 changed it by "
           f"{float((token[3] - token[1]).abs().max()):.1e}")
@@ -129,3 +135,14 @@ def test_bf16_dreambooth_with_every_part_trains_fp32_adapters_and_token(sdxl_mod
     assert max(float(v.abs().max()) for k, v in lora.items() if "lora.up" in k) > 1e-4
     assert all(bool(v.isfinite().all()) for v in [*lora.values(), *embeds.values()])
     assert len(list((tmp_path / "class").glob("class-*.png"))) == 2
+
+
+def test_a_token_without_gradient_is_one_error_that_does_not_blame_ipex(tiny_model, sample_images, tmp_path,
+                                                                       monkeypatch, capsys):
+    """The token trains beside the adapters, never on IPEX: "Try --ipex off" would send the user astray."""
+    original = tokens.SplicedEmbedding.forward
+    monkeypatch.setattr(tokens.SplicedEmbedding, "forward",
+                        lambda self, ids: original(self, ids).detach() + 0 * self.vectors.sum())
+    assert main(pivotal_args(tiny_model, sample_images, tmp_path / "out", "--max-train-steps", "1")) == 1
+    err = capsys.readouterr().err
+    assert "placeholder vectors received no usable gradient" in err and "ipex" not in err.lower(), err

@@ -19,6 +19,7 @@ same weights in kohya's layout (``pytorch_lora_weights_kohya.safetensors``: ``lo
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -38,6 +39,8 @@ DIFFUSERS_STEM, KOHYA_STEM = METHOD_FILES["lora"][:2]
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIP's attention, as diffusers' examples
 ENCODER_NAMES = ("text_encoder", "text_encoder_2")
 
+log = logging.getLogger("xeontune.train")
+
 
 class Lora(Method):
     name = "lora"
@@ -50,6 +53,8 @@ class Lora(Method):
         super().__init__(opts)
         # pivotal tuning: the token is textual inversion's, trained beside the adapters
         self.token = TextualInversion(opts) if opts.placeholder_token else None
+        if self.token:
+            self.token.on_ipex = False  # its rows train beside the adapters, which never run on IPEX
 
     def token_steps(self, max_steps: int) -> int:
         """The steps in which a pivotal-tuning token trains (the first ones)."""
@@ -140,6 +145,9 @@ class Lora(Method):
     def before_update(self, step: int, max_steps: int) -> None:
         """After --train-token-fraction of the steps the token stops: without gradients AdamW leaves it."""
         if self.token and step >= self.token_steps(max_steps):
+            if step == self.token_steps(max_steps):
+                log.info("the token %s stops after step %d of %d (--train-token-fraction %g); the adapters go on",
+                         self.opts.placeholder_token, step, max_steps, self.opts.train_token_fraction)
             for p in self.token.parameters():
                 p.grad = None
 
