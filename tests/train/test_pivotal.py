@@ -28,7 +28,7 @@ def pivotal_args(model, data, out, *more) -> list[str]:
 
 def test_the_token_stops_after_its_fraction_while_the_adapters_go_on_and_both_files_load(tiny_model,
                                                                                         sample_images, tmp_path,
-                                                                                        caplog):
+                                                                                        caplog, capsys):
     from diffusers import StableDiffusionPipeline
 
     caplog.set_level(logging.INFO, logger="xeontune.train")
@@ -39,6 +39,9 @@ def test_the_token_stops_after_its_fraction_while_the_adapters_go_on_and_both_fi
                              "--save-as-full-pipeline")) == 0
     names = {p.name for p in out.glob("*.safetensors")}
     assert {"learned_embeds.safetensors", LORA_FILE, "pytorch_lora_weights_kohya.safetensors"} <= names
+    said = capsys.readouterr().out  # the last line names every file a user takes away
+    assert f"wrote {out / LORA_FILE} and beside it pytorch_lora_weights_kohya.safetensors, " \
+           "learned_embeds.safetensors (loss " in said, said[-1000:]
     stops = [r.getMessage() for r in caplog.records if "stops after step" in r.getMessage()]
     assert stops == ["the token <sks> stops after step 2 of 4 (--train-token-fraction 0.5); the adapters go on"]
     token = [load_file(out / f"learned_embeds-steps-{s}.safetensors")["<sks>"] for s in (1, 2, 3, 4)]

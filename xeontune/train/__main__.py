@@ -10,6 +10,7 @@ import time
 
 from xeontune.errors import TrainingError, UserError
 from xeontune.quiet import quiet_libraries
+from xeontune.train.outputs import METHOD_FILES, learned_file
 
 
 def _configure_logging() -> None:
@@ -97,7 +98,10 @@ def _main(argv: list[str] | None) -> int:
         result = train(opts)
         if result.result_path:
             loss = "no step left to train" if result.final_loss is None else f"loss {result.final_loss:.4f}"
-            print(f"wrote {result.result_path} ({loss} after {result.steps} steps)")
+            beside = [learned_file(stem) for stem in METHOD_FILES[opts.method][1:]  # LoRA: kohya's, a pivotal token's
+                      if (result.output_dir / learned_file(stem)).is_file()]
+            also = f" and beside it {', '.join(beside)}" if beside else ""
+            print(f"wrote {result.result_path}{also} ({loss} after {result.steps} steps)")
         return 0
     except UserError as exc:
         say(f"error: {exc}")
