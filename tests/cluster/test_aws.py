@@ -276,6 +276,20 @@ def test_unknown_region_and_instance_type_fail_before_creating_anything(env, cap
     assert not state.exists("bad")
 
 
+def test_run_finds_a_mistake_in_the_data_folder_before_creating_anything(env, capsys, sample_images, tmp_path):
+    """`run` reads --data-dir as a rank will before a node exists: a caption beside no image is one line
+    here, where the cluster used to come up, bootstrap and bill for minutes to say it."""
+    data = tmp_path / "data"
+    shutil.copytree(sample_images, data)
+    (data / "dog.txt").write_text("a photo of <t>")
+    assert cli.main(["run", "--provider", "aws", "-n", "2", "--name", "baddata", "--region", REGION, "--ssh-cidr",
+                     CIDR, "--", "--model", "org/model", "--placeholder-token", "<t>", "--initializer-token", "toy",
+                     "--data-dir", str(data), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "dog.txt has no image beside it" in _one_line_error(capsys.readouterr().err)
+    assert leftovers("baddata") == {"instances": [], "security_groups": [], "key_pairs": []}
+    assert not state.exists("baddata") and not (tmp_path / "out").exists()
+
+
 def test_missing_credentials_is_one_line(env, capsys, monkeypatch):
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")

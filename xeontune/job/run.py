@@ -3,7 +3,8 @@
 1. everything checkable is checked before anything bills (job/spec.py: the training options as a
    rank reads them, --ppn, --dist-backend, --env, --config, a local --model, --data-dir,
    --resume-from-checkpoint; the destination; the --data-dir folder's images, captions and masks as a
-   rank reads them, train/loop.read_training_data);
+   rank reads them, train/loop.read_training_data, where the provider says so: not on this machine's
+   own clusters, whose ranks start at once);
 2. a cluster: created (`cluster up`), or the one named with --name when it exists (reused);
 3. its data: `cluster up` syncs --data-dir to every node of a remote cluster (a reused one gets
    it synced again); the ranks are pointed at that copy;
@@ -171,7 +172,7 @@ def run(opts: RunOptions) -> int:
     data_dir = request.options.data_dir
     if provider.remote and data_dir and not Path(data_dir).expanduser().is_dir():  # run copies it from here
         raise UserError(f"--data-dir {data_dir} is not a directory on this machine (run copies it to the nodes)")
-    if data_dir and Path(data_dir).expanduser().is_dir():  # its captions, masks and prompts, as the ranks read them
+    if provider.reads_data_first and data_dir and Path(data_dir).expanduser().is_dir():  # as the ranks read it
         from xeontune.train.loop import read_training_data
 
         read_training_data(replace(request.options, data_dir=str(Path(data_dir).expanduser())))

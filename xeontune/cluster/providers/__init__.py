@@ -109,6 +109,11 @@ class Provider:
     # this machine). False where a scheduler shares the nodes out among jobs (Slurm's queue, Ray's
     # resources).
     one_job_at_a_time: bool = True
+    # `run` reads --data-dir here, as a rank will (train/loop.read_training_data), before the cluster
+    # exists: a mistake in the folder then costs no machine, bootstrap or queue wait. False where the
+    # cluster is this machine and its ranks start within seconds (they find the same mistake), so
+    # that `run` there does not pay the check's import of torch (4 s).
+    reads_data_first: bool = True
     # The flags only this provider reads (``ProviderOption``), delivered in ``ClusterSpec.options``.
     options: tuple[ProviderOption, ...] = ()
     # The engine that starts the ranks on these nodes (xeontune/job/engines/): "mpirun" (Hydra, over

@@ -307,6 +307,7 @@ class Local(Provider):
     name = "local"
     remote = False
     hosts_share_cores = True
+    reads_data_first = False  # the cluster is this machine: the ranks read the folder at once
     needs_bootstrap = False
     wait_timeout_s = 60.0
     default_iface = IFACE

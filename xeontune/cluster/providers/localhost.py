@@ -20,6 +20,7 @@ class Localhost(Provider):
     remote = False
     uses_ssh = False
     needs_bootstrap = False
+    reads_data_first = False  # the cluster is this machine: the ranks read the folder at once
     wait_timeout_s = 1.0
     default_iface = "lo"
     autostop_note = "a localhost cluster is only a record: nothing of it runs or costs while idle"
