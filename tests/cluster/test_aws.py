@@ -282,10 +282,13 @@ def test_run_finds_a_mistake_in_the_data_folder_before_creating_anything(env, ca
     data = tmp_path / "data"
     shutil.copytree(sample_images, data)
     (data / "dog.txt").write_text("a photo of <t>")
+    (data / "broken.png").write_bytes(b"not a picture")  # a rank skips it with a warning: so does run
     assert cli.main(["run", "--provider", "aws", "-n", "2", "--name", "baddata", "--region", REGION, "--ssh-cidr",
                      CIDR, "--", "--model", "org/model", "--placeholder-token", "<t>", "--initializer-token", "toy",
                      "--data-dir", str(data), "--output-dir", str(tmp_path / "out")]) == 2
-    assert "dog.txt has no image beside it" in _one_line_error(capsys.readouterr().err)
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith(f"warning: skipping {data / 'broken.png'}: not a readable image"), warning
+    assert error.startswith("error: ") and "dog.txt has no image beside it" in error, error
     assert leftovers("baddata") == {"instances": [], "security_groups": [], "key_pairs": []}
     assert not state.exists("baddata") and not (tmp_path / "out").exists()
 

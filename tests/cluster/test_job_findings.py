@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -24,7 +25,8 @@ from xeontune.job.record import JobInfo
 
 REQUIRED = ["--model", "org/model", "--placeholder-token", "<t>", "--initializer-token", "toy"]
 # A folder of images here: run copies --data-dir from this machine, reading it first as a rank would
-DATA = tempfile.mkdtemp(prefix="xeontune-findings-data-")
+# (made by the fixture below, not at import: a process that only collects this module makes nothing)
+DATA = str(Path(tempfile.gettempdir()) / f"xeontune-findings-data-{os.getpid()}")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -120,9 +120,11 @@ def test_auto_uses_ipex_only_on_a_cpu_with_avx512(tiny_model, fake_cpu):
     if fake_cpu == "amx-xeon":
         # ipex.optimize(inplace=True) changes the model in place: look for its prepacked modules
         assert notes[0].startswith("IPEX ") and "optimized" in notes[0] and "convolutions prepacked" in notes[0]
+        assert backends.ipex_applied(notes)  # what makes a broken gradient's message name IPEX
         assert any("Conv" in k for k in _ipex_modules(out_unet))
     else:  # AVX2 only: IPEX's prepacked convolutions were 12-14x slower there (docs/performance.md)
         assert out_unet is unet and notes[0].startswith("IPEX: not used") and "AVX-512" in notes[0]
+        assert not backends.ipex_applied(notes)
         assert not _ipex_modules(out_unet)
 
 
@@ -158,6 +160,7 @@ def test_optimized_unet_forward_and_backward_match_stock_fp32(tiny_model, tmp_pa
     unet, vae = _load(tiny_model)
     opt_unet, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="on")
     assert any(n.startswith("IPEX 2.8") and "convolutions prepacked" in n for n in notes), notes
+    assert backends.ipex_applied(notes)
     kinds = {type(m).__name__ for m in opt_unet.modules()}
     assert any("IPEX" in k and "Conv" in k for k in kinds), kinds  # convolutions did get prepacked
     assert all(type(m) is nn.Linear for m in opt_unet.modules() if isinstance(m, nn.Linear))

@@ -27,7 +27,7 @@ def test_ipex_off_and_unavailable_leave_models_alone(monkeypatch):
     out_unet, out_vae, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="off")
     assert out_unet is unet and out_vae is vae and notes == ["IPEX: off (--ipex off)"]
     _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="auto", pack="off")
-    assert notes == ["IPEX: not used (not installed)"]
+    assert notes == ["IPEX: not used (not installed)"] and not backends.ipex_applied(notes)
 
 
 def test_ipex_on_without_ipex_is_a_user_error(monkeypatch):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import posixpath
 import signal
@@ -54,6 +55,7 @@ from xeontune.errors import UserError
 if TYPE_CHECKING:
     from xeontune.job.fetch import FetchReport
     from xeontune.job.record import JobInfo
+    from xeontune.train.options import TrainOptions
 
 
 @dataclass
@@ -148,6 +150,23 @@ def class_data_target(record: ClusterRecord, class_dir: str | None) -> str | Non
     return sync_data(record, class_dir)
 
 
+def read_data_here(options: TrainOptions) -> None:
+    """The --data-dir folder read on this machine as a rank will read it: its mistakes are one-line
+    errors before a cluster exists, and what a rank would warn of (an unreadable image it skips) is
+    said here as every other warning of the CLI is."""
+    from xeontune.train.loop import read_training_data
+
+    logger = logging.getLogger("xeontune.train")
+    said = logging.StreamHandler(sys.stderr)
+    said.setFormatter(logging.Formatter("warning: %(message)s"))
+    said.setLevel(logging.WARNING)
+    logger.addHandler(said)
+    try:
+        read_training_data(options)
+    finally:
+        logger.removeHandler(said)
+
+
 def run(opts: RunOptions) -> int:
     from xeontune.job import fetch, start
     from xeontune.job.spec import launch_spec, read_request
@@ -172,11 +191,11 @@ def run(opts: RunOptions) -> int:
     data_dir = request.options.data_dir
     if provider.remote and data_dir and not Path(data_dir).expanduser().is_dir():  # run copies it from here
         raise UserError(f"--data-dir {data_dir} is not a directory on this machine (run copies it to the nodes)")
-    if provider.reads_data_first and data_dir and Path(data_dir).expanduser().is_dir():  # as the ranks read it
-        from xeontune.train.loop import read_training_data
-
-        read_training_data(replace(request.options, data_dir=str(Path(data_dir).expanduser())))
     spec_args = None if reused else manage.spec_from_args(_spec_args(opts, name, data_dir))  # checks --autostop, ...
+    if provider.reads_data_first and data_dir and Path(data_dir).expanduser().is_dir():  # as the ranks read it
+        class_dir = request.options.class_data_dir
+        read_data_here(replace(request.options, data_dir=str(Path(data_dir).expanduser()),
+                               class_data_dir=class_dir and str(Path(class_dir).expanduser())))
 
     outcome = Outcome(name=name, provider=opts.provider, region=opts.region, keep=opts.keep, reused=reused)
     try:

@@ -202,6 +202,14 @@ def _prepack_choice(info: hardware.IpexInfo) -> bool:
     return info.prepack if choice == "auto" else choice == "on"
 
 
+IPEX_APPLIED = ": UNet optimized in "  # in the note of a run whose frozen models IPEX optimized
+
+
+def ipex_applied(notes: list[str]) -> bool:
+    """Whether prepare_frozen_models put the frozen models on IPEX (its notes say so)."""
+    return any(note.startswith("IPEX ") and IPEX_APPLIED in note for note in notes)
+
+
 def _apply_ipex(
     unet: nn.Module, vae: nn.Module, precision: str, prepack: bool, version: str
 ) -> tuple[nn.Module, nn.Module, str]:
@@ -216,7 +224,7 @@ def _apply_ipex(
     packing = "convolutions prepacked, Linear layers left unpacked" if prepack else "no weight prepacking"
     vae_note = f"VAE in fp32 ({packing})" if precision == "fp32" else "VAE left to stock torch"
     return unet, vae, (
-        f"IPEX {version}: UNet optimized in {precision} ({packing}), {vae_note} "
+        f"IPEX {version}{IPEX_APPLIED}{precision} ({packing}), {vae_note} "
         f"({time.perf_counter() - start:.1f} s)"
     )
 

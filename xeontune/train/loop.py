@@ -466,7 +466,7 @@ def setup(
 
     from xeontune import placement
     from xeontune.hardware import choose_precision
-    from xeontune.train.backends import module_bytes, prepare_frozen_models
+    from xeontune.train.backends import ipex_applied, module_bytes, prepare_frozen_models
 
     main, world = accelerator.is_main_process, accelerator.num_processes
     sync = Sync.create(world, opts.dist_wait_timeout)
@@ -509,6 +509,7 @@ def setup(
                                                    components.family, opts.gradient_checkpointing, precision),
             family=components.family, agree=sync.all_true, ipex_off_because=ipex_off_because,
         )
+    method.on_ipex = ipex_applied(notes)  # a broken gradient path then names IPEX as the likely cause
     if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
 

@@ -45,6 +45,7 @@ class Method:
     name: ClassVar[str]
     learns: ClassVar[str] = "trained weights"  # what its messages call what trains ("vectors", "adapters")
     uses_ipex: ClassVar[bool] = True  # False: `--ipex auto` leaves IPEX out, `--ipex on` is an error
+    on_ipex: bool = False  # IPEX optimized the frozen models this run (the loop's setup says): its errors may name it
 
     def __init__(self, opts: TrainOptions) -> None:
         self.opts = opts

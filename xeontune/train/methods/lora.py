@@ -53,8 +53,6 @@ class Lora(Method):
         super().__init__(opts)
         # pivotal tuning: the token is textual inversion's, trained beside the adapters
         self.token = TextualInversion(opts) if opts.placeholder_token else None
-        if self.token:
-            self.token.on_ipex = False  # its rows train beside the adapters, which never run on IPEX
 
     def token_steps(self, max_steps: int) -> int:
         """The steps in which a pivotal-tuning token trains (the first ones)."""

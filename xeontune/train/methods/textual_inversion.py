@@ -28,7 +28,6 @@ class TextualInversion(Method):
     placeholder: tokens.Placeholder
     placeholder_2: tokens.Placeholder | None = None  # SDXL: the token's ids in the second tokenizer
     embedding: nn.Module  # SplicedEmbedding (or the baseline's FullTableEmbedding); SDXL: an EncoderPair
-    on_ipex = True  # may run on IPEX (unless --ipex off); False as LoRA's pivotal token
 
     def install(self, components: Any) -> None:
         opts = self.opts
@@ -75,7 +74,7 @@ class TextualInversion(Method):
             if grad is None or not torch.isfinite(grad).all() or (grad.abs().sum(dim=-1) == 0).any():
                 which = f" of text encoder {index + 1}" if len(self.encoders) > 1 else ""
                 hint = (" (e.g. IPEX weight prepacking of Linear layers). Try --ipex off."
-                        if self.on_ipex and self.opts.ipex != "off" else "")
+                        if self.on_ipex else "")
                 raise TrainingError(
                     f"the placeholder vectors{which} received no usable gradient after the first backward pass "
                     f"({'none' if grad is None else 'non-finite or zero'}); a backend broke the gradient path{hint}"
