@@ -189,12 +189,13 @@ def run(opts: RunOptions) -> int:
     dest = request.local_output_dir
     fetch.check_destination(dest, request.options.overwrite)
     data_dir = request.options.data_dir
-    if provider.remote and data_dir and not Path(data_dir).expanduser().is_dir():  # run copies it from here
+    data_here = Path(data_dir).expanduser() if data_dir else None
+    if provider.remote and data_here and not data_here.is_dir():  # run copies it from here
         raise UserError(f"--data-dir {data_dir} is not a directory on this machine (run copies it to the nodes)")
     spec_args = None if reused else manage.spec_from_args(_spec_args(opts, name, data_dir))  # checks --autostop, ...
-    if provider.reads_data_first and data_dir and Path(data_dir).expanduser().is_dir():  # as the ranks read it
+    if provider.reads_data_first and data_here and data_here.is_dir():  # as the ranks read it
         class_dir = request.options.class_data_dir
-        read_data_here(replace(request.options, data_dir=str(Path(data_dir).expanduser()),
+        read_data_here(replace(request.options, data_dir=str(data_here),
                                class_data_dir=class_dir and str(Path(class_dir).expanduser())))
 
     outcome = Outcome(name=name, provider=opts.provider, region=opts.region, keep=opts.keep, reused=reused)

@@ -434,8 +434,6 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-
-
 def require_dir(path: str | Path, what: str) -> None:
     """A one-line error unless ``path`` is a folder (light: the entry point checks --data-dir with it
     before importing torch, and reading the images checks it again)."""
