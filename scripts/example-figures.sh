@@ -3,7 +3,8 @@
 # for a machine held for minutes (docs/performance.md, "Against the unmodified train_dreambooth_lora.py"):
 # LoRA, then LoRA with prior preservation, each as the script and as `xeontune train --method lora`,
 # then xeontune again on the bf16 copy the first run wrote (a later run), then both on 2 cores with
-# oneDNN capped at AVX512-BF16 (ONEDNN_MAX_CPU_ISA: a stand-in for a CPU without AMX). Step times come
+# oneDNN capped at AVX512-BF16 (ONEDNN_MAX_CPU_ISA: a stand-in for a CPU without AMX). Not by default:
+# example_lora_2c and xeontune_lora_2c, the pair on 2 cores uncapped (a 2-core machine of that CPU). Step times come
 # from scripts/step-times (the same hook in both programs), peak RSS from scripts/measured_run.py.
 # Each run is cut at one deadline, so the earlier figures always come back. Logs go to $OUT.
 # Where ./.whl holds wheels and libtcmalloc_minimal.so.4, they are installed to /tmp/site and preloaded.
@@ -48,7 +49,7 @@ OURS=(-m xeontune.train --method lora --model "$W/model" --data-dir "$W/data" --
       --checkpointing-steps 0 --save-steps 0 --overwrite)
 EXPP=(--with_prior_preservation --class_data_dir "$W/class" --class_prompt "a photo of a toy" --num_class_images 4)
 OURPP=(--with-prior-preservation --class-data-dir "$W/class" --class-prompt "a photo of a toy" --num-class-images 4)
-FIRST=$(mktemp -d); FIRST_PP=$(mktemp -d); FIRST_2C=$(mktemp -d)  # empty caches: first runs
+FIRST=$(mktemp -d); FIRST_PP=$(mktemp -d); FIRST_2C=$(mktemp -d); FIRST_2U=$(mktemp -d)  # empty caches: first runs
 for run in $RUNS; do
   case $run in
     example_lora) step "$run" 200 "$EXPY" "${EX[@]}" --max_train_steps ${STEPS:-6} --output_dir "$W/ex1" ;;
@@ -61,6 +62,9 @@ for run in $RUNS; do
       step "$run" 170 taskset -c 0,1 "$EXPY" "${EX[@]}" --max_train_steps ${STEPS:-4} --output_dir "$W/ex4" ;;
     xeontune_lora_avx512bf16_2c) ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 OMP_NUM_THREADS=2 XEONTUNE_CACHE=$FIRST_2C \
       step "$run" 170 taskset -c 0,1 "$PY" "${OURS[@]}" --max-train-steps ${STEPS:-4} --output-dir "$W/o4" ;;
+    example_lora_2c) OMP_NUM_THREADS=2 step "$run" 170 taskset -c 0,1 "$EXPY" "${EX[@]}" --max_train_steps ${STEPS:-4} --output_dir "$W/ex5" ;;
+    xeontune_lora_2c) OMP_NUM_THREADS=2 XEONTUNE_CACHE=$FIRST_2U \
+      step "$run" 170 taskset -c 0,1 "$PY" "${OURS[@]}" --max-train-steps ${STEPS:-4} --output-dir "$W/o5" ;;
     *) echo "unknown run $run" >&2; exit 2 ;;
   esac
 done
