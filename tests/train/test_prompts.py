@@ -177,20 +177,25 @@ def test_a_mask_weighs_the_loss_per_latent_pixel():
     assert torch.allclose(masked_mse(pred, target, grey), 0.25 * masked_mse(pred, target, None))
 
 
+def sizes_of(paths):
+    return [Image.open(p).size for p in paths]
+
+
 def test_masks_are_cropped_and_scaled_as_their_images_and_mirrored_with_them(folder):
     left_black = Image.new("L", (64, 64), 255)
     left_black.paste(0, (0, 0, 32, 64))
     left_black.save(folder / "toy_01.mask.png")
     _, paths, _ = load_images_with_crops(folder, 64, False)
     assert [p.name for p in paths] == [f"toy_0{i}.png" for i in range(6)]  # a mask is not a training image
-    masks = load_masks(paths, 64, False)
+    masks = load_masks(paths, sizes_of(paths), 64, False)
     assert masks.shape == (6, 1, 8, 8)
     assert torch.equal(masks[1, 0, :, :4], torch.zeros(8, 4)) and torch.equal(masks[1, 0, :, 4:], torch.ones(8, 4))
     assert torch.equal(masks[[0, 2, 3, 4, 5]], torch.ones(5, 1, 8, 8))  # no mask: all of it counts
-    assert load_masks([p for p in paths if p.name != "toy_01.png"], 64, False) is None
+    rest = [p for p in paths if p.name != "toy_01.png"]
+    assert load_masks(rest, sizes_of(rest), 64, False) is None
     Image.new("L", (32, 32), 255).save(folder / "toy_02.mask.png")
     with pytest.raises(UserError, match="a mask must match its image's size"):
-        load_masks(paths, 64, False)
+        load_masks(paths, sizes_of(paths), 64, False)
 
 
 def test_mask_mistakes_are_one_line_errors_before_the_model_loads(tiny_model, folder, tmp_path, capsys, caplog):
@@ -210,7 +215,7 @@ def test_mask_mistakes_are_one_line_errors_before_the_model_loads(tiny_model, fo
     for i in range(1, 6):
         (folder / f"toy_0{i}.mask.png").unlink()
     caplog.clear()
-    assert load_masks(paths, 64, False) is not None and "toy_00.mask.png is black all over" in caplog.text
+    assert load_masks(paths, sizes_of(paths), 64, False) is not None and "toy_00.mask.png is black all over" in caplog.text
 
 
 @pytest.mark.slow

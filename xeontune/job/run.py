@@ -2,9 +2,9 @@
 
 1. everything checkable is checked before anything bills (job/spec.py: the training options as a
    rank reads them, --ppn, --dist-backend, --env, --config, a local --model, --data-dir,
-   --resume-from-checkpoint; the destination; the --data-dir folder's images, captions and masks as a
-   rank reads them, train/loop.read_training_data, where the provider says so: not on this machine's
-   own clusters, whose ranks start at once);
+   --resume-from-checkpoint; the destination; the --data-dir folder's images, captions and masks with a
+   rank's rules, from the images' headers (train/loop.check_training_data), where the provider says so:
+   not on this machine's own clusters, whose ranks start at once);
 2. a cluster: created (`cluster up`), or the one named with --name when it exists (reused);
 3. its data: `cluster up` syncs --data-dir to every node of a remote cluster (a reused one gets
    it synced again); the ranks are pointed at that copy;
@@ -151,20 +151,23 @@ def class_data_target(record: ClusterRecord, class_dir: str | None) -> str | Non
 
 
 def read_data_here(options: TrainOptions) -> None:
-    """The --data-dir folder read on this machine as a rank will read it: its mistakes are one-line
+    """The --data-dir folder checked on this machine with a rank's rules: its mistakes are one-line
     errors before a cluster exists, and what a rank would warn of (an unreadable image it skips) is
     said here as every other warning of the CLI is."""
-    from xeontune.train.loop import read_training_data
+    from xeontune.train.loop import check_training_data
 
     logger = logging.getLogger("xeontune.train")
     said = logging.StreamHandler(sys.stderr)
     said.setFormatter(logging.Formatter("warning: %(message)s"))
     said.setLevel(logging.WARNING)
+    level = logger.level  # warnings reach the handler whatever an earlier caller set (bench quiets it)
+    logger.setLevel(logging.WARNING)
     logger.addHandler(said)
     try:
-        read_training_data(options)
+        check_training_data(options)
     finally:
         logger.removeHandler(said)
+        logger.setLevel(level)
 
 
 def run(opts: RunOptions) -> int:

@@ -21,7 +21,16 @@ import torch
 from PIL import Image
 
 from xeontune.errors import UserError
-from xeontune.train.data import Batch, Latents, cover_box, fit_square, read_images
+from xeontune.train.data import (
+    Batch,
+    Latents,
+    cover_box,
+    decode_upright,
+    fit_square,
+    no_readable_image,
+    open_image,
+    read_image_sizes,
+)
 
 
 def bucket_sizes(resolution: int, step: int, max_ratio: float = 2.0) -> list[tuple[int, int]]:
@@ -67,6 +76,7 @@ class BucketImages:
 @dataclass
 class TrainingImages:
     paths: list[Path]  # every readable image of --data-dir, by name
+    sizes: list[tuple[int, int]]  # each one's upright (width, height)
     parts: list[BucketImages]  # one part of all the images at --resolution without buckets
     bucketed: bool
 
@@ -82,35 +92,59 @@ class TrainingImages:
             part.crops = torch.cat([part.crops, crops.long()])
 
 
-def load_training_images(opts: Any) -> TrainingImages:
-    """--data-dir's images, in buckets when --buckets says so (auto: when some image's nearest bucket is
-    not the square one)."""
-    read = list(read_images(opts.data_dir))
-    paths, upright = [p for p, _ in read], [img for _, img in read]
-    sizes = bucket_sizes(opts.resolution, opts.bucket_step)
-    if opts.buckets == "on" and (opts.resolution, opts.resolution) not in sizes:
+Layout = tuple[bool, list[tuple[tuple[int, int], list[int]]]]  # bucketed?, each part's (width, height) and members
+
+
+def bucket_layout(sizes: list[tuple[int, int]], opts: Any) -> Layout:
+    """How images of these upright sizes train: in buckets when --buckets says so (auto: when some image's
+    nearest bucket is not the square one), each bucket with the indices of its images; else one square part
+    at --resolution. From the sizes alone, so the user's machine decides it as a rank does (job/run.py)."""
+    every = list(range(len(sizes)))
+    square = (opts.resolution, opts.resolution)
+    bucket_list = bucket_sizes(opts.resolution, opts.bucket_step)
+    if opts.buckets == "on" and square not in bucket_list:
         raise UserError(f"--buckets on: --resolution {opts.resolution} must be a multiple of --bucket-step "
                         f"{opts.bucket_step}")
-    chosen = [nearest_bucket(img.width, img.height, sizes) for img in upright] if sizes[:1] else []
-    square = (opts.resolution, opts.resolution)
+    chosen = [nearest_bucket(w, h, bucket_list) for w, h in sizes] if bucket_list else []
     # auto: square images stay square at --resolution, even where it is no multiple of --bucket-step
     # (the buckets then hold no square one, and a square image's nearest would be cut to 1024x960)
-    squarest = nearest_bucket(1, 1, sizes) if sizes else square
+    squarest = nearest_bucket(1, 1, bucket_list) if bucket_list else square
     if opts.buckets == "off" or not chosen or (opts.buckets == "auto" and all(c == squarest for c in chosen)):
-        pixels, crops = fit_square(upright, opts.resolution, opts.center_crop)
-        return TrainingImages(paths, [BucketImages(square, pixels, crops, list(range(len(paths))))], bucketed=False)
-    if square not in sizes:  # auto, images of several shapes: without a square bucket a square photo is cut to 1:2
+        return False, [(square, every)]
+    if square not in bucket_list:  # auto, images of several shapes: without a square bucket a square photo is cut to 1:2
         raise UserError(f"the images are of several shapes, so --buckets auto puts them in aspect-ratio buckets, "
                         f"whose sides are multiples of --bucket-step {opts.bucket_step}: give a --resolution "
                         f"that is one too, a smaller --bucket-step, or --buckets off (square crops)")
+    return True, [(size, members) for size in bucket_list if (members := [i for i in every if chosen[i] == size])]
+
+
+def load_training_images(opts: Any, found: list[tuple[Path, tuple[int, int]]] | None = None) -> TrainingImages:
+    """--data-dir's images as ``bucket_layout`` lays them out, fitted. The layout comes from the headers;
+    then each image is decoded and fitted on its own, so one full-size photo is held at a time, not all."""
+    found = list(read_image_sizes(opts.data_dir)) if found is None else found
+    paths, sizes = [p for p, _ in found], [s for _, s in found]
+    bucketed, layout = bucket_layout(sizes, opts)
     parts = []
-    for size in sizes:
-        members = [i for i, c in enumerate(chosen) if c == size]
-        if members:
-            fitted = [fit_to_bucket(upright[i], size) for i in members]
-            parts.append(BucketImages(size, torch.stack([f[0] for f in fitted]),
-                                      torch.tensor([f[1] for f in fitted], dtype=torch.long), members))
-    return TrainingImages(paths, parts, bucketed=True)
+    for size, members in layout:
+        fitted = []
+        for i in members:
+            fit = open_image(paths[i], lambda img, size=size: _fit(decode_upright(img), size, bucketed, opts))
+            if fit is None:  # its header read, its pixels did not: skipped (warned), the rest laid out again
+                rest = [f for f in found if f[0] != paths[i]]
+                if not rest:
+                    raise UserError(no_readable_image(Path(opts.data_dir)))
+                return load_training_images(opts, rest)
+            fitted.append(fit)
+        parts.append(BucketImages(size, torch.stack([f[0] for f in fitted]),
+                                  torch.tensor([f[1] for f in fitted], dtype=torch.long), members))
+    return TrainingImages(paths, sizes, parts, bucketed)
+
+
+def _fit(upright: Image.Image, size: tuple[int, int], bucketed: bool, opts: Any) -> tuple[torch.Tensor, Any]:
+    if bucketed:
+        return fit_to_bucket(upright, size)
+    pixels, crops = fit_square([upright], opts.resolution, opts.center_crop)
+    return pixels[0], crops[0].tolist()
 
 
 class BucketLatents:

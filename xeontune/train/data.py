@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from xeontune.errors import UserError
 from xeontune.train.options import require_dir
@@ -119,6 +119,31 @@ def fit_square(upright: list[Image.Image], resolution: int, center_crop: bool) -
 def read_images(data_dir: str | Path, limit: int | None = None) -> Iterator[tuple[Path, Image.Image]]:
     """Each readable image of the folder, upright, by name (the first ``limit`` readable ones); unreadable
     files are skipped with a warning, and a folder with none is a one-line error."""
+    yield from _each_image(data_dir, limit, decode_upright)
+
+
+def read_image_sizes(data_dir: str | Path) -> Iterator[tuple[Path, tuple[int, int]]]:
+    """``read_images`` without decoding: each image's upright (width, height) from its header. A file whose
+    header reads but whose pixels do not passes here; the decode that trains on it skips it with a warning."""
+    yield from _each_image(data_dir, None, upright_size)
+
+
+def decode_upright(img: Image.Image) -> Image.Image:
+    img.load()
+    # Phone photos are stored sideways with an EXIF orientation tag: train on what a viewer shows.
+    return ImageOps.exif_transpose(img)
+
+
+def upright_size(img: Image.Image) -> tuple[int, int]:
+    """(width, height) as ``decode_upright`` gives the image, from its header alone. A PNG's EXIF is read
+    where its header holds it (Pillow's getexif() on a PNG without one decodes the whole file to look
+    after the pixels; PNG writers put eXIf before them)."""
+    exif = img.getexif() if img.format != "PNG" or "exif" in img.info else {}
+    return (img.height, img.width) if exif.get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8) else img.size
+
+
+def _each_image(data_dir: str | Path, limit: int | None, take: Callable[[Image.Image], Any]) -> Iterator[tuple[Path, Any]]:
+    """``take`` of each readable image of the folder, by name: read_images' rules, one image open at a time."""
     root = Path(data_dir)
     require_dir(root, "data dir")
     if not any(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
@@ -131,22 +156,30 @@ def read_images(data_dir: str | Path, limit: int | None = None) -> Iterator[tupl
     for path in sorted(p for p in root.iterdir() if is_image_file(p)):
         if limit is not None and found >= limit:
             break
-        try:
-            with Image.open(path) as img:
-                img.load()
-                # Phone photos are stored sideways with an EXIF orientation tag: train on what a viewer shows.
-                upright = ImageOps.exif_transpose(img)
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            log.warning("skipping %s: not a readable image (%s)", path, exc.__class__.__name__)
-            continue
-        except Image.DecompressionBombError:
-            # A declared size beyond PIL's limit (Image.MAX_IMAGE_PIXELS x 2): possibly a bomb, never decoded.
-            log.warning("skipping %s: its declared size is too large to decode safely (DecompressionBombError)", path)
+        taken = open_image(path, take)
+        if taken is None:
             continue
         found += 1
-        yield path, upright
+        yield path, taken
     if not found:
-        raise UserError(f"no readable image in {root} (looked for {', '.join(sorted(IMAGE_SUFFIXES))})")
+        raise UserError(no_readable_image(root))
+
+
+def no_readable_image(root: Path) -> str:
+    return f"no readable image in {root} (looked for {', '.join(sorted(IMAGE_SUFFIXES))})"
+
+
+def open_image(path: Path, take: Callable[[Image.Image], Any]) -> Any | None:
+    """``take`` of the open image, or None with a warning where the file is no readable image."""
+    try:
+        with Image.open(path) as img:
+            return take(img)
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        log.warning("skipping %s: not a readable image (%s)", path, exc.__class__.__name__)
+    except Image.DecompressionBombError:
+        # A declared size beyond PIL's limit (Image.MAX_IMAGE_PIXELS x 2): possibly a bomb, never decoded.
+        log.warning("skipping %s: its declared size is too large to decode safely (DecompressionBombError)", path)
+    return None
 
 
 def cover_box(width: int, height: int, size: tuple[int, int]) -> tuple[tuple[float, float, float, float], float]:
@@ -172,25 +205,25 @@ def crop_of(width: int, height: int, resolution: int, center_crop: bool) -> tupl
     return height, width, top, left, round(width * scale) - resolution - left
 
 
-def load_masks(paths: list[Path], resolution: int, center_crop: bool,
+def load_masks(paths: list[Path], sizes: list[tuple[int, int]], resolution: int, center_crop: bool,
                bucket: tuple[int, int] | None = None) -> torch.Tensor | None:
     """Each image's loss weights at latent resolution, (N, 1, R/8, R/8) in [0, 1], from ``IMAGE.mask.png``
     (cropped as its image is, then area-averaged, so a mask's edge weighs in between); an image without
     a mask weighs 1 everywhere. None when no image has a mask: the loss is then computed as always.
+    ``sizes``: the images' upright (width, height), which a mask must match (``upright_size``).
     ``bucket``: the images' bucket (width, height), which they were fitted to (``fit_to_bucket``)."""
     if not any(mask_path(p).is_file() for p in paths):
         return None
     width, height = bucket or (resolution, resolution)
     masks = []
-    for path in paths:
+    for path, shown in zip(paths, sizes, strict=True):
         mask = mask_path(path)
         if not mask.is_file():
             masks.append(torch.ones(1, height // 8, width // 8))
             continue
         try:
-            with Image.open(mask) as img, Image.open(path) as image:
+            with Image.open(mask) as img:
                 upright = ImageOps.exif_transpose(img).convert("L")
-                shown = ImageOps.exif_transpose(image).size  # as a viewer shows it, as it trains
                 if upright.size != shown:
                     raise UserError(f"mask {mask} is {upright.width}x{upright.height}, its image (upright) "
                                     f"{shown[0]}x{shown[1]}: a mask must match its image's size")

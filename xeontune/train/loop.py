@@ -27,7 +27,7 @@ from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text, file_in_the_way
 from xeontune.train import checkpoint, methods, preempt, prior, validation
-from xeontune.train.buckets import BucketLatents, TrainingImages, load_training_images
+from xeontune.train.buckets import BucketLatents, TrainingImages, bucket_layout, load_training_images
 from xeontune.train.components import (
     Components,
     cast_text_encoder_linears,
@@ -45,6 +45,7 @@ from xeontune.train.data import (
     encode_latents,
     image_set_digest,
     load_masks,
+    read_image_sizes,
     read_images,
     sample_loss,
     seed_global_rng,
@@ -381,22 +382,40 @@ def read_training_data(opts: TrainOptions) -> tuple[TrainingImages, list[torch.T
                                                     methods.Method]:
     """--data-dir as the run trains on it: its images (in buckets where --buckets says so), their masks
     and prompts, and the method that checked the prompts. Every mistake in the folder is a one-line
-    error here, before a model loads; `xeontune run` calls this on the user's machine before it
-    creates a cluster, so a mistake costs no machine."""
+    error here, before a model loads (``check_training_data`` finds the same ones without decoding)."""
     if opts.with_prior_preservation:
         prior.check_class_dir(opts)
     images = load_training_images(opts)
+    layout = [(part.size, part.members) for part in images.parts]
+    masks, given, method = _masks_and_prompts(opts, images.paths, images.sizes, layout, images.bucketed)
+    return images, masks, given, method
+
+
+def check_training_data(opts: TrainOptions) -> None:
+    """``read_training_data``'s checks from the images' headers, decoding none (the masks alone are read):
+    `xeontune run` calls this on the user's machine before it creates a cluster, so a mistake in the folder
+    costs no machine, and 200 photos cost neither gigabytes of memory nor minutes of decoding here."""
+    if opts.with_prior_preservation:
+        prior.check_class_dir(opts)
+    found = list(read_image_sizes(opts.data_dir))
+    paths, sizes = [p for p, _ in found], [s for _, s in found]
+    bucketed, layout = bucket_layout(sizes, opts)
+    _masks_and_prompts(opts, paths, sizes, layout, bucketed)
+
+
+def _masks_and_prompts(opts: TrainOptions, paths: list[Path], sizes: list[tuple[int, int]], layout: list[Any],
+                       bucketed: bool) -> tuple[list[torch.Tensor | None], ImagePrompts | None, methods.Method]:
     check_mask_files(opts.data_dir)
-    masks = [load_masks([images.paths[i] for i in part.members], opts.resolution, opts.center_crop,
-                        part.size if images.bucketed else None) for part in images.parts]
+    masks = [load_masks([paths[i] for i in members], [sizes[i] for i in members], opts.resolution,
+                        opts.center_crop, size if bucketed else None) for size, members in layout]
     if all(m is not None and not m.any() for m in masks):
         raise UserError(f"every image's mask in {opts.data_dir} is black all over, so nothing would train: "
                         "white marks what the loss counts (IMAGE.mask.png)")
-    given = image_prompts(opts.data_dir, images.paths, instance_prompt=opts.instance_prompt,
+    given = image_prompts(opts.data_dir, paths, instance_prompt=opts.instance_prompt,
                           caption_column=opts.caption_column)
     method = methods.create(opts)
     method.check_prompts(given)
-    return images, masks, given, method
+    return masks, given, method
 
 
 def check_output_dir(opts: TrainOptions) -> Path:
