@@ -45,6 +45,19 @@ def test_config_file_with_command_line_override(tmp_path, suffix):
     assert (o.learning_rate, o.num_vectors, o.lr_scheduler, o.model) == (0.001, 4, "cosine", "m")
 
 
+def test_a_config_files_home_paths_are_expanded_as_a_shell_expands_the_command_lines(tmp_path, monkeypatch):
+    """A rank gets the options as flags and no shell: a config file's ~/dog must reach it as a path."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: ~/sd\ndata_dir: ~/dog\nclass_data_dir: ~/class\noutput_dir: ~/out\nmethod: lora\n"
+                   "placeholder_token: '~t'\ninitializer_token: toy\nresume_from_checkpoint: latest\n"
+                   "with_prior_preservation: true\nclass_prompt: a photo of a dog\n")
+    o = parse_args(["--config", str(cfg)])
+    assert (o.model, o.data_dir, o.output_dir) == (f"{tmp_path}/sd", f"{tmp_path}/dog", f"{tmp_path}/out")
+    assert o.class_data_dir == f"{tmp_path}/class"
+    assert o.placeholder_token == "~t" and o.resume_from_checkpoint == "latest"  # not a path: as written
+
+
 def test_config_file_errors(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("model: m\nnot_an_option: 1\n")

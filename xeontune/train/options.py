@@ -312,10 +312,14 @@ def load_config_file(path: str) -> dict[str, Any]:
         choices = known[name].metadata["choices"]
         if choices and value not in choices:
             raise UserError(f"config file {p}: {key} must be one of {', '.join(choices)}, got {value!r}")
+        if name in HOME_PATHS and isinstance(value, str) and value.startswith("~"):
+            value = os.path.expanduser(value)  # as a shell does on the command line; ranks get no shell
         out[name] = value
     return out
 
 
+# The options that name a path: a config file's ~/... is the home folder, as it is on a command line.
+HOME_PATHS = ("model", "data_dir", "class_data_dir", "output_dir", "resume_from_checkpoint")
 _TYPE_WORDS = {str: "text (quoted)", int: "a whole number", float: "a number", bool: "true or false"}
 _BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
