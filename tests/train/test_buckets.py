@@ -8,8 +8,10 @@ import io
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import sys
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from safetensors.torch import load_file
 from xeontune.cli import main
 from xeontune.errors import UserError
 from xeontune.train.buckets import bucket_sizes, fit_to_bucket, load_training_images, nearest_bucket
-from xeontune.train.data import Latents, SamplePlan
+from xeontune.train.data import Latents, SamplePlan, read_image_sizes
 from xeontune.train.loop import check_training_data, read_training_data
 from xeontune.train.options import parse_args
 
@@ -99,18 +101,20 @@ def test_auto_buckets_only_where_some_image_is_not_nearest_the_square(sample_ima
 def test_runs_folder_check_decodes_no_image_and_lays_it_out_as_the_ranks_read_does(sample_images, tmp_path,
                                                                                    monkeypatch, caplog):
     """`run`'s check on the user's machine (check_training_data) takes each image's size from its header,
-    upright (a phone photo stored sideways with EXIF orientation 6 counts 50x100), and decodes none; a
-    rank's read (read_training_data) puts the same images in the same buckets, skipping with a warning a
-    file whose header reads but whose pixels do not; the two refuse the same mistakes alike."""
+    upright (a photo stored sideways with EXIF orientation 6 counts 50x100: JPEG, PNG, TIFF), and decodes
+    none; a rank's read (read_training_data) puts the same images in the same buckets, skipping with a
+    warning a file whose header reads but whose pixels do not, and taking a PNG whose orientation comes
+    after its pixels at its decoded size; the two refuse the same mistakes alike."""
     folder = shaped_folder(sample_images, tmp_path, MIXED)
     sideways = Image.Exif()
     sideways[ExifTags.Base.Orientation] = 6
     photo = Image.open(sorted(sample_images.glob("*.png"))[0]).convert("RGB").resize((100, 50))
-    photo.save(folder / "phone.jpg", exif=sideways)
-    photo.save(folder / "phone.png", exif=sideways)
+    for name in ("phone.jpg", "phone.png", "phone.tif"):
+        photo.save(folder / name, exif=sideways)
     whole = io.BytesIO()
     Image.effect_noise((100, 50), 64).convert("RGB").save(whole, "JPEG")  # noise: the pixels outweigh the header
-    (folder / "zz_cut.jpg").write_bytes(whole.getvalue()[: len(whole.getvalue()) * 2 // 3])
+    (folder / "a_cut.jpg").write_bytes(whole.getvalue()[: len(whole.getvalue()) * 2 // 3])  # first: the rest shift
+    (folder / "late.png").write_bytes(png_with_exif_after_the_pixels(photo, sideways))
     opts = parse_args(["--method", "lora", "--model", "m", "--data-dir", str(folder), "--instance-prompt",
                        "a photo of sks toy", "--resolution", "64", "--bucket-step", "16"])
     decoded = []
@@ -118,18 +122,21 @@ def test_runs_folder_check_decodes_no_image_and_lays_it_out_as_the_ranks_read_do
     monkeypatch.setattr(ImageFile.ImageFile, "load", lambda img: decoded.append(Path(img.filename).name) or load(img))
     caplog.set_level(logging.WARNING, logger="xeontune.train.data")
     check_training_data(opts)
-    assert decoded == [] and "zz_cut" not in caplog.text
+    heads = {path.name: size for path, size in read_image_sizes(folder)}
+    assert decoded == [] and "a_cut" not in caplog.text
+    assert {heads[n] for n in ("phone.jpg", "phone.png", "phone.tif")} == {(50, 100)} and heads["late.png"] == (100, 50)
     images, *_ = read_training_data(opts)
-    assert "skipping" in caplog.text and "zz_cut.jpg: not a readable image" in caplog.text
+    assert caplog.text.count("a_cut.jpg: not a readable image") == 1
     names = [p.name for p in images.paths]
-    assert "zz_cut.jpg" not in names and {"phone.jpg", "phone.png"} <= set(decoded)
-    assert images.sizes[names.index("phone.jpg")] == images.sizes[names.index("phone.png")] == (50, 100)
+    assert "a_cut.jpg" not in names and {"phone.jpg", "phone.png", "phone.tif", "late.png"} <= set(decoded)
+    assert {images.sizes[names.index(n)] for n in ("phone.jpg", "phone.png", "phone.tif", "late.png")} == {(50, 100)}
     by_bucket = {part.size: sorted(names[i] for i in part.members) for part in images.parts}
-    assert by_bucket == {(64, 64): ["img_1.png", "img_4.png"], (48, 80): ["img_2.png", "img_5.png", "phone.jpg",
-                         "phone.png"], (80, 48): ["img_0.png", "img_3.png"]}
+    assert by_bucket == {(64, 64): ["img_1.png", "img_4.png"], (80, 48): ["img_0.png", "img_3.png"],
+                         (48, 80): ["img_2.png", "img_5.png", "late.png", "phone.jpg", "phone.png", "phone.tif"]}
     assert all(part.pixels.shape == (len(part.members), 3, part.size[1], part.size[0]) for part in images.parts)
     # the same mistakes, the same one line: a mask of the photo as stored (sideways), not as it trains
-    (folder / "zz_cut.jpg").unlink()
+    (folder / "a_cut.jpg").unlink()
+    (folder / "late.png").unlink()
     Image.new("L", (100, 50), 255).save(folder / "phone.mask.png")
     for read in (check_training_data, read_training_data):
         with pytest.raises(UserError, match="phone.mask.png is 100x50, its image .upright. 50x100"):
@@ -140,6 +147,16 @@ def test_runs_folder_check_decodes_no_image_and_lays_it_out_as_the_ranks_read_do
     for read in (check_training_data, read_training_data):
         with pytest.raises(UserError, match="give a --resolution that is one too"):
             read(replace(opts, resolution=72))
+
+
+def png_with_exif_after_the_pixels(img, exif):
+    """A PNG whose eXIf chunk follows its pixels: its header reads 100x50 and it decodes upright."""
+    whole = io.BytesIO()
+    img.save(whole, "PNG")
+    data, body = whole.getvalue(), exif.tobytes().removeprefix(b"Exif\x00\x00")
+    chunk = struct.pack(">I", len(body)) + b"eXIf" + body + struct.pack(">I", zlib.crc32(b"eXIf" + body))
+    end = data.rindex(b"IEND") - 4
+    return data[:end] + chunk + data[end:]
 
 
 def test_each_global_micro_batch_is_one_bucket_and_every_image_comes_once_an_epoch():

@@ -151,9 +151,10 @@ def class_data_target(record: ClusterRecord, class_dir: str | None) -> str | Non
 
 
 def read_data_here(options: TrainOptions) -> None:
-    """The --data-dir folder checked on this machine with a rank's rules: its mistakes are one-line
-    errors before a cluster exists, and what a rank would warn of (an unreadable image it skips) is
-    said here as every other warning of the CLI is."""
+    """The --data-dir folder checked on this machine with a rank's rules, from the images' headers: its
+    mistakes are one-line errors before a cluster exists, and a file that is no image (which a rank
+    skips) is a warning here, as every other warning of the CLI is. A file whose header reads but
+    whose pixels do not is found by the rank that decodes it (skipped, with a warning in its log)."""
     from xeontune.train.loop import check_training_data
 
     logger = logging.getLogger("xeontune.train")

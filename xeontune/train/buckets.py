@@ -118,26 +118,35 @@ def bucket_layout(sizes: list[tuple[int, int]], opts: Any) -> Layout:
     return True, [(size, members) for size in bucket_list if (members := [i for i in every if chosen[i] == size])]
 
 
-def load_training_images(opts: Any, found: list[tuple[Path, tuple[int, int]]] | None = None) -> TrainingImages:
+def load_training_images(opts: Any) -> TrainingImages:
     """--data-dir's images as ``bucket_layout`` lays them out, fitted. The layout comes from the headers;
-    then each image is decoded and fitted on its own, so one full-size photo is held at a time, not all."""
-    found = list(read_image_sizes(opts.data_dir)) if found is None else found
-    paths, sizes = [p for p, _ in found], [s for _, s in found]
-    bucketed, layout = bucket_layout(sizes, opts)
-    parts = []
-    for size, members in layout:
-        fitted = []
-        for i in members:
-            fit = open_image(paths[i], lambda img, size=size: _fit(decode_upright(img), size, bucketed, opts))
-            if fit is None:  # its header read, its pixels did not: skipped (warned), the rest laid out again
-                rest = [f for f in found if f[0] != paths[i]]
-                if not rest:
-                    raise UserError(no_readable_image(Path(opts.data_dir)))
-                return load_training_images(opts, rest)
-            fitted.append(fit)
-        parts.append(BucketImages(size, torch.stack([f[0] for f in fitted]),
-                                  torch.tensor([f[1] for f in fitted], dtype=torch.long), members))
-    return TrainingImages(paths, sizes, parts, bucketed)
+    then each image is decoded and fitted on its own, so one full-size photo is held at a time, not all.
+    An image whose pixels do not decode is skipped (with a warning), and one that decodes to another
+    size than its header said is taken at that size: the folder is then laid out again, once."""
+    found = dict(read_image_sizes(opts.data_dir))
+    while True:
+        paths, sizes = list(found), list(found.values())
+        bucketed, layout = bucket_layout(sizes, opts)
+        parts, again = [], False
+        for size, members in layout:
+            fitted = []
+            for i in members:
+                upright = open_image(paths[i], decode_upright)
+                if upright is None or upright.size != sizes[i]:
+                    again = True  # the rest are still read, so that a second layout is the last
+                    if upright is None:
+                        del found[paths[i]]
+                    else:
+                        found[paths[i]] = upright.size
+                if not again:
+                    fitted.append(_fit(upright, size, bucketed, opts))
+            if not again:
+                parts.append(BucketImages(size, torch.stack([f[0] for f in fitted]),
+                                          torch.tensor([f[1] for f in fitted], dtype=torch.long), members))
+        if not again:
+            return TrainingImages(paths, sizes, parts, bucketed)
+        if not found:
+            raise UserError(no_readable_image(Path(opts.data_dir)))
 
 
 def _fit(upright: Image.Image, size: tuple[int, int], bucketed: bool, opts: Any) -> tuple[torch.Tensor, Any]:

@@ -135,10 +135,13 @@ def decode_upright(img: Image.Image) -> Image.Image:
 
 
 def upright_size(img: Image.Image) -> tuple[int, int]:
-    """(width, height) as ``decode_upright`` gives the image, from its header alone. A PNG's EXIF is read
-    where its header holds it (Pillow's getexif() on a PNG without one decodes the whole file to look
-    after the pixels; PNG writers put eXIf before them)."""
-    exif = img.getexif() if img.format != "PNG" or "exif" in img.info else {}
+    """(width, height) as ``decode_upright`` gives the image, from its header alone (a rank that decodes
+    an image of another size lays its folder out again: buckets.load_training_images)."""
+    if img.format == "TIFF":  # Pillow gives a TIFF's size upright on open and turns its pixels on load
+        return img.size
+    # A PNG's own getexif() decodes the whole file to look for an eXIf chunk after the pixels; the base
+    # one reads what the header holds (eXIf before the pixels, ImageMagick's raw profile, XMP).
+    exif = Image.Image.getexif(img) if img.format == "PNG" else img.getexif()
     return (img.height, img.width) if exif.get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8) else img.size
 
 

@@ -394,7 +394,8 @@ def read_training_data(opts: TrainOptions) -> tuple[TrainingImages, list[torch.T
 def check_training_data(opts: TrainOptions) -> None:
     """``read_training_data``'s checks from the images' headers, decoding none (the masks alone are read):
     `xeontune run` calls this on the user's machine before it creates a cluster, so a mistake in the folder
-    costs no machine, and 200 photos cost neither gigabytes of memory nor minutes of decoding here."""
+    costs no machine, and 200 photos cost neither gigabytes of memory nor minutes of decoding here. What
+    only a decode finds (pixels damaged past a sound header) is left to the rank, which skips the file."""
     if opts.with_prior_preservation:
         prior.check_class_dir(opts)
     found = list(read_image_sizes(opts.data_dir))

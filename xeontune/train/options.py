@@ -319,7 +319,7 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 # The options that name a path: a config file's ~/... is the home folder, as it is on a command line.
-HOME_PATHS = ("model", "data_dir", "class_data_dir", "output_dir", "resume_from_checkpoint")
+HOME_PATHS = ("model", "data_dir", "class_data_dir", "output_dir", "logging_dir", "resume_from_checkpoint")
 _TYPE_WORDS = {str: "text (quoted)", int: "a whole number", float: "a number", bool: "true or false"}
 _BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
