@@ -98,6 +98,24 @@ def test_auto_buckets_only_where_some_image_is_not_nearest_the_square(sample_ima
         load(tmp_path / "shaped", "--resolution", "72")
 
 
+def test_class_images_join_every_bucket_fitted_to_it_as_they_come(sample_images, tmp_path):
+    """Prior preservation's class images go after each bucket's own images, fitted to that bucket, from an
+    iterator (a user's full-size class photos are decoded and fitted one at a time, not held together)."""
+    opts = parse_args(["--method", "lora", "--model", "m", "--data-dir", str(shaped_folder(sample_images, tmp_path,
+                       MIXED)), "--instance-prompt", "a photo of sks toy", "--resolution", "64", "--bucket-step", "16"])
+    images = load_training_images(opts)
+    before = {part.size: len(part.members) for part in images.parts}
+    wide = Image.open(sorted(sample_images.glob("*.png"))[0]).convert("RGB").resize((120, 60))
+    tall = wide.transpose(Image.Transpose.ROTATE_90)
+    drawn = []
+    assert images.add((drawn.append(img) or img for img in (wide, tall)), opts) == 2
+    for part in images.parts:
+        assert part.pixels.shape[0] == part.crops.shape[0] == before[part.size] + 2 and part.crops.dtype == torch.long
+        for row, img in zip(range(before[part.size], before[part.size] + 2), drawn, strict=True):
+            pixels, crop = fit_to_bucket(img, part.size)
+            assert torch.equal(part.pixels[row], pixels) and part.crops[row].tolist() == list(crop)
+
+
 def test_runs_folder_check_decodes_no_image_and_lays_it_out_as_the_ranks_read_does(sample_images, tmp_path,
                                                                                    monkeypatch, caplog):
     """`run`'s check on the user's machine (check_training_data) takes each image's size from its header,

@@ -12,6 +12,7 @@ each image's original size, its crop and its bucket's size.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,16 +81,18 @@ class TrainingImages:
     parts: list[BucketImages]  # one part of all the images at --resolution without buckets
     bucketed: bool
 
-    def add(self, upright: list[Image.Image], opts: Any) -> None:
-        """Prior preservation's class images, after each part's own images, fitted as they are."""
-        for part in self.parts:
-            if self.bucketed:
-                fitted = [fit_to_bucket(img, part.size) for img in upright]
-                pixels, crops = torch.stack([f[0] for f in fitted]), torch.tensor([f[1] for f in fitted])
-            else:
-                pixels, crops = fit_square(upright, opts.resolution, opts.center_crop)
-            part.pixels = torch.cat([part.pixels, pixels])
-            part.crops = torch.cat([part.crops, crops.long()])
+    def add(self, upright: Iterable[Image.Image], opts: Any) -> int:
+        """Prior preservation's class images, after each part's own images, fitted to each part as they
+        come (one decoded image held at a time: a user's class photos may be full-size). How many."""
+        fitted: list[list[tuple[torch.Tensor, Any]]] = [[] for _ in self.parts]
+        for img in upright:
+            for part, into in zip(self.parts, fitted, strict=True):
+                into.append(_fit(img, part.size, self.bucketed, opts))
+        for part, into in zip(self.parts, fitted, strict=True):
+            if into:
+                part.pixels = torch.cat([part.pixels, torch.stack([f[0] for f in into])])
+                part.crops = torch.cat([part.crops, torch.tensor([f[1] for f in into], dtype=torch.long)])
+        return len(fitted[0])
 
 
 Layout = tuple[bool, list[tuple[tuple[int, int], list[int]]]]  # bucketed?, each part's (width, height) and members

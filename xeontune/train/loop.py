@@ -536,10 +536,15 @@ def setup(
     num_class_images = 0
     if opts.with_prior_preservation:  # the class images join the instance images after them
         prior.ensure_class_images(components, method, opts, sync, lambda: precision_autocast(precision))
-        read = list(read_images(opts.class_data_dir, limit=opts.num_class_images))
-        sync.check_same(image_set_digest([path for path, _ in read]), "class images")
-        num_class_images = len(read)
-        images.add([img for _, img in read], opts)  # into every bucket (each batch is of one)
+        class_paths: list[Path] = []
+
+        def each_class_image() -> Iterator[Any]:
+            for path, img in read_images(opts.class_data_dir, limit=opts.num_class_images):
+                class_paths.append(path)
+                yield img
+
+        num_class_images = images.add(each_class_image(), opts)  # into every bucket (each batch is of one)
+        sync.check_same(image_set_digest(class_paths), "class images")
         masks = [m if m is None else torch.cat([m, torch.ones(num_class_images, *m.shape[1:])]) for m in masks]
     latents = cache_latents(components, images, masks, opts, sync, main)
     if main and images.bucketed:
