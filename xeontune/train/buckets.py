@@ -95,7 +95,8 @@ class TrainingImages:
         return len(fitted[0])
 
 
-Layout = tuple[bool, list[tuple[tuple[int, int], list[int]]]]  # bucketed?, each part's (width, height) and members
+Parts = list[tuple[tuple[int, int], list[int]]]  # each part's (width, height) and its images' indices
+Layout = tuple[bool, Parts]  # bucketed?, the parts
 
 
 def bucket_layout(sizes: list[tuple[int, int]], opts: Any) -> Layout:
@@ -130,24 +131,23 @@ def load_training_images(opts: Any) -> TrainingImages:
     while True:
         paths, sizes = list(found), list(found.values())
         bucketed, layout = bucket_layout(sizes, opts)
-        parts, again = [], False
+        parts = []
         for size, members in layout:
             fitted = []
             for i in members:
                 upright = open_image(paths[i], decode_upright)
-                if upright is None or upright.size != sizes[i]:
-                    again = True  # the rest are still read, so that a second layout is the last
-                    if upright is None:
-                        del found[paths[i]]
-                    else:
-                        found[paths[i]] = upright.size
-                if not again:
+                if upright is None:  # its header read, its pixels did not: skipped (warned)
+                    del found[paths[i]]
+                elif upright.size != sizes[i]:  # its orientation was not where its header said
+                    found[paths[i]] = upright.size
+                else:
                     fitted.append(_fit(upright, size, bucketed, opts))
-            if not again:
-                parts.append(BucketImages(size, torch.stack([f[0] for f in fitted]),
-                                          torch.tensor([f[1] for f in fitted], dtype=torch.long), members))
-        if not again:
-            return TrainingImages(paths, sizes, parts, bucketed)
+            parts.append((size, members, fitted))
+        if found == dict(zip(paths, sizes, strict=True)):
+            return TrainingImages(paths, sizes, [
+                BucketImages(size, torch.stack([f[0] for f in fitted]),
+                             torch.tensor([f[1] for f in fitted], dtype=torch.long), members)
+                for size, members, fitted in parts], bucketed)
         if not found:
             raise UserError(no_readable_image(Path(opts.data_dir)))
 

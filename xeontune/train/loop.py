@@ -27,7 +27,7 @@ from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text, file_in_the_way
 from xeontune.train import checkpoint, methods, preempt, prior, validation
-from xeontune.train.buckets import BucketLatents, TrainingImages, bucket_layout, load_training_images
+from xeontune.train.buckets import BucketLatents, Parts, TrainingImages, bucket_layout, load_training_images
 from xeontune.train.components import (
     Components,
     cast_text_encoder_linears,
@@ -404,7 +404,7 @@ def check_training_data(opts: TrainOptions) -> None:
     _masks_and_prompts(opts, paths, sizes, layout, bucketed)
 
 
-def _masks_and_prompts(opts: TrainOptions, paths: list[Path], sizes: list[tuple[int, int]], layout: list[Any],
+def _masks_and_prompts(opts: TrainOptions, paths: list[Path], sizes: list[tuple[int, int]], layout: Parts,
                        bucketed: bool) -> tuple[list[torch.Tensor | None], ImagePrompts | None, methods.Method]:
     check_mask_files(opts.data_dir)
     masks = [load_masks([paths[i] for i in members], [sizes[i] for i in members], opts.resolution,

@@ -142,8 +142,10 @@ class Lora(Method):
 
     def before_update(self, step: int, max_steps: int) -> None:
         """After --train-token-fraction of the steps the token stops: without gradients AdamW leaves it."""
-        stop = self.token_steps(max_steps) if self.token else max_steps
-        if self.token and step >= stop:
+        if not self.token:
+            return
+        stop = self.token_steps(max_steps)
+        if step >= stop:
             if step == stop:
                 log.info("the token %s stops after step %d of %d (--train-token-fraction %g); the adapters go on",
                          self.opts.placeholder_token, step, max_steps, self.opts.train_token_fraction)
