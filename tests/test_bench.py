@@ -241,7 +241,9 @@ def test_lora_bench_baseline_runs_the_vae_and_the_text_encoder_every_step(tiny_m
     assert result["model_gflop_per_step"] > 0
 
 
-def test_lora_baseline_casts_every_frozen_model_and_keeps_the_adapters_fp32(tiny_model, tmp_path):
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+def test_lora_baseline_casts_every_frozen_model_and_keeps_the_adapters_fp32(family, tiny_model, sdxl_model,
+                                                                             tmp_path):
     import argparse
 
     import torch
@@ -249,17 +251,21 @@ def test_lora_baseline_casts_every_frozen_model_and_keeps_the_adapters_fp32(tiny
     from xeontune import models
     from xeontune.train import loop
 
+    model = tiny_model if family == "sd" else sdxl_model
     data = tmp_path / "data"
     models.write_sample_data(data, count=2, size=64)
     args = argparse.Namespace(resolution=64, batch_size=1, warmup=0, steps=1, mixed_precision="bf16", ipex="off",
                               compile=False, pack_weights="off", method="lora", rank=4)
-    opts = bench.variant_options(tiny_model, data, tmp_path / "out", args, "baseline")
+    opts = bench.variant_options(model, data, tmp_path / "out", args, "baseline")
     assert opts.method == "lora" and not opts.cache_latents and not opts.cache_text
     run, _ = loop.setup(opts, loop.make_accelerator(opts),
-                        components=bench.example_components(tiny_model, "bf16", "lora"))
+                        components=bench.example_components(model, "bf16", "lora"))
     c = run.components
     assert run.text_cache is None
-    assert {p.dtype for m in (c.vae, c.text_encoder) for p in m.parameters()} == {torch.bfloat16}
+    assert {p.dtype for m in c.text_encoders for p in m.parameters()} == {torch.bfloat16}
+    # train_dreambooth_lora.py casts its VAE to bf16; train_dreambooth_lora_sdxl.py keeps it fp32
+    vae_dtype = torch.bfloat16 if family == "sd" else torch.float32
+    assert {p.dtype for p in c.vae.parameters()} == {vae_dtype}
     trainable = [p for p in c.unet.parameters() if p.requires_grad]
     assert trainable and {p.dtype for p in trainable} == {torch.float32}
     assert {p.dtype for p in c.unet.parameters() if not p.requires_grad} == {torch.bfloat16}

@@ -325,7 +325,8 @@ def example_components(model: Path, precision: str, method: str = "textual_inver
     SDXL's script also casts its second text encoder to bf16 whole, after handing its token table to
     the optimizer: that table then trains in bf16 (``tokens.install`` copies the table's dtype).
     The LoRA examples cast every frozen model, text encoders included, and then the adapters they
-    add to the UNet back to fp32 (as the LoRA method does)."""
+    add to the UNet back to fp32 (as the LoRA method does); SDXL's LoRA script keeps its VAE in fp32
+    ("to avoid NaN losses"), so its baseline encodes each step's images in fp32."""
     import torch
 
     from xeontune.train.components import load, unet_dtype
@@ -335,7 +336,8 @@ def example_components(model: Path, precision: str, method: str = "textual_inver
         components.unet.to(unet_dtype(precision))
         components.unet_cast = True
     if precision == "bf16":
-        components.vae.to(torch.bfloat16)
+        if not (method == "lora" and components.text_encoder_2 is not None):
+            components.vae.to(torch.bfloat16)
         if method == "lora":
             for name in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
                 getattr(components, name).to(torch.bfloat16)
