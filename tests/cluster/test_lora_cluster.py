@@ -103,8 +103,8 @@ def test_lora_on_three_ranks_matches_one_process_and_loads_in_both_layouts(local
     assert_loads_in_both_layouts(model, family, tmp_path / "dist", text_encoder=bool(extra))
 
 
-# SD1.x and SD2 run on three nodes in test_run_dreambooth_... below and in launch's test above
-@pytest.mark.parametrize("family", ["sdxl"])
+# SD1.x runs on three nodes in test_run_on_three_nodes_trains_dreambooth_... below
+@pytest.mark.parametrize("family", ["sd2", "sdxl"])
 def test_run_on_three_nodes_trains_a_lora_and_fetches_both_files(root_home, cluster_name, families,  # noqa: F811
                                                                  sample_images, tmp_path, family):
     out = tmp_path / "out"

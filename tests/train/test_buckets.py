@@ -211,12 +211,24 @@ def max_diff(a, b):
 
 
 @pytest.mark.slow
-def test_bucketed_training_resumes_exactly_across_bucket_changes(sdxl_model, sample_images, tmp_path):
+def test_bucketed_training_resumes_exactly_across_bucket_changes(sdxl_model, sample_images, tmp_path,
+                                                                monkeypatch):
     """SDXL: its time_ids change with the bucket too (SD1.x's bucketed runs: the rank tests)."""
     model = sdxl_model
     data = shaped_folder(sample_images, tmp_path, MIXED)
     common = ["--max-train-steps", "4", "--checkpointing-steps", "2"]
+    buckets = []  # each step's bucket in the straight run
+    draw = SamplePlan.batch
+
+    def noted(plan, positions):
+        batch = draw(plan, positions)
+        buckets.append(batch.bucket)
+        return batch
+
+    monkeypatch.setattr(SamplePlan, "batch", noted)
     assert main(lora_args(model, data, tmp_path / "straight", *common)) == 0
+    monkeypatch.undo()
+    assert len(buckets) == 4 and buckets[1] != buckets[2]  # the resume at step 2 lands on a bucket change
     assert main(lora_args(model, data, tmp_path / "resumed", "--max-train-steps", "2", "--checkpointing-steps",
                           "2")) == 0
     assert main(lora_args(model, data, tmp_path / "resumed", *common, "--resume-from-checkpoint", "latest")) == 0

@@ -229,15 +229,18 @@ def test_two_ranks_match_one_process_with_twice_the_batch(lora_args, tmp_path):
     assert adapter_bytes < unet_bytes / 10
 
 
-def test_the_text_cache_changes_nothing_and_frees_the_encoders(lora_args, runs):
-    args = lora_args()
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])  # SDXL caches both encoders' states and the pooled output
+def test_the_text_cache_changes_nothing_and_frees_the_encoders(family, model_of, lora_args, runs):
+    args = lora_args(model=model_of(family))
     cached = train(args)
     uncached = loop.train(dataclasses.replace(parse_args(args + ["--output-dir", args[-1] + "-uncached"]),
                                               cache_text=False))
     assert max(float(v.abs().max()) for k, v in cached.learned.items() if ".lora_B." in k) > 1e-4
     assert max_diff(cached.learned, uncached.learned) <= 1e-6
-    assert runs[0].text_cache is not None and runs[0].components.text_encoder is None  # no validation, no pipeline
-    assert runs[1].text_cache is None and runs[1].components.text_encoder is not None
+    # no validation, no pipeline: the cache frees every encoder
+    assert runs[0].text_cache is not None and not any(runs[0].components.text_encoders)
+    assert runs[1].text_cache is None and all(runs[1].components.text_encoders)
+    assert len(runs[1].components.text_encoders) == (2 if family == "sdxl" else 1)
 
 
 # --- resume -----------------------------------------------------------------------------------------
@@ -366,6 +369,36 @@ def test_bad_options_are_one_line_errors(lora_args, base_args, capsys, tmp_path)
     line = one_line_error(capsys, args + ["--lora-targets", "nonexistent_module"])
     assert "--lora-targets" in line and "nonexistent_module" in line
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_options_another_method_owns_are_one_line_errors(lora_args, base_args, capsys):
+    for extra, flag in ((["--save-format", "a1111"], "--save-format"), (["--train-full-table"], "--train-full-table")):
+        assert flag in one_line_error(capsys, lora_args() + extra)
+    for extra, flag in ((["--rank", "8"], "--rank"), (["--train-text-encoder"], "--train-text-encoder"),
+                        (["--lora-targets", "to_q"], "--lora-targets")):
+        assert flag in one_line_error(capsys, base_args + extra)
+
+
+def test_the_defaults_are_diffusers_examples(tiny_model, sample_images):
+    """Rank 4, alpha = rank, the UNet's to_q/to_k/to_v/to_out.0 and the text encoder's q/k/v/out_proj,
+    learning rate 1e-4: what train_dreambooth_lora.py uses when given none of them."""
+    from xeontune.train import methods
+    from xeontune.train.components import load
+
+    opts = parse_args(["--method", "lora", "--instance-prompt", PROMPT, "--model", str(tiny_model),
+                       "--data-dir", str(sample_images), "--train-text-encoder"])
+    assert (opts.rank, opts.learning_rate, opts.lora_dropout) == (4, 1e-4, 0.0)
+    method = methods.create(opts)
+    components = load(str(tiny_model))
+    method.install(components)
+    assert method.alpha == 4.0
+    for model, targets in ((components.unet, {"to_q", "to_k", "to_v", "to_out.0"}),
+                           (components.text_encoder, {"q_proj", "k_proj", "v_proj", "out_proj"})):
+        wrapped = [name for name, m in model.named_modules() if hasattr(m, "lora_A")]
+        matched = {t for t in targets for name in wrapped if name.endswith("." + t)}
+        assert matched == targets and all(any(name.endswith("." + t) for t in targets) for name in wrapped)
+        config = model.peft_config["default"]
+        assert (config.r, config.lora_alpha, set(config.target_modules)) == (4, 4, targets)
 
 
 def test_a_lora_rank_is_counted_without_the_text_encoders_it_frees(tiny_model, lora_args, base_args):
