@@ -1,7 +1,7 @@
 """A checkpoint in the grace time. Two signals reach every rank of a Slurm job before it is stopped:
 - SIGUSR1: Slurm's ``--signal=USR1@120`` (its time limit near), or a preemption notice where the
   cluster sends one (``PreemptParameters=send_user_signal``). The ranks checkpoint, exit with
-  ``EXIT_CODE`` and leave the mark; the batch script (cluster/providers/slurm.py) then requeues the job.
+  ``EXIT_CODE`` and leave the mark; the batch script (job/engines/srun.py) then requeues the job.
 - SIGTERM: a preemption (``PreemptMode=REQUEUE``, its ``GraceTime``), ``scontrol requeue``, ``scancel``
   or the time limit itself. The ranks checkpoint and exit 143, with no mark. A preemption signals
   the steps only: the batch script, still running, sees Slurm's PreemptTime and requeues the job
