@@ -76,7 +76,15 @@ def test_sdxl_pivotal_tuning_writes_clip_l_and_clip_g_and_resumes_exactly(sdxl_m
     args = ["--instance-prompt", "a photo of <sks>", "--train-text-encoder", "--max-train-steps", "4",
             "--train-token-fraction", "0.5", "--save-steps", "0"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert main(pivotal_args(sdxl_model, sample_images, straight, *args)) == 0
+    assert main(pivotal_args(sdxl_model, sample_images, straight, *args, "--save-steps", "1")) == 0
+    # the token trains in steps 1 and 2 (half of 4), in both encoders, then stops while the adapters go on
+    copies = [load_file(straight / f"learned_embeds-steps-{n}.safetensors") for n in (1, 2, 3)]
+    copies.append(load_file(straight / "learned_embeds.safetensors"))
+    for key in ("clip_l", "clip_g"):
+        assert not torch.equal(copies[0][key], copies[1][key]), key
+        assert torch.equal(copies[1][key], copies[2][key]) and torch.equal(copies[2][key], copies[3][key]), key
+    lora_copies = [load_file(straight / LORA_FILE.replace(".safetensors", f"-steps-{n}.safetensors")) for n in (2, 3)]
+    assert any(not torch.equal(lora_copies[0][k], lora_copies[1][k]) for k in lora_copies[0])
     # stopped after step 1 (the token still training), resumed through the token's stop at step 2
     assert main(pivotal_args(sdxl_model, sample_images, resumed, *args[:-4], "--max-train-steps", "1",
                              "--checkpointing-steps", "1", "--save-steps", "0")) == 0

@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 
 from tests.one_line import one_line_error
 from xeontune.cli import main
+from xeontune.io import atomic_path
+from xeontune.train import prior as prior_module
 from xeontune.train.data import Batch, SamplePlan, read_images, sample_loss
 from xeontune.train.prior import GENERATED, class_image_names, missing_names
 
@@ -83,12 +85,23 @@ def prior_args(model, data, class_dir, out, *more) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_stopped_generation_resumes_and_the_class_loss_counts(tiny_model, sample_images, tmp_path):
+def test_a_stopped_generation_resumes_and_the_class_loss_counts(tiny_model, sample_images, tmp_path, monkeypatch):
     class_dir = tmp_path / "class"
-    assert main(prior_args(tiny_model, sample_images, class_dir, tmp_path / "a", "--num-class-images", "2")) == 0
+    written = prior_module.write
+
+    def stop_in_the_second_write(path, data):  # Ctrl-C half-way through writing the second image
+        if len(list(class_dir.iterdir())) < 1:
+            return written(path, data)
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(data[: len(data) // 2])
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prior_module, "write", stop_in_the_second_write)
+    assert main(prior_args(tiny_model, sample_images, class_dir, tmp_path / "a")) == 130
+    monkeypatch.undo()
     first = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in class_dir.iterdir()}
-    assert sorted(first) == [GENERATED.format(0), GENERATED.format(1)]
-    assert main(prior_args(tiny_model, sample_images, class_dir, tmp_path / "b")) == 0  # 3 now: one more
+    assert sorted(first) == [GENERATED.format(0)]  # no half-written file
+    assert main(prior_args(tiny_model, sample_images, class_dir, tmp_path / "b")) == 0
     after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in class_dir.iterdir()}
     assert sorted(after) == [GENERATED.format(i) for i in range(3)]
     assert all(after[name] == first[name] for name in first)  # not drawn again

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tests.one_line import one_line_error
 from xeontune.cli import main
 from xeontune.errors import UserError
 from xeontune.train import loop
-from xeontune.train.data import SamplePlan, load_images_with_crops, load_masks, masked_mse
+from xeontune.train.data import Batch, Latents, SamplePlan, load_images_with_crops, load_masks, masked_mse
 from xeontune.train.prompts import image_prompts
 
 
@@ -191,6 +192,15 @@ def test_masks_are_cropped_and_scaled_as_their_images_and_mirrored_with_them(fol
     assert masks.shape == (6, 1, 8, 8)
     assert torch.equal(masks[1, 0, :, :4], torch.zeros(8, 4)) and torch.equal(masks[1, 0, :, 4:], torch.ones(8, 4))
     assert torch.equal(masks[[0, 2, 3, 4, 5]], torch.ones(5, 1, 8, 8))  # no mask: all of it counts
+    # a mirrored sample takes its mask mirrored: the black half is then on the right
+    latents = Latents(SimpleNamespace(config=SimpleNamespace()), torch.zeros(6, 3, 64, 64), cached=False,
+                      masks=masks, flip_p=0.5)
+    batch = Batch(positions=[0, 1], image_index=torch.tensor([1, 1]), flip=torch.tensor([False, True]),
+                  input_ids=torch.zeros(2, 77, dtype=torch.long), input_ids_2=None, latent_eps=torch.zeros(2, 4, 8, 8),
+                  noise=torch.zeros(2, 4, 8, 8), timesteps=torch.zeros(2))
+    weights = latents.mask(batch)
+    assert torch.equal(weights[0], masks[1]) and torch.equal(weights[1], masks[1].flip(-1))
+    assert torch.equal(weights[1, 0, :, 4:], torch.zeros(8, 4))
     rest = [p for p in paths if p.name != "toy_01.png"]
     assert load_masks(rest, sizes_of(rest), 64, False) is None
     Image.new("L", (32, 32), 255).save(folder / "toy_02.mask.png")
