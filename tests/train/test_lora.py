@@ -410,7 +410,8 @@ def test_a_lora_rank_is_counted_without_the_text_encoders_it_frees(tiny_model, l
     encoder = _folder_bytes(Path(tiny_model) / "text_encoder")
     ti, lora = parse_args(base_args), parse_args(lora_args())
     assert encoder > 0 and rank_memory(ti, "fp32") - rank_memory(lora, "fp32") == encoder
-    for extra in (["--validation-prompt", "a photo of toy"], ["--save-as-full-pipeline"], ["--train-text-encoder"]):
+    for extra in (["--validation-prompt", "a photo of toy"], ["--save-as-full-pipeline"], ["--train-text-encoder"],
+                  ["--placeholder-token", "<sks>", "--initializer-token", "toy"]):
         assert rank_memory(parse_args(lora_args() + extra), "fp32") == rank_memory(ti, "fp32"), extra
 
 

@@ -103,11 +103,13 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True) -> int:
 
 
 def uses_text_encoders(opts: TrainOptions) -> bool:
-    """Whether a rank keeps the text encoders through the steps: not a LoRA whose frozen encoders'
-    outputs are computed once (loop.TextCache: no pivotal token) and that makes no sample image and saves
-    no pipeline.
+    """Whether a rank keeps the text encoders through the steps, by the loop's own rule: not where the
+    method trains none of them and their outputs are computed once (loop.TextCache), unless sample
+    images or a saved pipeline need them (loop.release_text_encoders).
     (A LoRA's own adapters and their optimizer state are a few to ~100 MB: within the activations' margin.)"""
-    if opts.method != "lora" or opts.train_text_encoder or opts.placeholder_token or not opts.cache_text:
+    from xeontune.train import methods
+
+    if methods.create(opts).trains_text_encoders or not opts.cache_text:
         return True
     return bool(opts.validation_prompt or opts.save_as_full_pipeline)
 
