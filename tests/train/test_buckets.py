@@ -41,6 +41,11 @@ def test_bucket_sizes_keep_about_the_pixels_in_multiples_of_the_step():
     assert nearest_bucket(1000, 1000, sizes) == (512, 512)
     assert nearest_bucket(1920, 1080, sizes) == (640, 384)  # 16:9 -> 5:3
     assert bucket_sizes(64, 16) == [(64, 64), (48, 80), (80, 48)]  # the tiny models' (--bucket-step 16)
+    for resolution in (256, 512, 768, 1024):  # a portrait photo is cut as its landscape twin is
+        sizes = bucket_sizes(resolution, 64)
+        assert {(h, w) for w, h in sizes} == set(sizes), resolution
+        assert nearest_bucket(2000, 1000, sizes) == nearest_bucket(1000, 2000, sizes)[::-1], resolution
+    assert nearest_bucket(2000, 1000, bucket_sizes(1024, 64)) == (1408, 704)  # SDXL: 2:1 both ways
 
 
 def test_an_image_covers_its_bucket_and_sdxl_gets_its_real_size_and_crop():

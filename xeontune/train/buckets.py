@@ -36,14 +36,16 @@ from xeontune.train.data import (
 
 def bucket_sizes(resolution: int, step: int, max_ratio: float = 2.0) -> list[tuple[int, int]]:
     """The buckets' (width, height): multiples of ``step`` of about ``resolution`` squared pixels (not
-    more), from 1:``max_ratio`` to ``max_ratio``:1; the square one first."""
+    more), from 1:``max_ratio`` to ``max_ratio``:1, each landscape shape with its portrait twin; the
+    square one first, then by width."""
     area = resolution * resolution
-    sizes = [(resolution, resolution)] if resolution % step == 0 else []
+    square = (resolution, resolution)
+    sizes = {square} if resolution % step == 0 else set()
     for width in range(step, int(resolution * max_ratio) + 1, step):
-        height = area // width // step * step
-        if height >= step and max(width / height, height / width) <= max_ratio and (width, height) not in sizes:
-            sizes.append((width, height))
-    return sizes
+        height = area // width // step * step  # the most pixels within the area
+        if step <= height <= width and width / height <= max_ratio:
+            sizes |= {(width, height), (height, width)}
+    return sorted(sizes, key=lambda size: (size != square, size[0]))
 
 
 def nearest_bucket(width: int, height: int, sizes: list[tuple[int, int]]) -> tuple[int, int]:
