@@ -23,6 +23,8 @@ def quiet_libraries(*also: str) -> None:
     logging.getLogger("paramiko").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    # diffusers' config loader still passes an argument huggingface_hub deprecated (and ignores)
+    warnings.filterwarnings("ignore", message="The `local_dir_use_symlinks` argument is deprecated")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 

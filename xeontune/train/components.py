@@ -139,6 +139,11 @@ def load(
         missing = hub_repo_missing(exc)
         if missing:
             raise UserError(not_found_message(model, gated=missing == "gated")) from None
+        if not local.exists() and hub_offline():
+            mirror = MOVED_MODELS.get(model)
+            raise UserError(f"{model} is not (all) in this machine's Hugging Face cache, and HF_HUB_OFFLINE=1 keeps it "
+                            "from being downloaded: run once without HF_HUB_OFFLINE to fetch it"
+                            + (f" (the guides' {model} is now {mirror})" if mirror else "")) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         variants = sorted({f.name.split(".")[1].split("-")[0] for f in local.glob("*/*.*.safetensors")}) if local.is_dir() else []
         hint = f" (its weights are a variant: add --variant {variants[0]})" if variants and not variant else ""
@@ -171,6 +176,13 @@ def _in_fp32(module: Any) -> bool:
 
 # The hub repository that the guides name was removed in 2024; its maintained mirror:
 MOVED_MODELS = {"runwayml/stable-diffusion-v1-5": "stable-diffusion-v1-5/stable-diffusion-v1-5"}
+
+
+def hub_offline() -> bool:
+    """Whether huggingface_hub may not download (HF_HUB_OFFLINE, as it reads it)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def hub_repo_missing(exc: BaseException) -> str | None:
