@@ -365,9 +365,14 @@ def test_bad_options_are_one_line_errors(lora_args, base_args, capsys, tmp_path)
     assert "--placeholder-token" in one_line_error(capsys, args + ["--placeholder-token", "<x>"])
     assert "--instance-prompt" in one_line_error(capsys, base_args + ["--instance-prompt", "x"])
     assert "--rank" in one_line_error(capsys, args + ["--rank", "0"])
+    assert "--instance-prompt must not be empty" in one_line_error(capsys, args[:at + 1] + [" "] + args[at + 2:])
+    assert "--placeholder-token must not be empty" in one_line_error(
+        capsys, args + ["--placeholder-token", "", "--initializer-token", "toy"])
     assert "--ipex" in one_line_error(capsys, args + ["--ipex", "on"])
     line = one_line_error(capsys, args + ["--lora-targets", "nonexistent_module"])
     assert "--lora-targets" in line and "nonexistent_module" in line
+    line = one_line_error(capsys, args + ["--lora-targets", "to_q,to_kk,o_q"])  # a typo among good names
+    assert "no module of the UNet is named to_kk, o_q " in line
     assert not (tmp_path / "out").exists()  # nothing written
 
 

@@ -42,6 +42,17 @@ ENCODER_NAMES = ("text_encoder", "text_encoder_2")
 log = logging.getLogger("xeontune.train")
 
 
+def check_targets(unet: nn.Module, targets: list[str]) -> None:
+    """A one-line error naming each --lora-targets entry that names no module of the UNet (peft matches a
+    name whole or as the end of a module's dotted path, and skips an entry that matches nothing as long
+    as another one matches: a typo would train fewer adapters than asked, silently)."""
+    names = [name for name, _ in unet.named_modules()]
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        raise UserError(f"--lora-targets: no module of the UNet is named {', '.join(unmatched)} (names end a module's "
+                        "path, as in to_q, to_out.0, ff.net.2, proj_in, conv1)")
+
+
 class Lora(Method):
     name = "lora"
     learns = "adapters"
@@ -78,7 +89,6 @@ class Lora(Method):
 
     def install(self, components: Any) -> None:
         from peft import inject_adapter_in_model
-        from peft.utils.error import NoMatchingPeftModuleError
 
         opts = self.opts
         self.family = components.family
@@ -95,12 +105,11 @@ class Lora(Method):
             torch.manual_seed(opts.seed)
             for name, model in self.models.items():
                 targets = opts.lora_target_names if name == "unet" else TEXT_ENCODER_TARGETS
-                try:
-                    # peft's own injection (what diffusers' add_adapter runs): transformers' add_adapter
-                    # demands a newer peft than diffusers does, and the adapters are the same
-                    inject_adapter_in_model(self.config(targets), model, adapter_name="default")
-                except NoMatchingPeftModuleError as exc:  # "Target modules {...} not found in the base model"
-                    raise UserError(f"--lora-targets {opts.lora_targets}: {str(exc).splitlines()[0]}") from None
+                if name == "unet":
+                    check_targets(model, targets)
+                # peft's own injection (what diffusers' add_adapter runs): transformers' add_adapter
+                # demands a newer peft than diffusers does, and the adapters are the same
+                inject_adapter_in_model(self.config(targets), model, adapter_name="default")
         for _, p in self.named_parameters():
             p.data = p.data.float()
         for p in token_rows:  # peft froze every parameter of the models it wrapped but its own: these too
