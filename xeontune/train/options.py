@@ -227,6 +227,8 @@ def _base_type(f: dataclasses.Field) -> type:
 def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
+        # short: argparse prints the usage above every error, and all ~80 options made it 60 lines
+        usage="%(prog)s [--method {textual_inversion,lora}] --model MODEL --data-dir DIR [options]",
         description="Fine-tune a Stable Diffusion pipeline on a few images. --method textual_inversion (the "
         "default) learns a new token's vectors, everything else frozen; --method lora learns low-rank adapters "
         "on the UNet's attention (and the text encoders' with --train-text-encoder) beside the frozen weights.",
