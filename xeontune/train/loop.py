@@ -499,6 +499,11 @@ def setup(
     if opts.resume_from_checkpoint and main:
         resume_path, resume_data = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
     images, masks, given, method = read_training_data(opts)
+    if resume_data is not None:  # a checkpoint of other settings: found before the models load
+        early = checkpoint.decode(resume_data, resume_path)
+        check_checkpoint_method(early, method, resume_path)
+        method.check_state(early, str(resume_path))
+        del early
     image_paths = images.paths
     sync.check_same(image_set_digest(image_paths), "training images")
     sync.check_same(prompts_digest(given), "training prompts")
@@ -603,8 +608,7 @@ def setup(
     if opts.resume_from_checkpoint:
         where = resume_path or "rank 0's checkpoint"
         state = checkpoint.decode(checkpoint.share(resume_data, main, sync.group), where)
-        if state.method != method.name:
-            raise UserError(f"checkpoint {where} was trained with --method {state.method}, not {method.name}")
+        check_checkpoint_method(state, method, where)
         method.load_state(state, str(where))
         optimizer.load_state_dict(state.optimizer)
         lr_scheduler.load_state_dict(state.lr_scheduler)
@@ -618,6 +622,11 @@ def setup(
                         "not on the images a straight run would have drawn", where, state.samples_per_step,
                         run.samples_per_step, state.step)
     return run, state
+
+
+def check_checkpoint_method(state: checkpoint.TrainState, method: methods.Method, where: Path | str) -> None:
+    if state.method != method.name:
+        raise UserError(f"checkpoint {where} was trained with --method {state.method}, not {method.name}")
 
 
 def release_text_encoders(components: Components, opts: TrainOptions) -> None:

@@ -11,7 +11,8 @@ into the loaded models (having checked the images' prompts with ``check_prompts`
 loaded), for the ``prompts`` the samples draw from, for its trainable ``parameters``
 (the optimizer's) and the modules DDP wraps (``ddp_modules`` / ``use_ddp``; parameters outside them
 are all-reduced by the loop), once for ``check_gradient`` after the first backward, before every
-optimizer step (``before_update``) and after it (``after_step``, ``finite``), for its checkpoint ``state`` / ``load_state``, to
+optimizer step (``before_update``) and after it (``after_step``, ``finite``), for its checkpoint ``state`` /
+``load_state`` (and, resuming, ``check_state`` before any model loads), to
 ``save`` its learned files, to apply itself for sample images (``inference``) and to merge itself into
 a pipeline being saved (``merged_into``). Its options are its own group of TrainOptions
 (options.METHOD_GROUPS); its file names are declared in train/outputs.py (torch-free, for `fetch`).
@@ -104,6 +105,11 @@ class Method:
     def state(self) -> dict[str, Any]:
         """The checkpoint fields of checkpoint.TrainState that hold what the method learned."""
         raise NotImplementedError
+
+    def check_state(self, state: Any, where: str) -> None:
+        """Before any model loads (rank 0, resuming): raise UserError (one line) when the options say the
+        checkpoint was trained otherwise, so the mistake costs no model load and no latent cache.
+        ``load_state`` checks again against the installed models."""
 
     def load_state(self, state: Any, where: str) -> None:
         """Load a checkpoint's learned state (UserError in one line when it was trained otherwise)."""

@@ -190,18 +190,30 @@ class Lora(Method):
                             "targets": list(self.opts.lora_target_names), "models": list(self.models)},
                 **(self.token.state() if self.token else {})}
 
-    def load_state(self, state: Any, where: str) -> None:
+    def check_state(self, state: Any, where: str) -> None:
         saved = state.learned or {}
-        mine = self.state()["learned"]
-        settings = ("rank", "alpha", "targets", "models")
-        if any(saved.get(k) != mine[k] for k in settings) or \
-                {k: v.shape for k, v in saved.get("tensors", {}).items()} != {k: v.shape for k, v in mine["tensors"].items()}:
-            have = ", ".join(f"{k} {saved.get(k)}" for k in settings)
-            want = ", ".join(f"{k} {mine[k]}" for k in settings)
-            raise UserError(f"checkpoint {where} holds other adapters ({have}) than this run makes ({want})")
+        mine = {"rank": self.opts.rank, "alpha": self.alpha, "targets": list(self.opts.lora_target_names),
+                "text encoders": self.opts.train_text_encoder}
+        saved = {**saved, "text encoders": any(m != "unet" for m in saved.get("models", ()))}
+        self._same_settings(saved, mine, where)
         if (state.vectors is not None) != (self.token is not None):
             raise UserError(f"checkpoint {where} was trained {'with' if state.vectors is not None else 'without'} a "
                             "pivotal token (--placeholder-token); this run must be too")
+
+    @staticmethod
+    def _same_settings(saved: dict[str, Any], mine: dict[str, Any], where: str, shapes_differ: bool = False) -> None:
+        if shapes_differ or any(saved.get(k) != v for k, v in mine.items()):
+            have = ", ".join(f"{k} {saved.get(k)}" for k in mine)
+            want = ", ".join(f"{k} {v}" for k, v in mine.items())
+            raise UserError(f"checkpoint {where} holds other adapters ({have}) than this run makes ({want})")
+
+    def load_state(self, state: Any, where: str) -> None:
+        self.check_state(state, where)
+        saved = state.learned or {}
+        mine = self.state()["learned"]
+        shapes = [{k: v.shape for k, v in d.get("tensors", {}).items()} for d in (saved, mine)]
+        self._same_settings(saved, {k: mine[k] for k in ("rank", "alpha", "targets", "models")}, where,
+                            shapes_differ=shapes[0] != shapes[1])
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(saved["tensors"][name])
