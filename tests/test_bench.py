@@ -242,8 +242,7 @@ def test_lora_bench_baseline_runs_the_vae_and_the_text_encoder_every_step(tiny_m
 
 
 @pytest.mark.parametrize("family", ["sd", "sdxl"])
-def test_lora_baseline_casts_every_frozen_model_and_keeps_the_adapters_fp32(family, tiny_model, sdxl_model,
-                                                                             tmp_path):
+def test_lora_baseline_casts_every_frozen_model_and_keeps_the_adapters_fp32(family, request, tmp_path):
     import argparse
 
     import torch
@@ -251,7 +250,7 @@ def test_lora_baseline_casts_every_frozen_model_and_keeps_the_adapters_fp32(fami
     from xeontune import models
     from xeontune.train import loop
 
-    model = tiny_model if family == "sd" else sdxl_model
+    model = request.getfixturevalue("tiny_model" if family == "sd" else "sdxl_model")
     data = tmp_path / "data"
     models.write_sample_data(data, count=2, size=64)
     args = argparse.Namespace(resolution=64, batch_size=1, warmup=0, steps=1, mixed_precision="bf16", ipex="off",

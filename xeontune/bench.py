@@ -336,7 +336,7 @@ def example_components(model: Path, precision: str, method: str = "textual_inver
         components.unet.to(unet_dtype(precision))
         components.unet_cast = True
     if precision == "bf16":
-        if not (method == "lora" and components.text_encoder_2 is not None):
+        if not (method == "lora" and components.family == "sdxl"):
             components.vae.to(torch.bfloat16)
         if method == "lora":
             for name in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:

@@ -303,6 +303,12 @@ def test_resume_matches_a_straight_run_and_refuses_other_checkpoints(lora_args, 
         line = one_line_error(capsys, [*argv, "--output-dir", str(tmp_path / "d")])
         assert said in line, line
     assert not (tmp_path / "d").exists()
+    monkeypatch.undo()
+    # the same adapters named in another order resume, and end where the straight run did
+    train(common + ["--lora-targets", "to_out.0,to_v,to_k,to_q", "--output-dir", str(tmp_path / "e"),
+                    "--resume-from-checkpoint", str(checkpoint)])
+    straight, reordered = (load_file(str(tmp_path / d / DIFFUSERS_FILE)) for d in ("a", "e"))
+    assert max_diff(straight, reordered) <= 1e-6
 
 
 # --- it learns --------------------------------------------------------------------------------------
@@ -382,6 +388,7 @@ def test_bad_options_are_one_line_errors(lora_args, base_args, capsys, tmp_path)
     assert "--lora-targets" in line and "nonexistent_module" in line
     line = one_line_error(capsys, args + ["--lora-targets", "to_q,to_kk,o_q"])  # a typo among good names
     assert "no module of the UNet is named to_kk, o_q " in line
+    assert "to_out is a ModuleList" in one_line_error(capsys, args + ["--lora-targets", "to_q,to_out"])
     assert not (tmp_path / "out").exists()  # nothing written
 
 
@@ -394,8 +401,9 @@ def test_options_another_method_owns_are_one_line_errors(lora_args, base_args, c
 
 
 def test_the_defaults_are_diffusers_examples(tiny_model, sample_images):
-    """Rank 4, alpha = rank, the UNet's to_q/to_k/to_v/to_out.0 and the text encoder's q/k/v/out_proj,
-    learning rate 1e-4: what train_dreambooth_lora.py uses when given none of them."""
+    """Rank 4, alpha = rank, the UNet's to_q/to_k/to_v/to_out.0 and the text encoder's q/k/v/out_proj, as
+    diffusers' DreamBooth-LoRA examples (train_dreambooth_lora.py also names add_k_proj/add_v_proj, which
+    SD's UNets lack); learning rate 1e-4, as the SDXL one (the issue's default for LoRA)."""
     from xeontune.train import methods
     from xeontune.train.components import load
 

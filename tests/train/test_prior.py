@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +19,6 @@ from safetensors.torch import load_file
 
 from tests.one_line import one_line_error
 from xeontune.cli import main
-from xeontune.io import atomic_path
-from xeontune.train import prior as prior_module
 from xeontune.train.data import Batch, SamplePlan, read_images, sample_loss
 from xeontune.train.prior import GENERATED, class_image_names, missing_names
 
@@ -87,16 +86,15 @@ def prior_args(model, data, class_dir, out, *more) -> list[str]:
 @pytest.mark.slow
 def test_a_stopped_generation_resumes_and_the_class_loss_counts(tiny_model, sample_images, tmp_path, monkeypatch):
     class_dir = tmp_path / "class"
-    written = prior_module.write
+    write_bytes = Path.write_bytes
 
-    def stop_in_the_second_write(path, data):  # Ctrl-C half-way through writing the second image
-        if len(list(class_dir.iterdir())) < 1:
-            return written(path, data)
-        with atomic_path(path) as tmp:
-            tmp.write_bytes(data[: len(data) // 2])
-            raise KeyboardInterrupt
+    def stop_in_the_second_image(path: Path, data: bytes) -> int:  # Ctrl-C half-way through writing it
+        if not path.name.startswith("." + GENERATED.format(1)):  # prior.write's temporary file of image 1
+            return write_bytes(path, data)
+        write_bytes(path, data[: len(data) // 2])
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(prior_module, "write", stop_in_the_second_write)
+    monkeypatch.setattr(Path, "write_bytes", stop_in_the_second_image)
     assert main(prior_args(tiny_model, sample_images, class_dir, tmp_path / "a")) == 130
     monkeypatch.undo()
     first = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in class_dir.iterdir()}

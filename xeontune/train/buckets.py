@@ -113,11 +113,12 @@ def bucket_layout(sizes: list[tuple[int, int]], opts: Any) -> Layout:
                         f"{opts.bucket_step}")
     chosen = [nearest_bucket(w, h, bucket_list) for w, h in sizes] if bucket_list else []
     # auto: square images stay square at --resolution, even where it is no multiple of --bucket-step
-    # (the buckets then hold no square one, and a square image's nearest would be cut to 1024x960)
+    # (the buckets then hold no square one: a square image's nearest would be an oblong one, such as
+    # 960x1024 at --resolution 1000)
     squarest = nearest_bucket(1, 1, bucket_list) if bucket_list else square
     if opts.buckets == "off" or not chosen or (opts.buckets == "auto" and all(c == squarest for c in chosen)):
         return False, [(square, every)]
-    if square not in bucket_list:  # auto, images of several shapes: without a square bucket a square photo is cut to 1:2
+    if square not in bucket_list:  # auto, images of several shapes: without a square bucket a square photo is cut oblong
         raise UserError(f"the images are of several shapes, so --buckets auto puts them in aspect-ratio buckets, "
                         f"whose sides are multiples of --bucket-step {opts.bucket_step}: give a --resolution "
                         f"that is one too, a smaller --bucket-step, or --buckets off (square crops)")

@@ -119,6 +119,11 @@ def prune(output_dir: Path, total_limit: int, keep: Path) -> None:
 
 def read(path: Path) -> bytes:
     """The bytes of a complete, intact, safely loadable checkpoint; a one-line UserError otherwise."""
+    return load(path)[0]
+
+
+def load(path: Path) -> tuple[bytes, TrainState]:
+    """``read``'s bytes and what they decode to."""
     if not (path / COMPLETE_FILE).is_file():
         raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE_FILE}): its run stopped while writing it, "
                         "or a xeontune older than that marker wrote it")
@@ -131,8 +136,7 @@ def read(path: Path) -> bytes:
             marker.get("sha256") != hashlib.sha256(data).hexdigest():
         raise UserError(f"checkpoint {path} is damaged: {STATE_FILE} ({len(data)} bytes) does not match "
                         f"its {COMPLETE_FILE}")
-    decode(data, path)  # so that a bad one fails here, on rank 0, before anything starts
-    return data
+    return data, decode(data, path)  # so that a bad one fails here, on rank 0, before anything starts
 
 
 def decode(data: bytes, where: Path | str) -> TrainState:
@@ -150,9 +154,9 @@ def decode(data: bytes, where: Path | str) -> TrainState:
         raise UserError(f"checkpoint {where} is not a xeontune checkpoint (unexpected contents)") from None
 
 
-def resolve(resume_from: str, output_dir: Path) -> tuple[Path, bytes]:
-    """The checkpoint to resume from and its bytes. ``latest``: the newest one that is complete and
-    readable, with a warning for every newer one skipped."""
+def resolve(resume_from: str, output_dir: Path) -> tuple[Path, bytes, TrainState]:
+    """The checkpoint to resume from, its bytes and its state. ``latest``: the newest one that is complete
+    and readable, with a warning for every newer one skipped."""
     if resume_from != "latest":
         path = Path(resume_from)
         if not path.is_dir():
@@ -161,14 +165,14 @@ def resolve(resume_from: str, output_dir: Path) -> tuple[Path, bytes]:
         if inside:  # a run's output dir given for one of its checkpoints
             raise UserError(f"--resume-from-checkpoint: {path} is a run's output dir, not a checkpoint: give "
                             f"{path / inside[-1][1].name}, or latest with --output-dir {path}")
-        return path, read(path)
+        return path, *load(path)
     found = _all_checkpoint_dirs(output_dir)
     if not found:
         raise UserError(f"--resume-from-checkpoint latest: no checkpoint in {output_dir}")
     skipped = []
     for _, path in reversed(found):
         try:
-            data = read(path)
+            data, state = load(path)
         except UserError as exc:
             log.warning("--resume-from-checkpoint latest: skipping %s: %s", path.name, exc)
             skipped.append(path.name)
@@ -176,7 +180,7 @@ def resolve(resume_from: str, output_dir: Path) -> tuple[Path, bytes]:
         if skipped:
             log.warning("--resume-from-checkpoint latest: resuming from %s, the newest complete checkpoint "
                         "(skipped %s)", path.name, ", ".join(skipped))
-        return path, data
+        return path, data, state
     raise UserError(f"--resume-from-checkpoint latest: no complete, readable checkpoint in {output_dir} "
                     f"(skipped {', '.join(skipped)})")
 

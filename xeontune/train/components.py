@@ -139,10 +139,10 @@ def load(
         missing = hub_repo_missing(exc)
         if missing:
             raise UserError(not_found_message(model, gated=missing == "gated")) from None
-        if not local.exists() and hub_offline():
+        if not local.exists() and offline_miss(exc):
             mirror = MOVED_MODELS.get(model)
-            raise UserError(f"{model} is not (all) in this machine's Hugging Face cache, and HF_HUB_OFFLINE=1 keeps it "
-                            "from being downloaded: run once without HF_HUB_OFFLINE to fetch it"
+            raise UserError(f"{model} is no folder here and, as a hub id, not (all) in this machine's Hugging Face "
+                            "cache; offline mode (HF_HUB_OFFLINE=1) cannot download it: run once without it"
                             + (f" (the guides' {model} is now {mirror})" if mirror else "")) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         variants = sorted({f.name.split(".")[1].split("-")[0] for f in local.glob("*/*.*.safetensors")}) if local.is_dir() else []
@@ -178,11 +178,19 @@ def _in_fp32(module: Any) -> bool:
 MOVED_MODELS = {"runwayml/stable-diffusion-v1-5": "stable-diffusion-v1-5/stable-diffusion-v1-5"}
 
 
-def hub_offline() -> bool:
-    """Whether huggingface_hub may not download (HF_HUB_OFFLINE, as it reads it)."""
-    from huggingface_hub import constants
+def offline_miss(exc: BaseException) -> bool:
+    """Whether the load failed because offline mode kept huggingface_hub from fetching a file the
+    cache lacks (its OfflineModeIsEnabled, somewhere in the wrappers' chain)."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
 
-    return bool(constants.HF_HUB_OFFLINE)
+    seen: BaseException | None = exc
+    for _ in range(8):  # a short chain; never loop on a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, OfflineModeIsEnabled):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def hub_repo_missing(exc: BaseException) -> str | None:

@@ -496,14 +496,14 @@ def setup(
     output_dir = check_output_dir(opts) if main else Path(opts.output_dir)
     resume_path: Path | None = None
     resume_data: bytes | None = None
+    resume_state: checkpoint.TrainState | None = None
     if opts.resume_from_checkpoint and main:
-        resume_path, resume_data = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
+        resume_path, resume_data, resume_state = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
+        # a checkpoint of other settings: found before the folder is read and the models load
+        early = methods.create(opts)
+        check_checkpoint_method(resume_state, early, resume_path)
+        early.check_state(resume_state, str(resume_path))
     images, masks, given, method = read_training_data(opts)
-    if resume_data is not None:  # a checkpoint of other settings: found before the models load
-        early = checkpoint.decode(resume_data, resume_path)
-        check_checkpoint_method(early, method, resume_path)
-        method.check_state(early, str(resume_path))
-        del early
     image_paths = images.paths
     sync.check_same(image_set_digest(image_paths), "training images")
     sync.check_same(prompts_digest(given), "training prompts")
@@ -607,7 +607,8 @@ def setup(
     state = None
     if opts.resume_from_checkpoint:
         where = resume_path or "rank 0's checkpoint"
-        state = checkpoint.decode(checkpoint.share(resume_data, main, sync.group), where)
+        shared = checkpoint.share(resume_data, main, sync.group)
+        state = resume_state if resume_state is not None else checkpoint.decode(shared, where)
         check_checkpoint_method(state, method, where)
         method.load_state(state, str(where))
         optimizer.load_state_dict(state.optimizer)

@@ -228,7 +228,7 @@ def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         # short: argparse prints the usage above every error, and all ~80 options made it 60 lines
-        usage="%(prog)s [--method {textual_inversion,lora}] --model MODEL --data-dir DIR [options]",
+        usage=f"%(prog)s [--method {{{','.join(METHOD_NAMES)}}}] --model MODEL --data-dir DIR [options]",
         description="Fine-tune a Stable Diffusion pipeline on a few images. --method textual_inversion (the "
         "default) learns a new token's vectors, everything else frozen; --method lora learns low-rank adapters "
         "on the UNet's attention (and the text encoders' with --train-text-encoder) beside the frozen weights.",
@@ -495,7 +495,7 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.placeholder_token != "", "--placeholder-token must not be empty"),
         (o.placeholder_token is None or not any(c.isspace() for c in o.placeholder_token),
          "--placeholder-token must not contain spaces"),
-        (o.instance_prompt is None or o.instance_prompt.strip(),
+        (o.instance_prompt is None or bool(o.instance_prompt.strip()),
          "--instance-prompt must not be empty (an image without a caption trains on it)"),
         (o.rank >= 1, f"--rank must be at least 1, got {o.rank}"),
         (o.lora_alpha is None or (finite(o.lora_alpha) and o.lora_alpha > 0), "--lora-alpha must be positive"),

@@ -42,12 +42,26 @@ ENCODER_NAMES = ("text_encoder", "text_encoder_2")
 log = logging.getLogger("xeontune.train")
 
 
+# The layers peft puts adapters on (peft's LoRA: "only the following modules are supported"); the
+# UNet's are Linear and Conv2d.
+LORA_LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
+
+
 def check_targets(unet: nn.Module, targets: list[str]) -> None:
-    """A one-line error naming each --lora-targets entry that names no module of the UNet (peft matches a
+    """A one-line error for a --lora-targets entry that names no module of the UNet (peft matches a
     name whole or as the end of a module's dotted path, and skips an entry that matches nothing as long
-    as another one matches: a typo would train fewer adapters than asked, silently)."""
-    names = [name for name, _ in unet.named_modules()]
-    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    as another one matches: a typo would train fewer adapters than asked, silently), or one that names
+    a module peft cannot wrap (a block, such as to_out or attn1: peft would raise with its repr)."""
+    modules = list(unet.named_modules())
+    unmatched = []
+    for target in targets:
+        matched = [m for name, m in modules if name == target or name.endswith("." + target)]
+        if not matched:
+            unmatched.append(target)
+        elif not all(isinstance(m, LORA_LAYERS) for m in matched):
+            kind = next(type(m).__name__ for m in matched if not isinstance(m, LORA_LAYERS))
+            raise UserError(f"--lora-targets: {target} is a {kind}, not a layer LoRA can wrap: name the Linear or "
+                            "Conv2d layers in it (such as to_out.0 in to_out)")
     if unmatched:
         raise UserError(f"--lora-targets: no module of the UNet is named {', '.join(unmatched)} (names end a module's "
                         "path, as in to_q, to_out.0, ff.net.2, proj_in, conv1)")
@@ -192,9 +206,11 @@ class Lora(Method):
 
     def check_state(self, state: Any, where: str) -> None:
         saved = state.learned or {}
-        mine = {"rank": self.opts.rank, "alpha": self.alpha, "targets": list(self.opts.lora_target_names),
+        # the same adapters whatever the order --lora-targets names them in
+        mine = {"rank": self.opts.rank, "alpha": self.alpha, "targets": sorted(set(self.opts.lora_target_names)),
                 "text encoders": self.opts.train_text_encoder}
-        saved = {**saved, "text encoders": any(m != "unet" for m in saved.get("models", ()))}
+        saved = {**saved, "targets": sorted(set(saved.get("targets", ()))),
+                 "text encoders": any(m != "unet" for m in saved.get("models", ()))}
         self._same_settings(saved, mine, where)
         if (state.vectors is not None) != (self.token is not None):
             raise UserError(f"checkpoint {where} was trained {'with' if state.vectors is not None else 'without'} a "
@@ -212,8 +228,8 @@ class Lora(Method):
         saved = state.learned or {}
         mine = self.state()["learned"]
         shapes = [{k: v.shape for k, v in d.get("tensors", {}).items()} for d in (saved, mine)]
-        self._same_settings(saved, {k: mine[k] for k in ("rank", "alpha", "targets", "models")}, where,
-                            shapes_differ=shapes[0] != shapes[1])
+        # check_state compared the settings; the installed models must hold the same adapters too
+        self._same_settings(saved, {"models": mine["models"]}, where, shapes_differ=shapes[0] != shapes[1])
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(saved["tensors"][name])
