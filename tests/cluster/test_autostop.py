@@ -200,9 +200,11 @@ def test_a_cloud_head_starts_its_watcher_detached_over_ssh(local_cluster):
         # a session of its own (double fork: its leader has exited), not the SSH session's
         sid = os.getsid(pid)
         assert sid not in (os.getsid(0), pid) and not process_alive(sid)
-        log = Path(autostop.log_path(cloudy)).read_text()
-        assert f"watching cluster {name!r} (pid {pid}): poweroff after 3600s idle" in log
-        assert "--workers node1,node2" in log
+        # its first line comes once its imports are done (seconds on a busy 2-core machine)
+        said = f"watching cluster {name!r} (pid {pid}): poweroff after 3600s idle"
+        log_file = Path(autostop.log_path(cloudy))
+        assert wait_until(lambda: log_file.is_file() and said in log_file.read_text(), 30), log_file.read_text()
+        assert "--workers node1,node2" in log_file.read_text()
     finally:
         os.environ.pop(autostop.IDLE_S_ENV, None)
         if pid:
