@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,19 +179,23 @@ def _in_fp32(module: Any) -> bool:
 MOVED_MODELS = {"runwayml/stable-diffusion-v1-5": "stable-diffusion-v1-5/stable-diffusion-v1-5"}
 
 
+def _wrapped(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the errors it wraps, as transformers and diffusers wrap huggingface_hub's (a short
+    chain; never a loop on a cycle)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return
+        yield seen
+        seen = seen.__cause__ or seen.__context__
+
+
 def offline_miss(exc: BaseException) -> bool:
     """Whether the load failed because offline mode kept huggingface_hub from fetching a file the
     cache lacks (its OfflineModeIsEnabled, somewhere in the wrappers' chain)."""
     from huggingface_hub.errors import OfflineModeIsEnabled
 
-    seen: BaseException | None = exc
-    for _ in range(8):  # a short chain; never loop on a cycle
-        if seen is None:
-            return False
-        if isinstance(seen, OfflineModeIsEnabled):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(isinstance(seen, OfflineModeIsEnabled) for seen in _wrapped(exc))
 
 
 def hub_repo_missing(exc: BaseException) -> str | None:
@@ -198,15 +203,11 @@ def hub_repo_missing(exc: BaseException) -> str | None:
     looking through the wrappers transformers and diffusers raise around huggingface_hub's error."""
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
-    seen: BaseException | None = exc
-    for _ in range(8):  # a short chain; never loop on a cycle
-        if seen is None:
-            break
+    for seen in _wrapped(exc):
         if isinstance(seen, GatedRepoError):
             return "gated"
         if isinstance(seen, RepositoryNotFoundError):
             return "missing"
-        seen = seen.__cause__ or seen.__context__
     return "missing" if "is not a valid model identifier" in str(exc) else None
 
 

@@ -54,6 +54,7 @@ from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
 from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, TFEVENTS_RE, VALIDATION_IMAGE_RE
 from xeontune.train.prompts import ImagePrompts, image_prompts, prompts_digest
+from xeontune.train.ranks import keeps_text_encoders
 
 log = logging.getLogger("xeontune.train")
 
@@ -592,8 +593,8 @@ def setup(
     )
     if not method.trains_text_encoders and opts.cache_text:
         run.text_cache = TextCache(run)
-        if not shared:
-            release_text_encoders(components, opts)
+    if not shared and not keeps_text_encoders(method, opts):
+        release_text_encoders(components)
     sync.wait()  # every rank has its models (each node loads at its own pace) before the first collective
     if world > 1:
         # Only the method's small modules are wrapped (textual inversion: one DDP per encoder's rows,
@@ -630,11 +631,8 @@ def check_checkpoint_method(state: checkpoint.TrainState, method: methods.Method
         raise UserError(f"checkpoint {where} was trained with --method {state.method}, not {method.name}")
 
 
-def release_text_encoders(components: Components, opts: TrainOptions) -> None:
-    """With the frozen encoders' outputs cached, free them unless sample images or a saved pipeline
-    need them again (SDXL's two are about 3.3 GB in fp32)."""
-    if opts.save_as_full_pipeline or opts.validation_prompt:
-        return
+def release_text_encoders(components: Components) -> None:
+    """The frozen encoders freed, their outputs cached (SDXL's two are about 3.3 GB in fp32)."""
     components.text_encoder = components.text_encoder_2 = None
     hardware.release_freed_memory()
 

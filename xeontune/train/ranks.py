@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from xeontune import placement
 from xeontune.errors import UserError
@@ -46,7 +47,7 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     """Bytes of frozen weights one rank holds: the UNet and the text encoder's Linear layers in the
     training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) the UNet counts twice: its layers are held reordered for the forward and again for the input
     gradient, each rank its own, while the plain weights' pages are handed back once reordered.
-    ``text_encoders``: False where the run frees them once their outputs are cached (``uses_text_encoders``)."""
+    ``text_encoders``: False where the run frees them once their outputs are cached (``keeps_text_encoders``)."""
     root = Path(model).expanduser()
     if not root.is_dir():  # SD1.5's or SDXL-base's sizes (``family``: where the hub said which)
         unet = (SDXL_UNET_PARAMS if family == "sdxl" else SD15_UNET_PARAMS) * (2 if precision == "bf16" else 4)
@@ -93,23 +94,22 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True) -> int:
     memory by): the model's frozen weights as the rank holds them and its activations, both by family
     (read from model_index.json: a local folder, or the hub's when reachable; else SD1.x is assumed).
     ``here``: the ranks run on this machine's CPU (see packs())."""
+    from xeontune.train import methods
     from xeontune.train.components import pipeline_family
 
     family = pipeline_family(str(opts.model), opts.revision)
     weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family,
-                                  text_encoders=uses_text_encoders(opts))
+                                  text_encoders=keeps_text_encoders(methods.create(opts), opts))
     return placement.rank_memory_bytes(weights, opts.resolution, opts.train_batch_size, family,
                                        opts.gradient_checkpointing, precision)
 
 
-def uses_text_encoders(opts: TrainOptions) -> bool:
-    """Whether a rank keeps the text encoders through the steps, by the loop's own rule: not where the
-    method trains none of them and their outputs are computed once (loop.TextCache), unless sample
-    images or a saved pipeline need them (loop.release_text_encoders).
+def keeps_text_encoders(method: Any, opts: TrainOptions) -> bool:
+    """Whether a rank holds the text encoders through the steps: the one rule the loop frees them by and
+    ``rank_memory`` counts them by. Not where the method trains none of them and their outputs are
+    computed once (loop.TextCache), unless sample images or a saved pipeline need them again.
     (A LoRA's own adapters and their optimizer state are a few to ~100 MB: within the activations' margin.)"""
-    from xeontune.train import methods
-
-    if methods.create(opts).trains_text_encoders or not opts.cache_text:
+    if method.trains_text_encoders or not opts.cache_text:
         return True
     return bool(opts.validation_prompt or opts.save_as_full_pipeline)
 
