@@ -278,6 +278,23 @@ def test_overwrite_clears_only_a_runs_own_outputs(base_args, tmp_path):
     assert all((mine / rel).exists() for rel in before), "the user's files were deleted"
 
 
+@pytest.mark.slow
+def test_overwrite_deletes_only_the_runs_own_event_files_in_a_shared_logging_dir(base_args, tmp_path):
+    """--logging-dir may be a folder other runs log to: --overwrite takes only the run's own files."""
+    shared = tmp_path / "tensorboard"
+    shared.mkdir()
+    theirs = shared / "events.out.tfevents.1764000000.other-host.4242.0"
+    theirs.write_bytes(b"another run's events")
+    args = [*replace(base_args, "--max-train-steps", "1"), "--report-to", "tensorboard", "--logging-dir", str(shared)]
+    assert main(["train", *args]) == 0
+    first = set(shared.iterdir()) - {theirs}
+    assert len(first) == 1
+    assert main(["train", *args, "--overwrite"]) == 0
+    second = set(shared.iterdir()) - {theirs}
+    assert theirs.read_bytes() == b"another run's events", "another run's events were deleted"
+    assert len(second) == 1 and not second & first, "the replaced run's own events stay"
+
+
 def test_overwrite_refuses_a_dir_with_outputs_but_no_run(capsys, base_args, tmp_path):
     stray = tmp_path / "downloads"
     stray.mkdir()

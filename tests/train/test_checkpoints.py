@@ -204,3 +204,29 @@ def test_resuming_at_or_past_the_last_step_and_the_final_outputs(base_args, tmp_
     rc, errors, _ = run_cli(capsys, [*common, *steps, "--output-dir", str(tmp_path / "dir"),
                                      "--resume-from-checkpoint", str(out)])
     assert rc == 2 and len(errors) == 1 and "is a run's output dir" in errors[0] and "checkpoint-3" in errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("other", ["sd2_model", "sdxl_model"])
+def test_a_checkpoint_resumes_only_on_the_model_it_trained_on(base_args, tmp_path, capsys, monkeypatch, request,
+                                                             other):
+    """An SD1 checkpoint on an SD2 model (shapes alike) or an SDXL one: one line, before any model loads."""
+    out = tmp_path / "out"
+    args = ["--method", "lora", "--instance-prompt", "a photo of sks toy", "--mixed-precision", "fp32",
+            *[a for a in base_args if a not in ("--placeholder-token", "<toy-bot>", "--initializer-token", "toy")]]
+    assert main(["train", *args, "--max-train-steps", "2", "--checkpointing-steps", "1"]) == 0
+    config = (out / "train_config.json").read_bytes()
+    other_model = str(request.getfixturevalue(other))
+    loads = []
+    monkeypatch.setattr(loop, "load", lambda *a, **k: loads.append(a) or pytest.fail("a model loaded"))
+    rc, errors, _ = run_cli(capsys, [*args, "--max-train-steps", "3", "--resume-from-checkpoint", "latest",
+                                     "--model", other_model])
+    assert rc == 2 and len(errors) == 1, errors
+    assert "was trained on" in errors[0] and other_model in errors[0] and "resume it with --model" in errors[0]
+    assert loads == [] and (out / "train_config.json").read_bytes() == config
+    monkeypatch.undo()
+    # the same model under another path (a copy) resumes
+    copy = tmp_path / "copy-of-the-model"
+    shutil.copytree(base_args[1], copy)
+    assert main(["train", *args, "--max-train-steps", "3", "--resume-from-checkpoint", "latest",
+                 "--model", str(copy)]) == 0

@@ -51,6 +51,7 @@ class TrainState:
     placeholder_tokens: list[str] | None = None
     learned: dict[str, Any] | None = None  # other methods: their own tensors and settings
     samples_per_step: int | None = None  # batch x ranks x accumulation: the data position is step x this
+    model: dict[str, str] | None = None  # components.model_identity: what it trained on (None: written before)
 
 
 def rng_state() -> dict[str, Any]:
@@ -183,6 +184,20 @@ def resolve(resume_from: str, output_dir: Path) -> tuple[Path, bytes, TrainState
         return path, data, state
     raise UserError(f"--resume-from-checkpoint latest: no complete, readable checkpoint in {output_dir} "
                     f"(skipped {', '.join(skipped)})")
+
+
+def check_model(state: TrainState, identity: dict[str, str] | None, given: str, where: Path | str) -> None:
+    """A checkpoint resumes only on the model it trained on (same family and configs), said before it loads."""
+    recorded = state.model
+    if not recorded or not identity:
+        return
+    if (recorded.get("family"), recorded.get("config")) != (identity["family"], identity["config"]):
+        raise UserError(f"--resume-from-checkpoint: {where} was trained on {recorded.get('model')} "
+                        f"({recorded.get('family')}), and --model {given} is another model "
+                        f"({identity['family']}, other configs): resume it with --model {recorded.get('model')}")
+    if recorded.get("model") != given:
+        log.info("--resume-from-checkpoint: %s was trained on %s; --model %s has the same configs", where,
+                 recorded.get("model"), given)
 
 
 def share(data: bytes | None, is_main: bool, group: Any) -> bytes:

@@ -102,6 +102,42 @@ def pipeline_family(model: str, revision: str | None = None) -> str:
         return "sd"
 
 
+# The configs that say which model a checkpoint trained on: what differs between SD1 and SD2 (text encoder
+# width, prediction type), SD and SDXL, or two shapes of one family.
+_IDENTITY_CONFIGS = ("unet/config.json", "text_encoder/config.json", "text_encoder_2/config.json",
+                     "scheduler/scheduler_config.json")
+_INCIDENTAL_KEYS = ("transformers_version", "torch_dtype", "dtype")  # a copy saved in another dtype is the same model
+
+
+def model_identity(model: str, revision: str | None = None) -> dict[str, str] | None:
+    """The model as a checkpoint records it: its path or hub id, its family and a hash of its parts'
+    configs, read without loading a weight; None when the configs are not on this disk (the load will
+    say why)."""
+    local = Path(model).expanduser()
+    configs = {}
+    for name in _IDENTITY_CONFIGS:
+        try:
+            if local.exists():
+                path = local / name
+            else:
+                from huggingface_hub import try_to_load_from_cache
+
+                hit = try_to_load_from_cache(model, name, revision=revision)
+                path = Path(hit) if isinstance(hit, str) else None
+            if path is None or not path.is_file():
+                continue
+            config = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if isinstance(config, dict):
+            configs[name] = {k: v for k, v in config.items() if not k.startswith("_") and k not in _INCIDENTAL_KEYS}
+    if "unet/config.json" not in configs:
+        return None
+    digest = hashlib.sha256(json.dumps(configs, sort_keys=True).encode()).hexdigest()[:16]
+    family = "sdxl" if "text_encoder_2/config.json" in configs else "sd"
+    return {"model": model, "family": family, "config": digest}
+
+
 def load(
     model: str, revision: str | None = None, variant: str | None = None, unet_dtype: Any = None
 ) -> Components:

@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import torch
 from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text, file_in_the_way
-from xeontune.train import checkpoint, methods, preempt, prior, validation
+from xeontune.train import checkpoint, lock, methods, preempt, prior, validation
 from xeontune.train.buckets import BucketLatents, Parts, TrainingImages, bucket_layout, load_training_images
 from xeontune.train.components import (
     Components,
@@ -35,6 +36,7 @@ from xeontune.train.components import (
     load,
     load_as_stored,
     load_text_encoder,
+    model_identity,
     unet_dtype,
 )
 from xeontune.train.data import (
@@ -429,10 +431,11 @@ def check_output_dir(opts: TrainOptions) -> Path:
     if opts.save_as_full_pipeline and pipeline.exists() and not (pipeline / "model_index.json").is_file():
         raise UserError(f"--save-as-full-pipeline: {pipeline} is there and is not a saved pipeline, which "
                         "the run would replace: move it or pick another --output-dir")
-    if opts.resume_from_checkpoint or not out.exists():
-        return out
-    if not out.is_dir():
+    if out.exists() and not out.is_dir():
         raise UserError(f"--output-dir {out} exists and is not a directory")
+    lock.acquire(out)  # held until train() ends: a second run in this dir stops here, naming this one
+    if opts.resume_from_checkpoint:
+        return out
     previous = sorted(p.name for p in out.iterdir() if RUN_FILE_RE.match(p.name) or checkpoint.CHECKPOINT_RE.match(p.name))
     metrics = out / METRICS
     if set(previous) <= {RUN_CONFIG, metrics.name} and (not metrics.is_file() or metrics.stat().st_size == 0):
@@ -458,9 +461,10 @@ def clear_previous_run(out: Path) -> None:
     if not config_path.is_file():
         return
     try:
-        logging_dir = json.loads(config_path.read_text()).get("logging_dir") or "logs"
+        recorded = json.loads(config_path.read_text())
+        logging_dir, run_id = recorded.get("logging_dir") or "logs", recorded.get("run_id")
     except (OSError, ValueError, AttributeError):
-        logging_dir = "logs"
+        logging_dir, run_id = "logs", None
     for p in out.iterdir():
         if RUN_FILE_RE.match(p.name) and p.is_file():
             p.unlink()
@@ -468,21 +472,39 @@ def clear_previous_run(out: Path) -> None:
             shutil.rmtree(p)
     if (out / "pipeline" / "model_index.json").is_file():
         shutil.rmtree(out / "pipeline")
-    # Only the files the run wrote; the dir goes when that leaves it empty.
-    for sub, pattern in ((out / "validation", VALIDATION_IMAGE_RE), (out / logging_dir, TFEVENTS_RE)):
+    # Only the files the run wrote; the dir goes when that leaves it empty. The event files are told
+    # apart by the run's id (their suffix): --logging-dir may be a folder that other runs log to.
+    def events_of_the_run(name: str) -> bool:
+        return bool(TFEVENTS_RE.match(name)) and (name.endswith(f".{run_id}") if run_id else inside)
+
+    logs = out / logging_dir
+    inside = logs.resolve().is_relative_to(out.resolve())  # a run of old, without an id: only its own dir
+    for sub, belongs in ((out / "validation", VALIDATION_IMAGE_RE.match), (logs, events_of_the_run)):
         if sub.is_dir():
             for p in sub.iterdir():
-                if pattern.match(p.name) and p.is_file():
+                if belongs(p.name) and p.is_file():
                     p.unlink()
-            with contextlib.suppress(OSError):
-                sub.rmdir()
+            if sub.resolve().is_relative_to(out.resolve()):
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
 
 
 def setup(
     opts: TrainOptions, accelerator, components: Components | None = None
 ) -> tuple[Run, checkpoint.TrainState | None]:
     """Build a Run. ``components``: frozen models already loaded and prepared by the caller
-    (`xeontune bench` shares one UNet and VAE between its variants); loaded here when None."""
+    (`xeontune bench` shares one UNet and VAE between its variants); loaded here when None.
+    Rank 0 holds the output dir's lock from here on; train() releases it, and so does a failed set-up."""
+    try:
+        return _setup(opts, accelerator, components)
+    except BaseException:
+        lock.release(Path(opts.output_dir))
+        raise
+
+
+def _setup(
+    opts: TrainOptions, accelerator, components: Components | None
+) -> tuple[Run, checkpoint.TrainState | None]:
     from diffusers.optimization import get_scheduler
 
     from xeontune import placement
@@ -491,15 +513,16 @@ def setup(
 
     main, world = accelerator.is_main_process, accelerator.num_processes
     sync = Sync.create(world, opts.dist_wait_timeout)
-    pause_for_tests("setup", accelerator.process_index)
     # Everything that can fail on the user's input is checked before anything is written. The output
     # dir and the checkpoint are rank 0's: without a shared filesystem the other ranks have neither.
     output_dir = check_output_dir(opts) if main else Path(opts.output_dir)
+    pause_for_tests("setup", accelerator.process_index)  # a slow model load, with the output dir locked
     resume_path: Path | None = None
     resume_data: bytes | None = None
     resume_state: checkpoint.TrainState | None = None
     if opts.resume_from_checkpoint and main:
         resume_path, resume_data, resume_state = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
+        checkpoint.check_model(resume_state, model_identity(opts.model, opts.revision), opts.model, resume_path)
         # a checkpoint of other settings: found before the folder is read and the models load
         early = methods.create(opts)
         check_checkpoint_method(resume_state, early, resume_path)
@@ -720,6 +743,7 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
     out = run.output_dir
     start_step = state.step if state else 0
     if start_step > run.max_steps:
+        lock.release(out)
         raise UserError(f"--resume-from-checkpoint: the checkpoint is at step {start_step}, past --max-train-steps "
                         f"{run.max_steps}: raise --max-train-steps to train on from it")
 
@@ -727,14 +751,16 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
     try:
         if main:
             out.mkdir(parents=True, exist_ok=True)
+            # the run's id marks its files in places it shares (--logging-dir); a resume keeps it
+            run_id = (recorded_run_id(out) if start_step else None) or uuid.uuid4().hex[:12]
             if opts.overwrite and not opts.resume_from_checkpoint:
                 clear_previous_run(out)
             atomic_write_json(out / RUN_CONFIG, {**opts.to_json(), "precision": run.precision,
-                                                      "world_size": run.world})
+                                                 "world_size": run.world, "run_id": run_id})
             if start_step:
                 keep_metrics_up_to(out / METRICS, start_step)
             if opts.report_to == "tensorboard":
-                writer = _tensorboard_writer(out / opts.logging_dir)
+                writer = _tensorboard_writer(out / opts.logging_dir, run_id)
             if opts.validate_at_start and opts.validation_prompt and not start_step:
                 run_validation(run, 0, writer)  # before anything trained: what the base model draws
         run.sync.wait()  # rank 0 may have cleared a large previous run
@@ -805,6 +831,8 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             metrics.close()
         if writer:
             writer.close()
+        if main:
+            lock.release(out)  # after the last file is written; an error releases it too
     run.sync.wait()
     return TrainResult(out, run.max_steps, run.method.learned(), loss_value, result_path)
 
@@ -839,6 +867,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
     state = checkpoint.TrainState(
         step=step, optimizer=run.optimizer.state_dict(), lr_scheduler=run.lr_scheduler.state_dict(),
         rng=checkpoint.rng_state(), method=run.method.name, samples_per_step=run.samples_per_step,
+        model=model_identity(run.opts.model, run.opts.revision),
         **run.method.state(),
     )
     run.checkpoint_on_disk = checkpoint.save(run.output_dir, state, run.opts.checkpoints_total_limit)
@@ -916,9 +945,16 @@ def save_pipeline(run: Run, target: Path) -> Path:
     return target
 
 
-def _tensorboard_writer(log_dir: Path | None):
+def recorded_run_id(out: Path) -> str | None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        run_id = json.loads((out / RUN_CONFIG).read_text()).get("run_id")
+        return run_id if isinstance(run_id, str) and run_id.isalnum() else None
+    return None
+
+
+def _tensorboard_writer(log_dir: Path | None, run_id: str = ""):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise UserError("--report-to tensorboard needs tensorboard: pip install 'xeontune[tensorboard]'") from None
-    return SummaryWriter(log_dir=str(log_dir)) if log_dir else None
+    return SummaryWriter(log_dir=str(log_dir), filename_suffix=f".{run_id}") if log_dir else None

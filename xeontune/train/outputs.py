@@ -10,6 +10,7 @@ import re
 
 RUN_CONFIG = "train_config.json"  # written first by every run: it marks a dir as a run's output dir
 METRICS = "metrics.jsonl"
+RUN_LOCK = ".xeontune-run.lock"  # held by a running run's rank 0 (train/lock.py); gone when it ends
 
 # Per method: the stems of its learned files, the first one being its result (what `fetch` reports).
 METHOD_FILES = {
