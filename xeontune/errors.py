@@ -18,6 +18,12 @@ class UserError(Exception):
     exit_code = 2
 
 
+class DiskFullError(UserError):
+    """A write failed for want of room or write access (ENOSPC, EDQUOT, EROFS): one line, exit 1."""
+
+    exit_code = 1
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (no gradient reaches the token vectors, a NaN loss)."""
 

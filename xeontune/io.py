@@ -13,6 +13,7 @@ starts, so nothing can read them half-written.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -20,6 +21,49 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from xeontune.errors import DiskFullError
+
+# A full disk, a full quota, a read-only mount: the user's to fix, and said in one line (io.disk_errors).
+DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "the filesystem is read-only"}
+# safetensors' Rust writer raises its own error and puts the OS error's text in the message
+_DISK_ERROR_TEXT = {"No space left on device": errno.ENOSPC, "StorageFull": errno.ENOSPC,
+                    "Disk quota exceeded": errno.EDQUOT, "QuotaExceeded": errno.EDQUOT,
+                    "Read-only file system": errno.EROFS, "ReadOnlyFilesystem": errno.EROFS}
+
+
+def _free_space(path: Path) -> str:
+    for p in (path, *path.parents):
+        try:
+            free = shutil.disk_usage(p).free
+        except OSError:
+            continue
+        return f"{free / 2**20:.1f} MB" if free < 2**30 else f"{free / 2**30:.1f} GB"
+    return "unknown"
+
+
+@contextlib.contextmanager
+def disk_errors(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Turn a full disk (or quota, or a read-only mount) while writing ``path`` into one line that names
+    the file and the space left: a DiskFullError, not a traceback."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as exc:
+        if exc.errno not in DISK_ERRNOS:
+            raise
+        code = exc.errno
+    except Exception as exc:
+        code = next((n for text, n in _DISK_ERROR_TEXT.items() if text in str(exc)), None)
+        if code is None:
+            raise
+    else:
+        return
+    target = Path(path)
+    raise DiskFullError(f"cannot write {target}: {DISK_ERRNOS[code]} ({_free_space(target.parent)} free there)") \
+        from None
 
 
 def _umask() -> int:
@@ -59,19 +103,21 @@ def atomic_path(path: str | os.PathLike[str], mode: int | None = None, durable: 
     loss ``path`` holds either the old or the whole new content (a rename alone may reach the disk
     before the data does, leaving an empty file)."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
+    with disk_errors(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
     tmp = Path(tmp_name)
     try:
-        yield tmp
-        # after the writer: mkstemp makes 0600, and some writers (safetensors' save_file) make the file anew
-        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
-        if durable:
-            fsync_path(tmp)
-        os.replace(tmp, target)
-        if durable:
-            fsync_path(target.parent)
+        with disk_errors(target):
+            yield tmp
+            # after the writer: mkstemp makes 0600, and some writers (safetensors' save_file) make it anew
+            os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
+            if durable:
+                fsync_path(tmp)
+            os.replace(tmp, target)
+            if durable:
+                fsync_path(target.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -93,26 +139,42 @@ def atomic_dir(path: str | os.PathLike[str], durable: bool = False) -> Iterator[
 
     ``durable``: fsync every file and directory in it before the rename, and the parent after it."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    with disk_errors(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the result should look like a normal dir
     try:
-        yield tmp
-        for file in tmp.rglob("*"):  # safetensors' save_file makes its files 0600: outputs are the user's to share
-            if file.is_file() and not file.is_symlink():
-                os.chmod(file, 0o666 & ~_umask())
-        if durable:
-            _fsync_tree(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-        if durable:
-            fsync_path(target.parent)
+        with disk_errors(target):
+            yield tmp
+            _finish_dir(tmp, target, durable)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _finish_dir(tmp: Path, target: Path, durable: bool) -> None:
+    """atomic_dir's end: modes, fsyncs, and the rename over ``target``."""
+    for file in tmp.rglob("*"):  # safetensors' save_file makes its files 0600: outputs are the user's to share
+        if file.is_file() and not file.is_symlink():
+            os.chmod(file, 0o666 & ~_umask())
+    if durable:
+        _fsync_tree(tmp)
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    if durable:
+        fsync_path(target.parent)
+
+
+@contextlib.contextmanager
+def atomic_paths(paths: list[Path], durable: bool = False) -> Iterator[list[Path]]:
+    """``atomic_path`` for files that belong together (a method's result in its several layouts): each
+    is written to its temporary path, and only when all are written are they renamed, one after another,
+    so a failed write (a full disk) leaves every final name as it was."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(atomic_path(p, durable=durable)) for p in paths]

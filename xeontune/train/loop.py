@@ -26,7 +26,7 @@ import torch
 
 from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
-from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text, file_in_the_way
+from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text, disk_errors, file_in_the_way
 from xeontune.train import checkpoint, lock, methods, preempt, prior, validation
 from xeontune.train.buckets import BucketLatents, Parts, TrainingImages, bucket_layout, load_training_images
 from xeontune.train.components import (
@@ -796,8 +796,9 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                 record = {"step": done, "loss": loss_value, "lr": run.lr_scheduler.get_last_lr()[0],
                           "step_time_s": elapsed, "images_per_s": global_batch / elapsed,
                           "allreduce_bytes": sent}
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                with disk_errors(out / METRICS):
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
                 if writer:
                     for key in ("loss", "lr", "step_time_s", "images_per_s"):
                         writer.add_scalar(f"train/{key}", record[key], done)
