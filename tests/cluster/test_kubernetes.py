@@ -143,6 +143,87 @@ def test_dry_run_prints_the_indexed_job_and_headless_service(capsys, monkeypatch
     assert "OMP_NUM_THREADS" not in {e["name"] for e in container["env"]}
 
 
+def kubelet_expand(value: str, defined: dict[str, str]) -> str:
+    """The kubelet's expansion of a container's command, args and env values (Kubernetes'
+    third_party/forked/golang/expansion, ``Expand`` with ``MappingFuncFor``): ``$$`` is ``$``, ``$(NAME)``
+    is NAME's value where defined and stays as written where not, an unterminated ``$(`` and any other
+    ``$`` (a trailing one too) stay as written."""
+    out: list[str] = []
+    i = 0
+    while i < len(value):
+        if value[i] != "$" or i + 1 == len(value):
+            out.append(value[i])
+            i += 1
+        elif value[i + 1] == "$":
+            out.append("$")
+            i += 2
+        elif value[i + 1] == "(" and (close := value.find(")", i + 2)) != -1:
+            name = value[i + 2:close]
+            out.append(defined.get(name, f"$({name})"))
+            i = close + 1
+        else:  # "$(" with no ")" after it, or "$x": both kept, the scan goes on after them
+            out.append(value[i:i + 2])
+            i += 2
+    return "".join(out)
+
+
+def pod_view(container: dict, secret: dict[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
+    """The environment and argv the kubelet gives ``container`` (the Job controller's own variables and
+    the image's aside): envFrom's Secret values as they are, then each env value expanded against those
+    and the ones before it, then command and args expanded against the whole environment."""
+    env = dict(secret or {})
+    for item in container["env"]:
+        env[item["name"]] = kubelet_expand(item["value"], env)
+    return env, [kubelet_expand(word, env) for word in (*container["command"], *container["args"])]
+
+
+def test_kubelet_expand_is_the_kubelets_rule():
+    """The helper against cases of Kubernetes' own expansion tests (expand_test.go), so the next test's
+    claim is about the kubelet, not about the helper."""
+    defined = {"VAR_A": "A", "VAR_B": "B", "VAR_C": "C", "VAR_REF": "$(VAR_A)", "VAR_EMPTY": ""}
+    cases = {"$(VAR_A)-$(VAR_A)": "A-A", "$$(VAR_B)_$(VAR_A)": "$(VAR_B)_A", "f000-$$VAR_A": "f000-$VAR_A",
+             "foo\\$(VAR_C)bar": "foo\\Cbar", "$(VAR_A$(VAR_B))": "$(VAR_A$(VAR_B))",
+             "$(VAR_A$(VAR_B)": "$(VAR_A$(VAR_B)", "$(VAR_REF)": "$(VAR_A)", "foo$(VAR_EMPTY)bar": "foobar",
+             "foo$(VAR_Awhoops!": "foo$(VAR_Awhoops!", "$?_boo_$!": "$?_boo_$!", "$VAR_A": "$VAR_A",
+             "$(VAR_DNE)": "$(VAR_DNE)", "$$$$$$(BIG_MONEY)": "$$$(BIG_MONEY)", "$$$$$$$(GOOD_ODDS)": "$$$$(GOOD_ODDS)",
+             "$$$$$$$(VAR_A)": "$$$A", "${VAR_A}": "${VAR_A}", "$(VAR_B)_______$(A": "B_______$(A",
+             "$(VAR_C)_______$(": "C_______$(", "$(VAR_A)foobarzab$": "Afoobarzab$", "--$($($($($--": "--$($($($($--",
+             "$($($($($--foo$(": "$($($($($--foo$(", "$(foo$$var)": "$(foo$$var)", "\n": "\n"}
+    assert {value: kubelet_expand(value, defined) for value in cases} == cases
+
+
+DOLLARS = ["$(HF_TOKEN)", "a $(HF_TOKEN) b", "$$", "$$(HF_TOKEN)", "$", "cost: $5", "$(", "$(HF_TOKEN", "trailing $",
+           "$(WORLD_SIZE)$(UNDEFINED)", "${HOME} $HOME", "été $$$ 鍵"]
+
+
+def test_the_pods_get_args_and_env_values_as_given_whatever_dollars_they_hold(capsys, monkeypatch):
+    """The kubelet expands $(NAME) and $$ in a container's command, args and env values: the manifests
+    double every $, so that the pod, HF_TOKEN (the Secret's) and WORLD_SIZE defined, runs exactly the argv
+    and environment given, as `--dry-run`'s manifests say, never a prompt or path with the token in it."""
+    options = k8s.options_from_args(args_of(*BASE, "--mount-path", "/work/$(HF_TOKEN)$$/x$"))
+    argv = ["--validation-prompt", *DOLLARS, "--output-dir", "/work/$(HF_TOKEN)$$/x$/out$"]
+    secret, _, indexed = k8s.manifests(options, 2, argv, {"HF_TOKEN": "s3cret"})
+    [container] = indexed["spec"]["template"]["spec"]["containers"]
+    env, pod_argv = pod_view(container, secret["stringData"])
+    assert pod_argv == [*k8s.COMMAND, *argv]
+    assert env["HF_HOME"] == "/work/$(HF_TOKEN)$$/x$/.cache/huggingface" and env["HF_TOKEN"] == "s3cret"
+    assert {item["name"]: env[item["name"]] for item in container["env"]} == k8s.rank_env(options, 2)
+    assert container["workingDir"] == options.mount_path  # the kubelet does not expand it
+    assert "s3cret" not in json.dumps(indexed)
+
+    # through the CLI: the trainer's options placed on the claim, as `--dry-run` prints them
+    monkeypatch.setenv("PATH", "/nonexistent")
+    given = ["--validation-prompt", "$(HF_TOKEN) $$ $", "--output-dir", "runs/$(HF_TOKEN)$"]
+    rc, out, err = launch(capsys, "-n", "2", *BASE, "--env", "HF_TOKEN=s3cret", "--dry-run", "--", *TRAIN, *given)
+    assert rc == 0, err
+    [_, _, printed] = yaml.safe_load_all(out)
+    job = k8s.job_from_args(args_of("-n", "2", *BASE, "--env", "HF_TOKEN=s3cret", "--", *TRAIN, *given))
+    assert printed == job.docs[-1]
+    _, pod_argv = pod_view(printed["spec"]["template"]["spec"]["containers"][0], job.docs[0]["stringData"])
+    assert pod_argv[pod_argv.index("--validation-prompt") + 1] == "$(HF_TOKEN) $$ $"
+    assert pod_argv[pod_argv.index("--output-dir") + 1] == "/workspace/runs/$(HF_TOKEN)$" == k8s.output_dir(job)
+
+
 BAD = {
     "no -n": ((*BASE, "--dry-run"), "needs -n"),
     "-n 0": (("-n", "0", *BASE, "--dry-run"), "at least one rank"),
@@ -437,11 +518,11 @@ def test_the_pods_command_on_three_hosts_trains_like_one_process_with_three_time
             etc = netns_etc / node.resource_id
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(pod_hosts(local_cluster, "tj", pod["subdomain"], i))
-            env = {**image_env, **secret["stringData"], **{e["name"]: e["value"] for e in container["env"]},
-                   "JOB_COMPLETION_INDEX": str(i), "HOSTNAME": f"tj-{i}"}
+            pod_env, pod_argv = pod_view(container, secret["stringData"])  # as the kubelet expands them
+            env = {**image_env, **pod_env, "JOB_COMPLETION_INDEX": str(i), "HOSTNAME": f"tj-{i}"}
             argv = ["ip", "netns", "exec", node.resource_id, "unshare", "--uts", "sh", "-c",
                     'hostname "$0" && exec "$@"', f"tj-{i}", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
-                    *container["command"], *container["args"]]
+                    *pod_argv]
             logs[i] = (tmp_path / f"pod-{i}.log").open("w+")
             procs[i] = subprocess.Popen(argv, cwd=container["workingDir"], stdout=logs[i], stderr=subprocess.STDOUT,
                                         text=True)

@@ -405,6 +405,39 @@ def test_a_node_that_cannot_run_the_check_is_named_in_one_line(tmp_path):
     assert list((tmp_path / "storage").iterdir()) == [] and not (tmp_path / "out").exists()
 
 
+ENV_VALUES = {
+    "PEM": "-----BEGIN PRIVATE KEY-----\nMIIEv\nQ==\n-----END PRIVATE KEY-----\n",
+    "QUOTES": "it's \"quoted\" '' \\ end",
+    "EQUALS": "a=b==c=",
+    "NON_ASCII": "mot de passe: été 鍵 🔑",
+    "SHELLISH": "$HOME `id` $(id) # not a comment; \t tab",
+    "CRLF": "line one\r\nline two",
+    "EMPTY": "",
+    "SPACES": "  both ends  ",
+}
+
+
+def test_env_values_reach_the_ray_ranks_exactly_as_given_and_as_sh_reads_them(tmp_path):
+    """--env values round-trip through the job's env file (written by ``write_secret_env``) into each
+    worker's rank environment: newlines, quotes, '=' and non-ASCII included; and sh (mpirun's and srun's
+    ranks source the same file) reads the same values."""
+    from xeontune.cluster.state import ClusterRecord
+    from xeontune.job.engines.ray import read_env_file
+    from xeontune.job.start import write_secret_env
+
+    record = ClusterRecord(name="r", provider="ray", address="h:6379")
+    job_dir = tmp_path / "job"
+    write_secret_env(record, str(job_dir), ENV_VALUES)
+    path = job_dir / "env"
+    assert read_env_file(str(path)) == ENV_VALUES
+    dump = "import json, os, sys; print(json.dumps({k: os.environ[k] for k in sys.argv[1:]}))"
+    sourced = subprocess.run(["sh", "-c", 'set -a && . "$0" && exec "$@"', str(path), sys.executable, "-c", dump,
+                              *ENV_VALUES], capture_output=True, text=True, encoding="utf-8", check=True,
+                             env={"PATH": os.environ.get("PATH", ""), "LC_ALL": "C.UTF-8"})
+    assert json.loads(sourced.stdout) == ENV_VALUES
+    assert read_env_file(None) == {} and read_env_file(str(tmp_path / "gone")) == {}
+
+
 def test_the_ranks_statuses_decide_between_done_a_user_error_and_a_restart():
     from xeontune.job.engines.ray import job_status
 

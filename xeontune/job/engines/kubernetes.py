@@ -213,6 +213,18 @@ def _metadata(options: KubernetesOptions, name: str) -> dict[str, Any]:
     return meta
 
 
+def literal(value: str) -> str:
+    """``value`` as a container's command, args or env ``value`` must spell it to reach the pod as given:
+    the kubelet expands ``$(NAME)`` there to another variable's value and ``$$`` to ``$``, so every ``$``
+    is doubled (a prompt or path with ``$(HF_TOKEN)`` must not become the token)."""
+    return value.replace("$", "$$")
+
+
+def unliteral(value: str) -> str:
+    """What the pod gets from a ``literal`` value."""
+    return value.replace("$$", "$")
+
+
 def manifests(options: KubernetesOptions, ranks: int, train_args: list[str], env: dict[str, str]) -> list[dict]:
     """The Secret (only with ``env``: the user's --env), headless Service and Indexed Job of one
     job: ``ranks`` pods, each running the trainer with ``train_args`` (flags as a rank takes them,
@@ -226,10 +238,10 @@ def manifests(options: KubernetesOptions, ranks: int, train_args: list[str], env
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": options.image,
-        "command": list(COMMAND),
-        "args": list(train_args),
-        "workingDir": options.mount_path,
-        "env": [{"name": key, "value": value} for key, value in base.items()],
+        "command": [literal(word) for word in COMMAND],
+        "args": [literal(arg) for arg in train_args],
+        "workingDir": options.mount_path,  # not expanded by the kubelet, unlike command, args and env values
+        "env": [{"name": key, "value": literal(value)} for key, value in base.items()],
     }
     if env:
         container["envFrom"] = [{"secretRef": {"name": options.secret}}]
@@ -467,7 +479,7 @@ def failed_exit_code(pods: list[dict]) -> int:
 def output_dir(job: Job) -> str | None:
     """Where the pods write their outputs (on the claim)."""
     args = job.docs[-1]["spec"]["template"]["spec"]["containers"][0]["args"]
-    return args[args.index("--output-dir") + 1] if "--output-dir" in args[:-1] else None
+    return unliteral(args[args.index("--output-dir") + 1]) if "--output-dir" in args[:-1] else None
 
 
 class LogFollower:

@@ -313,16 +313,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def read_env_file(path: str | None) -> dict[str, str]:
-    """The job wing's --env file (``KEY=<shell-quoted value>`` lines, 0600 on the shared filesystem).
+    """The job wing's --env file (``KEY=<shell-quoted value>`` lines, ``write_secret_env``; 0600 on the
+    shared filesystem).
     Each worker reads it at each start of the group, so that the values never travel in Ray's config
     (which Ray may keep or show); the driver deletes it once the run is over, as Slurm's script does."""
     if not path or not os.path.isfile(path):
         return {}
+    # The whole file at once, as sh sources it (mpirun's and srun's ranks do): a quoted value may span
+    # lines (a PEM key), so splitting into lines first would cut it; newline="" keeps a value's \r.
+    with open(path, encoding="utf-8", newline="") as f:
+        text = f.read()
     env = {}
-    for line in Path(path).read_text().splitlines():
-        for word in shlex.split(line):
-            key, _, value = word.partition("=")
-            env[key] = value
+    for word in shlex.split(text):
+        key, _, value = word.partition("=")
+        env[key] = value
     return env
 
 
