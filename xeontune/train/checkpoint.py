@@ -23,7 +23,7 @@ import logging
 import pickle
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,7 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
 def save(output_dir: Path, state: TrainState, total_limit: int | None) -> Path:
     target = output_dir / f"checkpoint-{state.step}"
     buffer = io.BytesIO()
-    torch.save(asdict(state), buffer)
+    torch.save({f.name: getattr(state, f.name) for f in fields(state)}, buffer)  # asdict would deep-copy every tensor
     data = buffer.getvalue()
     with atomic_dir(target, durable=True) as tmp:
         (tmp / STATE_FILE).write_bytes(data)

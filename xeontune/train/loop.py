@@ -26,16 +26,13 @@ import torch
 
 from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
-from xeontune.io import atomic_dir, atomic_write_json, atomic_write_text, disk_errors, file_in_the_way
-from xeontune.train import checkpoint, lock, methods, preempt, prior, validation
+from xeontune.io import atomic_write_json, atomic_write_text, disk_errors, file_in_the_way
+from xeontune.train import checkpoint, lock, methods, preempt, prior, saving, validation
 from xeontune.train.buckets import BucketLatents, Parts, TrainingImages, bucket_layout, load_training_images
 from xeontune.train.components import (
     Components,
     cast_text_encoder_linears,
-    files_dtype,
     load,
-    load_as_stored,
-    load_text_encoder,
     model_identity,
     unet_dtype,
 )
@@ -538,9 +535,15 @@ def _setup(
         log.warning("--mixed-precision bf16: %s", reason)
     shared = components is not None
     if components is None:
-        components = load(opts.model, opts.revision, opts.variant, unet_dtype=unet_dtype(precision))
+        # a part the method trains keeps fp32 master weights (autocast computes in bf16); a frozen one is
+        # held in the training dtype
+        trained = method.trains
+        components = load(opts.model, opts.revision, opts.variant,
+                          unet_dtype=None if "unet" in trained else unet_dtype(precision))
         for part in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
-            cast_text_encoder_linears(components, unet_dtype(precision), opts.model, opts.revision, opts.variant, part)
+            if part not in trained:
+                cast_text_encoder_linears(components, unet_dtype(precision), opts.model, opts.revision,
+                                          opts.variant, part)
     # what the run holds beside the UNet, counted before the method moves a token table out of sight
     beside_unet = sum(module_bytes(m) for m in (*components.text_encoders, components.vae))
     method.install(components)  # before packing and compiling: they act on the models as the method left them
@@ -907,43 +910,13 @@ def _finish(run: Run, writer) -> Path:
         save_checkpoint(run, run.max_steps)
     if opts.validation_prompt:
         run_validation(run, run.max_steps, writer)
-    if opts.save_as_full_pipeline:
+    if opts.save_as_full_pipeline and "unet" not in run.method.trains:  # else the method's save wrote it
         save_pipeline(run, out / "pipeline")
     return path
 
 
 def save_pipeline(run: Run, target: Path) -> Path:
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-
-    components, opts = run.components, run.opts
-
-    def as_stored(part: str, module: Any, cast: bool) -> Any:
-        """The part as the model's files hold it: reloaded when trained on a bf16 copy (``cast``) or
-        when the files hold another dtype (diffusers loads half-precision files in fp32 itself)."""
-        stored = files_dtype(opts.model, part, opts.revision, opts.variant)
-        if cast or (stored is not None and stored != module.dtype):
-            return load_as_stored(opts.model, part, opts.revision, opts.variant)
-        return module
-
-    modified = run.method.modified_parts  # changed in place by the method: reloaded as stored, then merged
-    unet = as_stored("unet", components.unet_for_inference, components.unet_cast or "unet" in modified)
-    vae = as_stored("vae", components.vae, False)
-    encoders = {}
-    for name in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
-        encoder = getattr(components, name)
-        if getattr(components, f"{name}_cast") or name in modified:  # likewise its Linear layers
-            encoder = load_text_encoder(opts.model, opts.revision, opts.variant, name)
-        encoders[name] = encoder
-    common = {"vae": vae, "unet": unet, "scheduler": components.noise_scheduler,
-              "tokenizer": components.tokenizer, **encoders}
-    if components.family == "sdxl":
-        pipe = StableDiffusionXLPipeline(**common, tokenizer_2=components.tokenizer_2, add_watermarker=False)
-    else:
-        pipe = StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
-                                       requires_safety_checker=False)
-    with run.method.merged_into(pipe), atomic_dir(target) as tmp:
-        pipe.save_pretrained(tmp)
-    return target
+    return saving.save_pipeline(run.components, run.opts, run.method, target)
 
 
 def recorded_run_id(out: Path) -> str | None:

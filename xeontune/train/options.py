@@ -22,7 +22,7 @@ from xeontune.errors import UserError
 
 log = logging.getLogger(__name__)
 
-METHOD_NAMES = ("textual_inversion", "lora")
+METHOD_NAMES = ("textual_inversion", "lora", "full")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
 
@@ -35,7 +35,8 @@ def opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tupl
 @dataclass
 class TrainOptions:
     method: str = opt("textual_inversion", "what trains: textual_inversion (a new token's vectors; the models stay "
-                      "frozen) or lora (low-rank adapters on the UNet's attention, and on the text encoders with "
+                      "frozen), lora (low-rank adapters on the UNet's attention, and on the text encoders with "
+                      "--train-text-encoder) or full (every weight of the UNet, and of the text encoders with "
                       "--train-text-encoder); see docs/training.md", choices=METHOD_NAMES, group="method")
     # model and data
     model: str | None = opt(None, "hub id or local path of a Stable Diffusion 1.x/2.x or SDXL pipeline (required)",
@@ -85,8 +86,11 @@ class TrainOptions:
     sample_batch_size: int = opt(4, "class images each rank generates per pipeline call (as the example's "
                                  "--sample_batch_size; more threads a rank fill better with more, at more memory)",
                                  group="lora")
-    train_text_encoder: bool = opt(False, "also put adapters on the text encoder(s)' q_proj, k_proj, v_proj and "
-                                   "out_proj (else their outputs are computed once per prompt)", group="lora")
+    train_text_encoder: bool = opt(False, "lora: also put adapters on the text encoder(s)' q_proj, k_proj, v_proj "
+                                   "and out_proj; full: train the text encoder(s) too (else their outputs are "
+                                   "computed once per prompt)", group="lora")
+    save_precision: str = opt("fp32", "the dtype of the single-file checkpoint (model.safetensors)",
+                              choices=("fp32", "bf16"), group="full fine-tuning")
     repeats: int = opt(100, "times each image appears per epoch", group="model and data")
     resolution: int = opt(512, "training image side in pixels (a multiple of 8)", group="model and data")
     center_crop: bool = opt(False, "crop images to a centered square before resizing (without buckets)",
@@ -400,17 +404,23 @@ def read_options(argv: list[str]) -> tuple[TrainOptions, set[str]]:
 # Each method's own options (the options group of its name in --help), those it requires, and the
 # defaults that differ by method. An option of another method set to anything but its default is a
 # one-line error: it would be silently ignored.
-METHOD_GROUPS = {"textual_inversion": "textual inversion", "lora": "lora"}
+METHOD_GROUPS = {"textual_inversion": "textual inversion", "lora": "lora", "full": "full fine-tuning"}
 METHOD_ONLY = {"save_format": "textual_inversion", "train_full_table": "textual_inversion"}
 # Options of one method that another takes too: LoRA trains textual inversion's token beside its
 # adapters when given --placeholder-token (pivotal tuning).
+# Full fine-tuning takes the text-encoder switch and DreamBooth's prior preservation.
 SHARED_WITH = {"placeholder_token": ("lora",), "initializer_token": ("lora",), "num_vectors": ("lora",),
-               "learnable_property": ("lora",)}
-METHOD_REQUIRED = {"textual_inversion": ("placeholder_token", "initializer_token"), "lora": ()}
+               "learnable_property": ("lora",), "train_text_encoder": ("full",),
+               **{name: ("full",) for name in ("with_prior_preservation", "class_data_dir", "class_prompt",
+                                               "num_class_images", "prior_loss_weight", "class_inference_steps",
+                                               "sample_batch_size")}}
+METHOD_REQUIRED = {"textual_inversion": ("placeholder_token", "initializer_token"), "lora": (), "full": ()}
 METHOD_DEFAULTS = {
     "textual_inversion": {"learning_rate": 5e-4, "output_dir": "textual_inversion_output", "random_flip": True},
     # no flips: a DreamBooth subject's text or asymmetry is part of it (train_dreambooth_lora.py does not flip)
     "lora": {"learning_rate": 1e-4, "output_dir": "lora_output", "random_flip": False},
+    # train_text_to_image.py's README runs 1e-5 (its default, 1e-4, is for a large batch); no flips by default
+    "full": {"learning_rate": 1e-5, "output_dir": "full_output", "random_flip": False},
 }
 
 

@@ -17,6 +17,8 @@ METHOD_FILES = {
     "textual_inversion": ("learned_embeds",),
     # diffusers' key layout, kohya's, and with pivotal tuning (--placeholder-token) the token's embedding
     "lora": ("pytorch_lora_weights", "pytorch_lora_weights_kohya", "learned_embeds"),
+    # the original Stable Diffusion single file (the pipeline folder, pipeline/, is written beside it)
+    "full": ("model",),
 }
 RESULT_FILES = {method: f"{stems[0]}.safetensors" for method, stems in METHOD_FILES.items()}
 

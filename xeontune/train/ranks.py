@@ -42,31 +42,41 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*") if p.name.endswith(WEIGHT_SUFFIXES)) if folder.is_dir() else 0
 
 
+# A trained part's fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, 4x its fp32 weights
+TRAINED_SIZE_FACTOR = 4
+
+
 def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str = "sd",
-                        text_encoders: bool = True) -> int:
-    """Bytes of frozen weights one rank holds: the UNet and the text encoder's Linear layers in the
-    training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) the UNet counts twice: its layers are held reordered for the forward and again for the input
-    gradient, each rank its own, while the plain weights' pages are handed back once reordered.
+                        text_encoders: bool = True, trained: frozenset[str] = frozenset()) -> int:
+    """Bytes of weights one rank holds: a frozen UNet and the text encoders' Linear layers in the
+    training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) a frozen UNet
+    counts twice: its layers are held reordered for the forward and again for the input gradient, each
+    rank its own, while the plain weights' pages are handed back once reordered. A part the method
+    ``trained`` (methods.PARTS) is held in fp32 with its gradients and optimizer state, never packed.
     ``text_encoders``: False where the run frees them once their outputs are cached (``keeps_text_encoders``)."""
     root = Path(model).expanduser()
     if not root.is_dir():  # SD1.5's or SDXL-base's sizes (``family``: where the hub said which)
-        unet = (SDXL_UNET_PARAMS if family == "sdxl" else SD15_UNET_PARAMS) * (2 if precision == "bf16" else 4)
-        encoders = _text_encoder_bytes(SD15_TEXT_ENCODER_BYTES, precision)
-        if family == "sdxl":
-            encoders += _text_encoder_bytes(SDXL_TEXT_ENCODER_2_BYTES, precision, TEXT_ENCODER_2_LINEAR_SHARE)
-        rest = SD15_VAE_BYTES + (encoders if text_encoders else 0)
+        stored = {"unet": (SDXL_UNET_PARAMS if family == "sdxl" else SD15_UNET_PARAMS) * 4,
+                  "text_encoder": SD15_TEXT_ENCODER_BYTES,
+                  "text_encoder_2": SDXL_TEXT_ENCODER_2_BYTES if family == "sdxl" else 0, "vae": SD15_VAE_BYTES}
     else:
-        unet = _folder_bytes(root / "unet")
+        stored = {part: _folder_bytes(root / part) for part in ("unet", "text_encoder", "text_encoder_2", "vae")}
         # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
         if any((root / "unet").glob("*.safetensors")) and any((root / "unet").glob("*.bin")):
-            unet //= 2
-        if precision == "bf16":
-            unet //= 2  # cast once at load (stored in fp32 in the common pipelines)
-        encoders = _text_encoder_bytes(_folder_bytes(root / "text_encoder"), precision)
-        # SDXL's second text encoder (695 M parameters): nearly all Linear layers, held like the first's
-        encoders += _text_encoder_bytes(_folder_bytes(root / "text_encoder_2"), precision, TEXT_ENCODER_2_LINEAR_SHARE)
-        rest = _folder_bytes(root / "vae") + (encoders if text_encoders else 0)
-    return int(unet * (2 if packed else 1) + rest)
+            stored["unet"] //= 2
+    if "unet" in trained:
+        unet = stored["unet"] * TRAINED_SIZE_FACTOR
+    else:
+        # a bf16 run casts it once at load (stored in fp32 in the common pipelines)
+        unet = (stored["unet"] // 2 if precision == "bf16" else stored["unet"]) * (2 if packed else 1)
+    encoders = 0.0
+    # SDXL's second text encoder (695 M parameters): nearly all Linear layers, held like the first's
+    for part, share in (("text_encoder", TEXT_ENCODER_LINEAR_SHARE), ("text_encoder_2", TEXT_ENCODER_2_LINEAR_SHARE)):
+        if part in trained:
+            encoders += stored[part] * TRAINED_SIZE_FACTOR
+        elif text_encoders:
+            encoders += _text_encoder_bytes(stored[part], precision, share)
+    return int(unet + stored["vae"] + encoders)
 
 
 def packs(pack_weights: str, precision: str, family: str, here: bool = True) -> bool:
@@ -98,8 +108,9 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True) -> int:
     from xeontune.train.components import pipeline_family
 
     family = pipeline_family(str(opts.model), opts.revision)
+    method = methods.create(opts)
     weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family,
-                                  text_encoders=keeps_text_encoders(methods.create(opts), opts))
+                                  text_encoders=keeps_text_encoders(method, opts), trained=method.trains)
     return placement.rank_memory_bytes(weights, opts.resolution, opts.train_batch_size, family,
                                        opts.gradient_checkpointing, precision)
 
@@ -133,7 +144,9 @@ def prepare_shared_weights(opts: TrainOptions, precision: str) -> None:
     file (its pages held once for the node) and none converts. In a child process, so that nothing
     it reads stays in this launcher for the whole run: the copies are written a tensor at a time (0.66 GB
     peak for SDXL), but a UNet in an old pickled .bin is still converted at its fp32 size."""
-    if precision != "bf16":
+    from xeontune.train import methods
+
+    if precision != "bf16" or "unet" in methods.create(opts).trains:  # a trained UNet is no bf16 copy
         return
     code = "import sys; from xeontune.train.components import ensure_bf16_copies; ensure_bf16_copies(*sys.argv[1:])"
     done = subprocess.run([sys.executable, "-c", code, str(opts.model), opts.revision or "", opts.variant or ""],

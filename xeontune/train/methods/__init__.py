@@ -4,7 +4,13 @@ The loop (train/loop.py) knows a method only by this contract; each method is on
 
 - ``textual_inversion``: a new token's vectors in the text encoder(s), all models frozen;
 - ``lora``: peft's low-rank adapters beside the frozen (packed, bf16-copy) UNet, and the text
-  encoders' when asked.
+  encoders' when asked;
+- ``full``: the UNet's own weights (and the text encoders' with --train-text-encoder).
+
+What a method trains of the pipeline itself it declares in ``trains``; the loop follows from that alone:
+a trained part is loaded with fp32 master weights (never a frozen bf16 copy, never packed as frozen,
+its text-encoder Linear layers never cast), runs under bf16 autocast where the run is bf16, is wrapped
+in DDP, and the rank/memory plan counts its gradients and optimizer state (ranks.py).
 
 A method is made from the options (``create``) and then, in this order, asked to ``install`` itself
 into the loaded models (having checked the images' prompts with ``check_prompts`` before anything
@@ -37,7 +43,9 @@ if TYPE_CHECKING:
 REGISTRY: dict[str, str | type[Method]] = {
     "textual_inversion": "xeontune.train.methods.textual_inversion:TextualInversion",
     "lora": "xeontune.train.methods.lora:Lora",
+    "full": "xeontune.train.methods.full:FullFineTuning",
 }
+PARTS = ("unet", "text_encoder", "text_encoder_2")  # the pipeline parts a method may train (``trains``)
 
 
 class Method:
@@ -50,6 +58,12 @@ class Method:
 
     def __init__(self, opts: TrainOptions) -> None:
         self.opts = opts
+
+    @property
+    def trains(self) -> frozenset[str]:
+        """The pipeline parts (of ``PARTS``) whose own weights train; none for a method that trains
+        beside frozen models (a token's rows, adapters)."""
+        return frozenset()
 
     @property
     def trains_text_encoders(self) -> bool:

@@ -1,0 +1,64 @@
+"""Full fine-tuning across a real 3-host local cluster: the UNet wrapped in DDP (gradients all-reduced in
+buckets during the backward), 3 ranks of batch 1 equal to one process of batch 3 (fp32), and
+`run --provider local -n 3` fetching the pipeline and the single file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.cluster.clusterlib import cli
+from tests.cluster.test_distributed_training import train_in_process
+from tests.cluster.test_run import assert_nothing_left, cluster_name, root_home  # noqa: F401 (fixtures)
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+
+
+def full_args(model, data, out, batch: int, steps: int, *extra: str) -> list[str]:
+    return ["--method", "full", "--model", str(model), "--data-dir", str(data), "--instance-prompt", "a photo of toy",
+            "--resolution", "32", "--train-batch-size", str(batch), "--max-train-steps", str(steps),
+            "--learning-rate", "1e-3", "--seed", "7", "--output-dir", str(out), "--checkpointing-steps", "0",
+            "--save-steps", "0", "--mixed-precision", "fp32",
+            # Adam's first steps are sign-like: a larger epsilon keeps a near-zero gradient's rounding small
+            "--adam-epsilon", "1e-4", *extra]
+
+
+def unet_of(folder) -> dict[str, torch.Tensor]:
+    from diffusers import UNet2DConditionModel
+
+    return {k: v.detach().clone() for k, v in UNet2DConditionModel.from_pretrained(folder, subfolder="unet")
+            .state_dict().items()}
+
+
+def test_full_on_three_ranks_matches_one_process(local_cluster, tiny_model, sample_images, tmp_path):
+    dist = cli("launch", "-n", "3", "--name", local_cluster.name, "--",
+               *full_args(tiny_model, sample_images, tmp_path / "dist", 1, 3, "--scale-lr"), env=OFFLINE)
+    assert dist.returncode == 0, dist.stdout[-3000:] + dist.stderr[-3000:]
+    train_in_process(full_args(tiny_model, sample_images, tmp_path / "one", 3, 3, "--scale-lr"))
+    got, want = unet_of(tmp_path / "dist" / "pipeline"), unet_of(tmp_path / "one" / "pipeline")
+    base = unet_of(tiny_model)
+    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+    moved = max(float((want[k] - base[k]).abs().max()) for k in want)
+    scale = max(float(want[k].abs().max()) for k in want)
+    assert diff <= 1e-5 * scale and moved >= 100 * 1e-5 * scale, (diff, moved, scale)
+    # DDP sends the whole UNet's gradients each step (and the loss)
+    unet_bytes = sum(t.numel() * t.element_size() for t in want.values())
+    sent = [json.loads(line)["allreduce_bytes"] - 4 for line in (tmp_path / "dist" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert all(n >= unet_bytes for n in sent), (unet_bytes, sent)
+
+
+def test_run_on_three_nodes_fetches_the_pipeline_and_the_single_file(root_home, cluster_name,  # noqa: F811
+                                                                      tiny_model, sample_images, tmp_path):
+    out = tmp_path / "out"
+    proc = cli("run", "--provider", "local", "-n", "3", "--name", cluster_name, "--",
+               *full_args(tiny_model, sample_images, out, 1, 2, "--checkpointing-steps", "2"), env=OFFLINE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "model.safetensors").is_file() and (out / "checkpoint-2").is_dir()
+    trained, base = unet_of(out / "pipeline"), unet_of(tiny_model)
+    assert max(float((trained[k] - base[k]).abs().max()) for k in base) > 1e-4
+    assert_nothing_left(cluster_name)

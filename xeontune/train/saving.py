@@ -1,0 +1,67 @@
+"""A trained run as a diffusers pipeline: assembled from what the run holds, saved whole (atomically).
+
+A part the method trained (``Method.trains``) goes in as it trained, in fp32 (or --save-precision).
+A frozen part goes in as the model's files hold it: reloaded where the run held it otherwise (a bf16
+copy, half-precision files upcast, Linear layers cast) or changed it in place (``modified_parts``,
+then ``merged_into``), or where the run freed it (text encoders whose outputs were cached, the VAE
+once the latents were)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from xeontune.io import atomic_dir
+from xeontune.train.components import Components, files_dtype, load_as_stored, load_text_encoder
+
+ENCODERS = ("text_encoder", "text_encoder_2")
+
+
+def assemble_pipeline(components: Components, opts: Any, method: Any) -> Any:
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    trained, modified = method.trains, method.modified_parts
+
+    def as_stored(part: str, module: Any, cast: bool) -> Any:
+        """The part as the model's files hold it: reloaded when held otherwise (``cast``), freed, or when
+        the files hold another dtype (diffusers loads half-precision files in fp32 itself)."""
+        stored = files_dtype(opts.model, part, opts.revision, opts.variant)
+        if module is None or cast or (stored is not None and stored != module.dtype):
+            return load_as_stored(opts.model, part, opts.revision, opts.variant)
+        return module
+
+    unet = components.unet_for_inference
+    if "unet" not in trained:
+        unet = as_stored("unet", unet, components.unet_cast or "unet" in modified)
+    vae = components.vae
+    vae = as_stored("vae", None if vae is None or vae.encoder is None else vae, False)
+    encoders = {}
+    for name in ENCODERS[: len(components.text_encoders)]:
+        encoder = getattr(components, name)
+        if name not in trained and (encoder is None or getattr(components, f"{name}_cast") or name in modified):
+            encoder = load_text_encoder(opts.model, opts.revision, opts.variant, name)  # likewise its Linear layers
+        encoders[name] = encoder
+    common = {"vae": vae, "unet": unet, "scheduler": components.noise_scheduler,
+              "tokenizer": components.tokenizer, **encoders}
+    if components.family == "sdxl":
+        return StableDiffusionXLPipeline(**common, tokenizer_2=components.tokenizer_2, add_watermarker=False)
+    return StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+
+
+def save_pipeline(components: Components, opts: Any, method: Any, target: Path, pipe: Any = None) -> Path:
+    """The pipeline folder at ``target`` (replaced whole, or left as it was if the save fails)."""
+    pipe = pipe if pipe is not None else assemble_pipeline(components, opts, method)
+    with method.merged_into(pipe), atomic_dir(target) as tmp:
+        pipe.save_pretrained(tmp)
+    return target
+
+
+def save_single_file(pipe: Any, family: str, path: Path, opts: Any) -> Path:
+    """The original Stable Diffusion layout in one .safetensors (train/single_file.py), at --save-precision."""
+    import torch
+
+    from xeontune.train.single_file import save_single_file as write
+
+    dtype = torch.bfloat16 if opts.save_precision == "bf16" else torch.float32
+    return write(pipe, family, path, dtype=dtype)
