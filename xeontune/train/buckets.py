@@ -27,6 +27,7 @@ from xeontune.train.data import (
     Latents,
     cover_box,
     decode_upright,
+    eight_bit,
     fit_square,
     no_readable_image,
     open_image,
@@ -59,7 +60,7 @@ def fit_to_bucket(img: Image.Image, size: tuple[int, int]) -> tuple[torch.Tensor
     terms (as data.crop_of: original height and width, crop top and left in the scaled image, the
     mirrored image's crop left)."""
     box, scale = cover_box(img.width, img.height, size)
-    pixels = img.convert("RGB").resize(size, Image.BICUBIC, box=box)
+    pixels = eight_bit(img).convert("RGB").resize(size, Image.BICUBIC, box=box)
     array = np.asarray(pixels, dtype=np.float32) / 127.5 - 1.0
     top, left = round(box[1] * scale), round(box[0] * scale)
     mirrored_left = max(0, round(img.width * scale) - size[0] - left)

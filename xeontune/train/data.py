@@ -131,7 +131,45 @@ def read_image_sizes(data_dir: str | Path) -> Iterator[tuple[Path, tuple[int, in
 def decode_upright(img: Image.Image) -> Image.Image:
     img.load()
     # Phone photos are stored sideways with an EXIF orientation tag: train on what a viewer shows.
-    return ImageOps.exif_transpose(img)
+    return eight_bit(ImageOps.exif_transpose(img), _described(img))
+
+
+RESAVE = "save it as an 8- or 16-bit PNG"
+
+
+def eight_bit(img: Image.Image, name: str | None = None) -> Image.Image:
+    """``img`` with 8 bits a channel, scaled by its mode's range: ``convert`` clips wider pixels to 0..255,
+    which turns a 16-bit image white and a 0..1 float one black. 16-bit (I;16...) and 32-bit integer (I)
+    pixels are read as 0..65535, float (F) ones as 0..1; 32-bit or float pixels outside that range, and
+    32-bit ones no brighter than 255 (8-bit values, or a black 16-bit image?) are a one-line error naming
+    the file (``name``: "image PATH"). Other modes already have 8 bits a channel: returned as they are."""
+    if img.mode not in ("I", "F") and not img.mode.startswith("I;16"):
+        return img
+    name = name or _described(img)
+    pixels = np.asarray(img)
+    if img.mode == "F":
+        if not np.isfinite(pixels).all():
+            raise UserError(f"{name} holds float pixels that are no numbers (NaN or infinity): {RESAVE}")
+        low, high = float(pixels.min()), float(pixels.max())
+        if low < 0 or high > 1:
+            raise UserError(f"{name} holds float pixels from {low:g} to {high:g}: only floats from 0 to 1 are "
+                            f"read; {RESAVE}")
+        return Image.fromarray(np.rint(pixels * 255).astype(np.uint8))
+    if img.mode == "I":
+        low, high = int(pixels.min()), int(pixels.max())
+        if low < 0 or high > 65535:
+            raise UserError(f"{name} holds 32-bit pixels from {low} to {high}: only 0 to 65535 (16 bits) are "
+                            f"read; {RESAVE}")
+        if high <= 255:
+            raise UserError(f"{name} holds 32-bit pixels no brighter than {high}, read as 16 bits (0 to 65535): "
+                            f"8-bit values, or a black image? {RESAVE}")
+    # round(v / 257) in integers: 65535 / 257 is exactly 255
+    return Image.fromarray(((pixels.astype(np.int32) + 128) // 257).astype(np.uint8))
+
+
+def _described(img: Image.Image) -> str:
+    # Image.open sets filename; a transposed or converted copy has none
+    return f"image {getattr(img, 'filename', '') or '(unnamed)'}"
 
 
 def upright_size(img: Image.Image) -> tuple[int, int]:
@@ -226,7 +264,7 @@ def load_masks(paths: list[Path], sizes: list[tuple[int, int]], resolution: int,
             continue
         try:
             with Image.open(mask) as img:
-                upright = ImageOps.exif_transpose(img).convert("L")
+                upright = eight_bit(ImageOps.exif_transpose(img), f"mask {mask}").convert("L")
                 if upright.size != shown:
                     raise UserError(f"mask {mask} is {upright.width}x{upright.height}, its image (upright) "
                                     f"{shown[0]}x{shown[1]}: a mask must match its image's size")
@@ -257,7 +295,7 @@ def image_set_digest(paths: list[Path]) -> str:
 
 
 def preprocess(img: Image.Image, resolution: int, center_crop: bool) -> torch.Tensor:
-    img = img.convert("RGB")
+    img = eight_bit(img).convert("RGB")
     if center_crop:
         side = min(img.size)
         left, top = (img.width - side) // 2, (img.height - side) // 2

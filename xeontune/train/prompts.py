@@ -23,6 +23,8 @@ from xeontune.train.data import is_image_file
 
 METADATA_FILE = "metadata.jsonl"
 CAPTION_SUFFIX = ".txt"
+# CLIP reads 77 tokens (about 300 characters): a caption far longer is most likely the wrong file
+MAX_CAPTION_CHARS = 10_000
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,13 @@ def read_captions(data_dir: Path, caption_column: str) -> dict[str, tuple[str, s
     for name in image_names:
         stems.setdefault(Path(name).stem, []).append(name)
     for path in sorted(data_dir.glob("*" + CAPTION_SUFFIX)):
-        if path.name.startswith(".") or not path.is_file():
+        if path.name.startswith("."):
             continue
         owners = stems.get(path.stem)
+        if not path.is_file():
+            if not owners:  # no image's caption: a folder of the user's own, say
+                continue
+            _require_file(path, f"caption {path}")
         if not owners:
             raise UserError(f"caption {path} has no image beside it (an image named {path.stem}.png, .jpg, ...)")
         if len(owners) > 1:
@@ -54,8 +60,11 @@ def read_captions(data_dir: Path, caption_column: str) -> dict[str, tuple[str, s
         if not text:
             raise UserError(f"caption {path} is empty: write {owners[0]}'s caption in it, or delete it (the image "
                             "then takes --instance-prompt)")
+        _check_length(text, f"caption {path}")
         captions[owners[0]] = (text, str(path))
     metadata = data_dir / METADATA_FILE
+    if metadata.is_symlink() or metadata.exists():
+        _require_file(metadata, str(metadata))
     if caption_column != "text" and not metadata.is_file():
         raise UserError(f"--caption-column {caption_column}: names a field of {METADATA_FILE}, and {data_dir} has none")
     if metadata.is_file():
@@ -64,23 +73,48 @@ def read_captions(data_dir: Path, caption_column: str) -> dict[str, tuple[str, s
                 raise UserError(f"{where}: the caption of {name!r} is empty")
             if name not in image_names:
                 raise UserError(f"{where}: file_name {name!r} is not an image in {data_dir}")
+            _check_length(text, f"{where}: the caption of {name!r}")
             if name in captions and captions[name][0] != text:
                 raise UserError(f"{name} has two different captions: {captions[name][1]} and {where}")
             captions[name] = (text, where)
     return captions
 
 
-def _read_text(path: Path) -> str:
+def _require_file(path: Path, what: str) -> None:
+    """A caption file that is a folder or a broken link would be silently unused: a one-line error."""
+    if not path.is_file():
+        kind = "a folder" if path.is_dir() else "a broken link" if not path.exists() else "a special file"
+        raise UserError(f"{what} is {kind}, not a file of captions")
+
+
+def _check_length(text: str, what: str) -> None:
+    if len(text) > MAX_CAPTION_CHARS:
+        raise UserError(f"{what} is {len(text)} characters long: over {MAX_CAPTION_CHARS:,}, the most a caption "
+                        "may be (CLIP reads its first 77 tokens, about 300 characters); is it the right file?")
+
+
+def _decoded(path: Path, what: str) -> str:
+    """The file's text; bytes that are not UTF-8 are a one-line error naming the line, not replaced by
+    U+FFFD (which would train as part of the caption). A leading byte-order mark (Notepad's) is dropped."""
+    data = path.read_bytes()
     try:
-        return " ".join(path.read_text(encoding="utf-8").split())
-    except UnicodeDecodeError:
-        raise UserError(f"caption {path} is not UTF-8 text") from None
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        read = exc.object  # what the codec decoded: after a byte-order mark, which exc.start does not count
+        line = read.count(b"\n", 0, exc.start) + 1
+        raise UserError(f"{what} line {line} is not UTF-8 text (byte 0x{read[exc.start]:02x})") from None
+
+
+def _read_text(path: Path) -> str:
+    return " ".join(_decoded(path, f"caption {path}").split())
 
 
 def _metadata_lines(path: Path, column: str) -> list[tuple[str, str, str]]:
-    """(where, file_name, caption) per non-empty line."""
+    """(where, file_name, caption) per non-empty line. Lines end at a line feed alone (a carriage return
+    before it is JSON whitespace): str.splitlines would also cut at U+2028, U+0085 and others, which JSON
+    strings may hold."""
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+    for number, line in enumerate(_decoded(path, str(path)).split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{path} line {number}"
