@@ -144,3 +144,19 @@ def test_the_rank_plan_counts_a_trained_unets_gradients_and_optimizer_state(tiny
     assert trained - frozen == stored_unet * 4 - stored_unet // 2
     # packing never applies to it
     assert ranks.frozen_weight_bytes(str(tiny_model), "bf16", packed=True, trained=frozenset({"unet"})) == trained
+
+
+def test_captions_past_the_token_limit_are_said_once(full_args, sample_images, tmp_path, caplog):
+    import shutil
+
+    data = tmp_path / "captioned"
+    shutil.copytree(sample_images, data)
+    for i, image in enumerate(sorted(data.glob("*.png"))):
+        words = " ".join(["very"] * 100) if i < 2 else "short"
+        image.with_suffix(".txt").write_text(f"a {words} toy")
+    args = [a if a != str(sample_images) else str(data) for a in full_args("out")]
+    args = [a for a in args if a not in ("--instance-prompt", PROMPT)] + ["--max-train-steps", "1"]
+    caplog.set_level("WARNING", logger="xeontune.train")
+    loop.train(parse_args(args))
+    said = [r.message for r in caplog.records if "longer than the text encoder's" in r.message]
+    assert said == ["1 of the 2 distinct prompts are longer than the text encoder's 77 tokens and are cut there"], said

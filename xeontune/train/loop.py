@@ -585,6 +585,11 @@ def _setup(
     if opts.cache_latents and not shared:
         release_vae_parts(components, latents, opts)
     prompts = method.prompts(given) + ([opts.class_prompt] if num_class_images else [])
+    tokenizer = components.tokenizers[0]
+    cut = sum(len(ids) > tokenizer.model_max_length for ids in tokenizer(prompts).input_ids)
+    if cut and main:  # as the examples do, but said: the words past the limit never reach the model
+        log.warning("%d of the %d distinct prompts are longer than the text encoder's %d tokens and are cut there", cut,
+                    len(prompts), tokenizer.model_max_length)
     prompt_ids, *more_ids = [t(prompts, padding="max_length", truncation=True, max_length=t.model_max_length,
                                return_tensors="pt").input_ids for t in components.tokenizers]
     shapes = latents.latent_shapes()
