@@ -160,3 +160,118 @@ def test_captions_past_the_token_limit_are_said_once(full_args, sample_images, t
     loop.train(parse_args(args))
     said = [r.message for r in caplog.records if "longer than the text encoder's" in r.message]
     assert said == ["1 of the 2 distinct prompts are longer than the text encoder's 77 tokens and are cut there"], said
+
+
+# --- the examples' training features ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["tiny_model", "sd2_model"])
+def test_the_min_snr_loss_equals_the_examples_formula(request, which):
+    """train_text_to_image.py's lines, written out, against sample_loss with min_snr_weights."""
+    from diffusers import DDPMScheduler
+    from diffusers.training_utils import compute_snr
+
+    from xeontune.train.data import Batch, min_snr_weights, sample_loss
+
+    scheduler = DDPMScheduler.from_pretrained(str(request.getfixturevalue(which)), subfolder="scheduler")
+    gen = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(4, 4, 8, 8, generator=gen), torch.randn(4, 4, 8, 8, generator=gen)
+    timesteps = torch.tensor([1, 50, 500, 999])
+    snr_gamma = 5.0
+    # the example's computation
+    snr = compute_snr(scheduler, timesteps)
+    mse_loss_weights = torch.stack([snr, snr_gamma * torch.ones_like(timesteps)], dim=1).min(dim=1)[0]
+    if scheduler.config.prediction_type == "epsilon":
+        mse_loss_weights = mse_loss_weights / snr
+    elif scheduler.config.prediction_type == "v_prediction":
+        mse_loss_weights = mse_loss_weights / (snr + 1)
+    loss = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="none")
+    loss = loss.mean(dim=list(range(1, len(loss.shape)))) * mse_loss_weights
+    want = loss.mean()
+
+    batch = Batch(positions=[0, 1, 2, 3], image_index=torch.zeros(4), flip=torch.zeros(4), input_ids=None,
+                  input_ids_2=None, latent_eps=None, noise=None, timesteps=timesteps, prompt_index=None,
+                  instance_count=None, bucket=0)
+    got = sample_loss(pred, target, None, batch, 1.0, min_snr_weights(scheduler, timesteps, snr_gamma))
+    assert torch.equal(got, want)
+    assert abs(float(want) - float(torch.nn.functional.mse_loss(pred, target))) > 0.05  # the weights act
+
+
+def test_ema_equals_diffusers_emamodel_on_the_same_updates(full_args, tiny_model, tmp_path):
+    """The saved UNet is diffusers' EMAModel fed the weights after each optimizer step, from the base."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.training_utils import EMAModel
+
+    runs, after_each_step = [], []
+    setup = loop.setup
+
+    def spy(*a, **k):
+        made = setup(*a, **k)
+        runs.append(made[0])
+        return made
+
+    def snapshot(*_):
+        # as parameters that train: EMAModel copies, not averages, what requires no grad
+        after_each_step.append([torch.nn.Parameter(p.detach().clone()) for p in runs[0].method.models["unet"].parameters()])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "setup", spy)
+        result = loop.train(parse_args([*full_args("out", tiny_model, "--use-ema", "--ema-decay", "0.9",
+                                                   "--learning-rate", "1e-3")]), on_step=snapshot)
+    base = UNet2DConditionModel.from_pretrained(str(tiny_model), subfolder="unet")
+    reference = EMAModel(base.parameters(), decay=0.9)
+    for weights_now in after_each_step:
+        reference.step(weights_now)
+    reference.copy_to(base.parameters())
+    saved = UNet2DConditionModel.from_pretrained(str(tmp_path / "out" / "pipeline"), subfolder="unet")
+    names = [n for n, _ in saved.named_parameters()]
+    got = {n: p.detach() for n, p in saved.named_parameters()}
+    want = {n: p.detach() for n, p in base.named_parameters()}
+    assert max(float((got[n] - want[n]).abs().max()) for n in names) <= 1e-6
+    trained = weights(result, "unet")  # the raw weights go on: the EMA is not them
+    assert max(float((got[n] - trained[n]).abs().max()) for n in names) > 1e-4
+
+
+def test_a_resumed_run_with_adafactor_and_ema_equals_a_straight_one(full_args, tiny_model, tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    extra = ("--optimizer", "adafactor", "--use-ema", "--ema-decay", "0.9", "--learning-rate", "1e-3")
+    straight = loop.train(parse_args(full_args("straight", tiny_model, *extra, "--max-train-steps", "4")))
+    assert main(["train", *full_args("resumed", tiny_model, *extra, "--max-train-steps", "2",
+                                     "--checkpointing-steps", "2")]) == 0
+    resumed = loop.train(parse_args([*full_args("resumed", tiny_model, *extra, "--max-train-steps", "4"),
+                                     "--resume-from-checkpoint", "latest"]))
+    a, b = weights(straight, "unet"), weights(resumed, "unet")
+    base = base_parts(tiny_model)["unet"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    assert max(float((a[k] - base[k]).abs().max()) for k in a) >= 1e-3
+    ema = [UNet2DConditionModel.from_pretrained(str(tmp_path / run / "pipeline"), subfolder="unet").state_dict()
+           for run in ("straight", "resumed")]
+    assert max(float((ema[0][k] - ema[1][k]).abs().max()) for k in ema[0]) <= 1e-6
+
+
+def test_the_noise_offset_changes_the_noise_alike_on_any_batching(full_args, tiny_model):
+    common = ("--adam-epsilon", "1e-4", "--max-train-steps", "2", "--noise-offset", "0.1")
+    plain = weights(loop.train(parse_args([*full_args("plain", tiny_model, *common[:-2]), "--train-batch-size", "2"])),
+                    "unet")
+    one = weights(loop.train(parse_args([*full_args("a", tiny_model, *common), "--train-batch-size", "2"])), "unet")
+    two = weights(loop.train(parse_args([*full_args("b", tiny_model, *common), "--gradient-accumulation-steps", "2"])),
+                  "unet")
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6
+    assert max(float((one[k] - plain[k]).abs().max()) for k in one) > 1e-5
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--method", "lora", "--use-ema"], "--use-ema is an option of --method full"),
+    (["--method", "full", "--ema-decay", "0.99"], "--ema-decay needs --use-ema"),
+    (["--method", "full", "--optimizer", "adafactor", "--adam-beta1", "0.8"], "--adam-beta1 is AdamW's"),
+    (["--method", "full", "--snr-gamma", "0"], "--snr-gamma must be positive"),
+    (["--method", "full", "--noise-offset", "-1"], "--noise-offset must be >= 0"),
+])
+def test_the_features_bad_input_is_one_line(capsys, tiny_model, sample_images, tmp_path, flags, said):
+    from tests.one_line import one_line_error
+
+    line = one_line_error(capsys, ["train", "--model", str(tiny_model), "--data-dir", str(sample_images),
+                                   "--instance-prompt", PROMPT, "--output-dir", str(tmp_path / "out"), *flags])
+    assert said in line, line
+    assert not (tmp_path / "out").exists()

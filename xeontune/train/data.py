@@ -340,6 +340,17 @@ class Batch:
 
 
 CLASS_STREAM = 0x5EED_C1A55  # prior preservation's class samples draw from streams of their own
+OFFSET_STREAM = 0x0FF5_E7  # --noise-offset's per-channel offsets: a stream of their own, the others unchanged
+
+
+def offset_noise(batch: Batch, channels: int, seed: int) -> torch.Tensor:
+    """--noise-offset's Gaussian offsets, one per sample and channel (shape (samples, channels, 1, 1)), as
+    the examples draw them; each from its sample position's own stream, so ranks and accumulation agree."""
+    k = len(batch.positions)
+    samples = [(pos, False) for pos in batch.positions] + [(pos, True) for pos in batch.positions][
+        : len(batch.noise) - k]
+    return torch.stack([torch.randn((channels, 1, 1), generator=sample_generator(
+        (seed ^ OFFSET_STREAM) ^ (CLASS_STREAM if is_class else 0), pos)) for pos, is_class in samples])
 
 
 class SamplePlan:
@@ -619,22 +630,38 @@ def encode_latents(parts: list[Latents], spread: Spread | None = None,
 
 
 def sample_loss(pred: torch.Tensor, target: torch.Tensor, root_weight: torch.Tensor | None, batch: Batch,
-                prior_loss_weight: float) -> torch.Tensor:
+                prior_loss_weight: float, sample_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The step's loss: ``masked_mse`` over the batch; with prior preservation, the instance samples'
     plus ``prior_loss_weight`` times the class samples' mean squared error (as diffusers' DreamBooth
-    example computes it; class images have no masks)."""
+    example computes it; class images have no masks). ``sample_weights``: each sample's (min-SNR)."""
     k = batch.instance_count
     if k is None:
-        return masked_mse(pred, target, root_weight)
-    prior = masked_mse(pred[k:], target[k:], None)
-    return masked_mse(pred[:k], target[:k], None if root_weight is None else root_weight[:k]) + prior_loss_weight * prior
+        return masked_mse(pred, target, root_weight, sample_weights)
+    w = (None, None) if sample_weights is None else (sample_weights[:k], sample_weights[k:])
+    prior = masked_mse(pred[k:], target[k:], None, w[1])
+    return (masked_mse(pred[:k], target[:k], None if root_weight is None else root_weight[:k], w[0])
+            + prior_loss_weight * prior)
 
 
-def masked_mse(pred: torch.Tensor, target: torch.Tensor, root_weight: torch.Tensor | None) -> torch.Tensor:
+def masked_mse(pred: torch.Tensor, target: torch.Tensor, root_weight: torch.Tensor | None,
+               sample_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The mean squared error, each latent pixel's term weighted by its mask's value w: both sides are
     scaled by sqrt(w) (``root_weight``), so an all-white mask gives exactly the unmasked loss and a black
-    pixel contributes nothing, not even a gradient."""
+    pixel contributes nothing, not even a gradient. ``sample_weights``: each sample's mean error weighted
+    by it before the batch's mean (the examples' min-SNR loss)."""
     pred, target = pred.float(), target.float()
     if root_weight is not None:
         pred, target = pred * root_weight, target * root_weight
-    return torch.nn.functional.mse_loss(pred, target)
+    if sample_weights is None:
+        return torch.nn.functional.mse_loss(pred, target)
+    per_sample = torch.nn.functional.mse_loss(pred, target, reduction="none").mean(dim=list(range(1, pred.dim())))
+    return (per_sample * sample_weights).mean()
+
+
+def min_snr_weights(noise_scheduler: Any, timesteps: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Each sample's min-SNR weight: min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v-prediction."""
+    from diffusers.training_utils import compute_snr
+
+    snr = compute_snr(noise_scheduler, timesteps)
+    clipped = torch.clamp(snr, max=gamma)
+    return clipped / (snr + 1) if noise_scheduler.config.prediction_type == "v_prediction" else clipped / snr

@@ -44,6 +44,8 @@ from xeontune.train.data import (
     encode_latents,
     image_set_digest,
     load_masks,
+    min_snr_weights,
+    offset_noise,
     read_image_sizes,
     read_images,
     sample_loss,
@@ -315,14 +317,19 @@ def train_step(run: Run, step: int) -> torch.Tensor:
                 seed_global_rng(run.opts.seed, batch.positions[0])
             with phase("latents"):
                 latents = run.latents.sample(batch)
-                noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
+                noise = batch.noise
+                if run.opts.noise_offset:
+                    noise = noise + run.opts.noise_offset * offset_noise(batch, noise.shape[1], run.opts.seed)
+                noisy = run.components.noise_scheduler.add_noise(latents, noise, batch.timesteps)
             with run.autocast():
                 with phase("text_encoder_forward"):
                     hidden, added = run.encode_text(batch)  # SDXL: both encoders, text_embeds, time_ids
                 with phase("unet_forward"):
                     pred = unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
-            loss = sample_loss(pred, run.target(latents, batch.noise, batch.timesteps), run.latents.mask(batch),
-                               batch, run.opts.prior_loss_weight)
+            weights = None if run.opts.snr_gamma is None else min_snr_weights(
+                run.components.noise_scheduler, batch.timesteps, run.opts.snr_gamma)
+            loss = sample_loss(pred, run.target(latents, noise, batch.timesteps), run.latents.mask(batch),
+                               batch, run.opts.prior_loss_weight, weights)
             with phase("backward"):
                 run.accelerator.backward(loss)  # divides by the accumulation steps; DDP all-reduces
             losses.append(loss.detach())
@@ -605,10 +612,7 @@ def _setup(
     global_batch = opts.train_batch_size * world * opts.gradient_accumulation_steps
     max_steps = opts.max_train_steps or math.ceil(opts.num_train_epochs * plan.epoch_len / global_batch)
     lr = opts.learning_rate * (global_batch if opts.scale_lr else 1)
-    optimizer = torch.optim.AdamW(
-        method.parameters(), lr=lr,
-        betas=(opts.adam_beta1, opts.adam_beta2), weight_decay=opts.adam_weight_decay, eps=opts.adam_epsilon,
-    )
+    optimizer = make_optimizer(opts, method.parameters(), lr)
     lr_scheduler = get_scheduler(
         opts.lr_scheduler, optimizer=optimizer, num_warmup_steps=opts.lr_warmup_steps,
         num_training_steps=max_steps, num_cycles=opts.lr_num_cycles, power=opts.lr_power,
@@ -655,6 +659,17 @@ def _setup(
                         "not on the images a straight run would have drawn", where, state.samples_per_step,
                         run.samples_per_step, state.step)
     return run, state
+
+
+def make_optimizer(opts: TrainOptions, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    if opts.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # a fixed learning rate (the schedule's), as kohya and the SDXL guides run it
+        return Adafactor(params, lr=lr, weight_decay=opts.adam_weight_decay, scale_parameter=False,
+                         relative_step=False, warmup_init=False)
+    return torch.optim.AdamW(params, lr=lr, betas=(opts.adam_beta1, opts.adam_beta2),
+                             weight_decay=opts.adam_weight_decay, eps=opts.adam_epsilon)
 
 
 def check_checkpoint_method(state: checkpoint.TrainState, method: methods.Method, where: Path | str) -> None:

@@ -89,6 +89,10 @@ class TrainOptions:
     train_text_encoder: bool = opt(False, "lora: also put adapters on the text encoder(s)' q_proj, k_proj, v_proj "
                                    "and out_proj; full: train the text encoder(s) too (else their outputs are "
                                    "computed once per prompt)", group="lora")
+    use_ema: bool = opt(False, "keep an exponential moving average of the UNet's weights (fp32, diffusers' "
+                        "EMAModel, updated after every optimizer step); sample images and the saved pipeline and "
+                        "single file use it", group="full fine-tuning")
+    ema_decay: float = opt(0.9999, "the EMA's decay per step (--use-ema)", group="full fine-tuning")
     save_precision: str = opt("fp32", "the dtype of the single-file checkpoint (model.safetensors)",
                               choices=("fp32", "bf16"), group="full fine-tuning")
     repeats: int = opt(100, "times each image appears per epoch", group="model and data")
@@ -122,6 +126,13 @@ class TrainOptions:
     adam_beta2: float = opt(0.999, "AdamW beta2")
     adam_weight_decay: float = opt(1e-2, "AdamW weight decay")
     adam_epsilon: float = opt(1e-8, "AdamW epsilon")
+    optimizer: str = opt("adamw", "adamw (torch's), or adafactor (transformers', without its relative step: "
+                         "factored second moments, a fraction of AdamW's state; what fits SDXL's full fine-tuning in "
+                         "64 GB)", choices=("adamw", "adafactor"))
+    snr_gamma: float | None = opt(None, "min-SNR weighting (Hang et al. 2023): each sample's loss weighted by "
+                                  "min(SNR, gamma) / SNR (v-prediction: / (SNR + 1)); the examples suggest 5.0")
+    noise_offset: float = opt(0.0, "add this times a per-channel Gaussian offset to the noise (as the examples' "
+                              "--noise_offset: darker darks and brighter brights)")
     max_grad_norm: float | None = opt(None, "clip the gradient norm of what trains (the token's vectors, the adapters) "
                                             "to this (off by default)")
     seed: int = opt(0, "seed of every random choice (samples, noise, timesteps, validation)")
@@ -498,6 +509,10 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.save_steps >= 0 and o.checkpointing_steps >= 0, "--save-steps and --checkpointing-steps must be >= 0"),
         (o.checkpoints_total_limit is None or o.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1"),
         (o.max_grad_norm is None or o.max_grad_norm > 0, "--max-grad-norm must be positive"),
+        (o.snr_gamma is None or (finite(o.snr_gamma) and o.snr_gamma > 0), "--snr-gamma must be positive"),
+        (finite(o.noise_offset) and o.noise_offset >= 0, "--noise-offset must be >= 0"),
+        (0 < o.ema_decay < 1, "--ema-decay must be between 0 and 1"),
+        (o.ema_decay == TrainOptions.ema_decay or o.use_ema, "--ema-decay needs --use-ema"),
         (finite(o.dist_timeout) and o.dist_timeout > 0, "--dist-timeout must be a positive number of seconds"),
         (o.nproc_per_node == "auto" or (o.nproc_per_node.isdigit() and int(o.nproc_per_node) >= 1),
          f"--nproc-per-node must be a positive number or auto, got {o.nproc_per_node!r}"),
@@ -525,6 +540,11 @@ def validate(o: TrainOptions) -> TrainOptions:
         if not ok:
             raise UserError(message)
     # An option that would change nothing is a mistake to say, not to ignore (a user believes it acts).
+    adam_only = [_flag(n) for n in ("adam_beta1", "adam_beta2", "adam_epsilon")
+                 if o.optimizer != "adamw" and getattr(o, n) != getattr(TrainOptions, n)]
+    if adam_only:
+        raise UserError(f"{' and '.join(adam_only)} {'is' if len(adam_only) == 1 else 'are'} AdamW's; --optimizer "
+                        f"{o.optimizer} does not use {'it' if len(adam_only) == 1 else 'them'}")
     for needed, names in (("--with-prior-preservation", () if o.with_prior_preservation else PRIOR_ONLY),
                           ("--placeholder-token (pivotal tuning)",
                            PIVOTAL_ONLY if o.method == "lora" and o.placeholder_token is None else ())):

@@ -42,12 +42,15 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*") if p.name.endswith(WEIGHT_SUFFIXES)) if folder.is_dir() else 0
 
 
-# A trained part's fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, 4x its fp32 weights
-TRAINED_SIZE_FACTOR = 4
+# A trained part's fp32 weights and gradients, and its optimizer state, as multiples of its fp32 weights:
+# AdamW's two moments (16 bytes a parameter in all); Adafactor's factored moments are a row and a column
+# a matrix (counted as nothing). --use-ema adds one fp32 copy of the UNet.
+TRAINED_SIZE_FACTOR = {"adamw": 4, "adafactor": 2}
 
 
 def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str = "sd",
-                        text_encoders: bool = True, trained: frozenset[str] = frozenset()) -> int:
+                        text_encoders: bool = True, trained: frozenset[str] = frozenset(), optimizer: str = "adamw",
+                        ema: bool = False) -> int:
     """Bytes of weights one rank holds: a frozen UNet and the text encoders' Linear layers in the
     training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) a frozen UNet
     counts twice: its layers are held reordered for the forward and again for the input gradient, each
@@ -64,8 +67,9 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
         # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
         if any((root / "unet").glob("*.safetensors")) and any((root / "unet").glob("*.bin")):
             stored["unet"] //= 2
+    factor = TRAINED_SIZE_FACTOR[optimizer]
     if "unet" in trained:
-        unet = stored["unet"] * TRAINED_SIZE_FACTOR
+        unet = stored["unet"] * (factor + (1 if ema else 0))
     else:
         # a bf16 run casts it once at load (stored in fp32 in the common pipelines)
         unet = (stored["unet"] // 2 if precision == "bf16" else stored["unet"]) * (2 if packed else 1)
@@ -73,7 +77,7 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     # SDXL's second text encoder (695 M parameters): nearly all Linear layers, held like the first's
     for part, share in (("text_encoder", TEXT_ENCODER_LINEAR_SHARE), ("text_encoder_2", TEXT_ENCODER_2_LINEAR_SHARE)):
         if part in trained:
-            encoders += stored[part] * TRAINED_SIZE_FACTOR
+            encoders += stored[part] * factor
         elif text_encoders:
             encoders += _text_encoder_bytes(stored[part], precision, share)
     return int(unet + stored["vae"] + encoders)
@@ -110,7 +114,8 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True) -> int:
     family = pipeline_family(str(opts.model), opts.revision)
     method = methods.create(opts)
     weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family,
-                                  text_encoders=keeps_text_encoders(method, opts), trained=method.trains)
+                                  text_encoders=keeps_text_encoders(method, opts), trained=method.trains,
+                                  optimizer=opts.optimizer, ema=opts.use_ema)
     return placement.rank_memory_bytes(weights, opts.resolution, opts.train_batch_size, family,
                                        opts.gradient_checkpointing, precision)
 

@@ -14,6 +14,8 @@ with --save-steps), which A1111, ComfyUI and kohya read.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,13 @@ class FullFineTuning(Method):
         for model in self.models.values():
             model.requires_grad_(True)
             model.train()  # as the examples train them (SD's blocks have no dropout by default)
+        self.ema = None
+        if self.opts.use_ema:  # diffusers' own EMA, as the examples keep it: fp32 shadows of the UNet
+            from diffusers.training_utils import EMAModel
+
+            unet = self.models["unet"]
+            self.ema = EMAModel(unet.parameters(), decay=self.opts.ema_decay, model_cls=type(unet),
+                                model_config=unet.config)
 
     def check_prompts(self, given: Any) -> None:
         if given is None:
@@ -81,6 +90,30 @@ class FullFineTuning(Method):
                 raise TrainingError(f"the {model_name}'s weights received no usable gradient after the first "
                                     "backward pass; a backend broke the gradient path")
 
+    def after_step(self) -> None:
+        if self.ema is not None:
+            self.ema.step(self.models["unet"].parameters())
+
+    @contextlib.contextmanager
+    def inference(self, components: Any) -> Iterator[None]:
+        """Sample images from the EMA's weights where there is one (as the examples validate)."""
+        with self.ema_weights():
+            yield
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """The UNet holds the EMA's weights inside (its own are put back after)."""
+        if self.ema is None:
+            yield
+            return
+        params = list(self.models["unet"].parameters())
+        self.ema.store(params)
+        self.ema.copy_to(params)
+        try:
+            yield
+        finally:
+            self.ema.restore(params)
+
     def finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.parameters())
 
@@ -89,13 +122,18 @@ class FullFineTuning(Method):
         return {name: p.detach() for name, p in self.named_parameters()}
 
     def state(self) -> dict[str, Any]:
-        return {"learned": {"tensors": self.learned(), "models": list(self.models)}}
+        ema = None if self.ema is None else self.ema.state_dict()
+        return {"learned": {"tensors": self.learned(), "models": list(self.models), "ema": ema}}
 
     def check_state(self, state: Any, where: str) -> None:
-        saved = list((state.learned or {}).get("models", ()))
+        learned = state.learned or {}
+        saved = list(learned.get("models", ()))
         if sorted(saved) != sorted(self.trains):
             said = "with" if any(m in ENCODERS for m in saved) else "without"
             raise UserError(f"checkpoint {where} was trained {said} --train-text-encoder; this run must be too")
+        if (learned.get("ema") is not None) != self.opts.use_ema:
+            said = "with" if learned.get("ema") is not None else "without"
+            raise UserError(f"checkpoint {where} was trained {said} --use-ema; this run must be too")
 
     def load_state(self, state: Any, where: str) -> None:
         self.check_state(state, where)
@@ -106,6 +144,8 @@ class FullFineTuning(Method):
         with torch.no_grad():
             for name, p in mine:
                 p.copy_(tensors[name])
+        if self.ema is not None:
+            self.ema.load_state_dict(state.learned["ema"])
 
     def save(self, output_dir: Path, step: int, final: bool) -> Path:
         """The single file (each step copy too); at the end, the pipeline folder as well."""
@@ -113,7 +153,8 @@ class FullFineTuning(Method):
 
         pipe = saving.assemble_pipeline(self.components, self.opts, self)
         path = output_dir / learned_file(STEM, None if final else step)
-        pass  # TEMP saving.save_single_file(pipe, self.components.family, path, self.opts)
-        if final:
-            saving.save_pipeline(self.components, self.opts, self, output_dir / "pipeline", pipe)
+        with self.ema_weights():  # the EMA's weights are what the examples save
+            pass  # TEMP saving.save_single_file(pipe, self.components.family, path, self.opts)
+            if final:
+                saving.save_pipeline(self.components, self.opts, self, output_dir / "pipeline", pipe)
         return path
