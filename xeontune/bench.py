@@ -60,6 +60,9 @@ SDXL_TARGETS = {"speedup_min": 2.0, "rss_ratio_max": {"bf16": 0.6, "fp32": 0.9}}
 # Issue 28's for LoRA against diffusers' train_dreambooth_lora*.py: >= 1.5x its steps/s at 512 px in bf16
 # (1.8x on an AVX2-only CPU in fp32 at 256 px), peak RSS <= 0.6x its own.
 LORA_TARGETS = {"speedup_min": {"bf16": 1.5, "fp32": 1.8}, "rss_ratio_max": 0.6}
+# Issue 47's for full fine-tuning against train_text_to_image.py: >= 1.4x its steps/s (bf16 at 512 px on
+# AVX512-BF16 and AMX, fp32 at 256 px on AVX2), peak RSS <= 0.8x its own.
+FULL_TARGETS = {"speedup_min": 1.4, "rss_ratio_max": 0.8}
 INSTANCE_PROMPT = "a photo of sks toy"
 CLASS_PROMPT = "a photo of a toy"
 
@@ -70,6 +73,8 @@ def prior_flag(args: argparse.Namespace) -> list[str]:
 
 def targets_for(family: str, precision: str, method: str = "textual_inversion") -> dict[str, float]:
     """The targets this run is judged against: SD1.x/SD2's, or SDXL's where it has its own; LoRA's."""
+    if method == "full":
+        return {**TARGETS, **FULL_TARGETS}
     if method == "lora":
         speedup = LORA_TARGETS["speedup_min"]
         assert isinstance(speedup, dict)
@@ -140,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--method", default="textual_inversion", choices=METHOD_NAMES,
                    help="what trains (default textual_inversion); lora's baseline is diffusers' "
-                   "train_dreambooth_lora(_sdxl).py: instance prompt, rank --rank, VAE and text encoder every step")
+                   "train_dreambooth_lora(_sdxl).py: instance prompt, rank --rank, VAE and text encoder every step; "
+                   "full's is train_text_to_image(_sdxl).py: the UNet in fp32 under autocast, the VAE and the "
+                   "text encoder (in bf16 with bf16) every step")
     p.add_argument("--rank", type=int, default=4, help="--method lora: the adapters' rank (default 4)")
     p.add_argument("--class-images", type=int, default=0, metavar="N",
                    help="instead of training steps: time generating N prior-preservation class images as the "
@@ -305,7 +312,8 @@ def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace
     method = getattr(args, "method", "textual_inversion")
     own = ({"placeholder_token": TOKEN, "initializer_token": "toy", "train_full_table": variant == "baseline"}
            if method == "textual_inversion" else
-           {"instance_prompt": INSTANCE_PROMPT, "rank": args.rank, "cache_text": variant != "baseline",
+           {"instance_prompt": INSTANCE_PROMPT, **({"rank": args.rank} if method == "lora" else {}),
+            "cache_text": variant != "baseline",
             **({"with_prior_preservation": True, "class_data_dir": str(class_images_beside(data)),
                 "class_prompt": CLASS_PROMPT, "num_class_images": len(list(data.iterdir()))}
                if getattr(args, "with_prior_preservation", False) else {})})
@@ -332,13 +340,13 @@ def example_components(model: Path, precision: str, method: str = "textual_inver
     from xeontune.train.components import load, unet_dtype
 
     components = load(str(model))  # as its files hold it, then cast: not from the trainer's bf16 copy
-    if unet_dtype(precision) is not None:
+    if unet_dtype(precision) is not None and method != "full":  # train_text_to_image.py trains it in fp32
         components.unet.to(unet_dtype(precision))
         components.unet_cast = True
     if precision == "bf16":
         if not (method == "lora" and components.family == "sdxl"):
             components.vae.to(torch.bfloat16)
-        if method == "lora":
+        if method in ("lora", "full"):
             for name in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
                 getattr(components, name).to(torch.bfloat16)
                 setattr(components, f"{name}_cast", True)
