@@ -4,6 +4,9 @@ a resume equals a straight run; the outputs load in diffusers and differ from th
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
 
@@ -275,3 +278,32 @@ def test_the_features_bad_input_is_one_line(capsys, tiny_model, sample_images, t
                                    "--instance-prompt", PROMPT, "--output-dir", str(tmp_path / "out"), *flags])
     assert said in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_report_to_wandb_logs_scalars_and_sample_images_offline(full_args, tiny_model, tmp_path, monkeypatch):
+    """WANDB_MODE=offline: the run's history holds the loss of every step and the validation images."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "out"
+    assert main(["train", *full_args("out", tiny_model), "--report-to", "wandb", "--validation-prompt", PROMPT,
+                 "--num-validation-images", "1", "--validation-inference-steps", "2"]) == 0
+    run_id = json.loads((out / "train_config.json").read_text())["run_id"]
+    runs = list((out / "logs" / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 1, list((out / "logs").rglob("*"))
+    history = runs[0] / f"run-{run_id}.wandb"
+    assert history.is_file() and history.stat().st_size > 0
+    logged = history.read_bytes()
+    assert b"train/loss" in logged and b"validation" in logged
+    media = list(runs[0].rglob("*.png"))
+    assert len(media) == 1, media
+    # --overwrite clears this run's wandb folder, and the next run logs under its own id
+    assert main(["train", *full_args("out", tiny_model), "--report-to", "wandb", "--overwrite"]) == 0
+    assert not runs[0].exists()
+
+
+def test_report_to_wandb_without_wandb_is_one_line(capsys, full_args, tiny_model, tmp_path, monkeypatch):
+    from tests.one_line import one_line_error
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # an import of it fails, as where it is not installed
+    line = one_line_error(capsys, ["train", *full_args("out", tiny_model), "--report-to", "wandb"])
+    assert "--report-to wandb needs wandb: pip install 'xeontune[wandb]'" in line

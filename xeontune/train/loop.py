@@ -27,7 +27,7 @@ import torch
 from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_write_json, atomic_write_text, disk_errors, file_in_the_way
-from xeontune.train import checkpoint, lock, methods, preempt, prior, saving, validation
+from xeontune.train import checkpoint, lock, methods, preempt, prior, report, saving, validation
 from xeontune.train.buckets import BucketLatents, Parts, TrainingImages, bucket_layout, load_training_images
 from xeontune.train.components import (
     Components,
@@ -53,7 +53,7 @@ from xeontune.train.data import (
 )
 from xeontune.train.forecast import Forecast
 from xeontune.train.options import TrainOptions
-from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, TFEVENTS_RE, VALIDATION_IMAGE_RE
+from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, VALIDATION_IMAGE_RE
 from xeontune.train.prompts import ImagePrompts, image_prompts, prompts_digest
 from xeontune.train.ranks import keeps_text_encoders
 
@@ -476,21 +476,23 @@ def clear_previous_run(out: Path) -> None:
             shutil.rmtree(p)
     if (out / "pipeline" / "model_index.json").is_file():
         shutil.rmtree(out / "pipeline")
-    # Only the files the run wrote; the dir goes when that leaves it empty. The event files are told
-    # apart by the run's id (their suffix): --logging-dir may be a folder that other runs log to.
-    def events_of_the_run(name: str) -> bool:
-        return bool(TFEVENTS_RE.match(name)) and (name.endswith(f".{run_id}") if run_id else inside)
-
+    # Only the files the run wrote; the dir goes when that leaves it empty. Its logs are told apart by
+    # the run's id: --logging-dir may be a folder that other runs log to.
     logs = out / logging_dir
     inside = logs.resolve().is_relative_to(out.resolve())  # a run of old, without an id: only its own dir
-    for sub, belongs in ((out / "validation", VALIDATION_IMAGE_RE.match), (logs, events_of_the_run)):
-        if sub.is_dir():
-            for p in sub.iterdir():
-                if belongs(p.name) and p.is_file():
-                    p.unlink()
-            if sub.resolve().is_relative_to(out.resolve()):
-                with contextlib.suppress(OSError):
-                    sub.rmdir()
+    for p in report.own_files(logs, run_id, inside):
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    validation = out / "validation"
+    for p in validation.iterdir() if validation.is_dir() else ():
+        if VALIDATION_IMAGE_RE.match(p.name) and p.is_file():
+            p.unlink()
+    for sub in (validation, logs / "wandb", logs):  # each goes when that left it empty, inside the output dir only
+        if sub.is_dir() and sub.resolve().is_relative_to(out.resolve()):
+            with contextlib.suppress(OSError):
+                sub.rmdir()
 
 
 def setup(
@@ -535,8 +537,7 @@ def _setup(
     image_paths = images.paths
     sync.check_same(image_set_digest(image_paths), "training images")
     sync.check_same(prompts_digest(given), "training prompts")
-    if opts.report_to == "tensorboard":
-        _tensorboard_writer(None)  # fails now, not after the first outputs are written
+    report.check(opts.report_to)  # fails now, not after the first outputs are written
     precision, reason = choose_precision(opts.mixed_precision)
     if precision == "bf16" and "slower" in reason:
         log.warning("--mixed-precision bf16: %s", reason)
@@ -782,8 +783,7 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                                                  "world_size": run.world, "run_id": run_id})
             if start_step:
                 keep_metrics_up_to(out / METRICS, start_step)
-            if opts.report_to == "tensorboard":
-                writer = _tensorboard_writer(out / opts.logging_dir, run_id)
+            writer = report.open_writer(opts.report_to, out / opts.logging_dir, run_id, opts.to_json())
             if opts.validate_at_start and opts.validation_prompt and not start_step:
                 run_validation(run, 0, writer)  # before anything trained: what the base model draws
         run.sync.wait()  # rank 0 may have cleared a large previous run
@@ -945,10 +945,3 @@ def recorded_run_id(out: Path) -> str | None:
         return run_id if isinstance(run_id, str) and run_id.isalnum() else None
     return None
 
-
-def _tensorboard_writer(log_dir: Path | None, run_id: str = ""):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise UserError("--report-to tensorboard needs tensorboard: pip install 'xeontune[tensorboard]'") from None
-    return SummaryWriter(log_dir=str(log_dir), filename_suffix=f".{run_id}") if log_dir else None

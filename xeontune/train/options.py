@@ -189,8 +189,9 @@ class TrainOptions:
                                   "its adapters at zero, or the token at its initializer), to compare against",
                                   group="outputs")
     validation_inference_steps: int = opt(25, "denoising steps per sample image", group="outputs")
-    report_to: str = opt("jsonl", "metrics sink besides metrics.jsonl's always-on log",
-                         choices=("tensorboard", "jsonl", "none"), group="outputs")
+    report_to: str = opt("jsonl", "metrics sink besides metrics.jsonl's always-on log: tensorboard, or wandb "
+                         "(scalars and sample images; WANDB_MODE=offline keeps it on this disk)",
+                         choices=("tensorboard", "wandb", "jsonl", "none"), group="outputs")
     logging_dir: str = opt("logs", "tensorboard dir, relative to --output-dir", group="outputs")
     # benchmark switches: the example script's approach, for `xeontune bench`'s baseline
     cache_latents: bool = opt(True, argparse.SUPPRESS, group="benchmark")
