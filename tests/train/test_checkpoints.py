@@ -53,7 +53,7 @@ def test_rng_states_round_trip_through_a_weights_only_load(tmp_path):
     path = checkpoint.save(tmp_path, a_state(1), None)
     expected = (random.random(), np.random.standard_normal(), torch.rand(1).item())
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    state = checkpoint.decode(checkpoint.read(path), path)
+    state = checkpoint.load(path)
     checkpoint.restore_rng(state.rng)
     assert (random.random(), np.random.standard_normal(), torch.rand(1).item()) == expected
 
@@ -152,10 +152,10 @@ def test_a_damaged_state_file_is_a_one_line_error(tmp_path):
     data = (path / checkpoint.STATE_FILE).read_bytes()
     (path / checkpoint.STATE_FILE).write_bytes(data[: len(data) // 2])
     with pytest.raises(UserError, match="is damaged"):
-        checkpoint.read(path)
+        checkpoint.load(path)
     (path / checkpoint.COMPLETE_FILE).unlink()
     with pytest.raises(UserError, match="incomplete"):
-        checkpoint.read(path)
+        checkpoint.load(path)
 
 
 @pytest.mark.slow
@@ -230,3 +230,19 @@ def test_a_checkpoint_resumes_only_on_the_model_it_trained_on(base_args, tmp_pat
     shutil.copytree(base_args[1], copy)
     assert main(["train", *args, "--max-train-steps", "3", "--resume-from-checkpoint", "latest",
                  "--model", str(copy)]) == 0
+
+
+def test_a_checkpoint_is_written_and_read_without_a_copy_of_its_state_in_memory(tmp_path, monkeypatch):
+    """Serialized into its file (not a bytes buffer first) and loaded memory-mapped: a full fine-tuning's
+    state is gigabytes."""
+    into = []
+    real = torch.save
+    monkeypatch.setattr(checkpoint.torch, "save", lambda obj, f, *a, **k: into.append(f) or real(obj, f, *a, **k))
+    state = a_state(3)
+    state.learned = {"tensors": {"w": torch.randn(256, 256)}}
+    path = checkpoint.save(tmp_path, state, None)
+    loaded = checkpoint.load(path)
+    assert len(into) == 1 and isinstance(into[0], Path)  # a file, not a buffer in memory
+    assert torch.equal(loaded.learned["tensors"]["w"], state.learned["tensors"]["w"])
+    # the loaded tensors' pages are the file's: mapped, not read into a copy
+    assert str(path / checkpoint.STATE_FILE) in Path("/proc/self/maps").read_text()

@@ -10,19 +10,22 @@ RNG states are saved as well, for anything else drawing random numbers.
   matching marker is incomplete: ``latest`` skips it (with a warning), pruning never counts it.
 - Safe to load: only tensors and plain data (RNG states included) are stored, and loading uses
   ``torch.load(weights_only=True)``, which refuses anything that would run code.
-- Rank 0 reads; the other ranks receive the file's bytes by broadcast, so a cluster without a
-  shared filesystem resumes the same way.
+- Streamed: the state is serialized straight into its file and loaded memory-mapped, never held as
+  bytes beside itself (a full fine-tuning's weights and optimizer state are gigabytes).
+- Rank 0 reads; the other ranks receive the file by broadcast, in chunks, into a temporary file, so
+  a cluster without a shared filesystem resumes the same way.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
+import os
 import pickle
 import random
 import shutil
+import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
 COMPLETE_FILE = CHECKPOINT_COMPLETE
+CHUNK = 64 << 20  # what is read, hashed or broadcast at a time
 
 
 @dataclass
@@ -93,18 +97,27 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
 
 
 def save(output_dir: Path, state: TrainState, total_limit: int | None) -> Path:
+    """``checkpoint-<step>``, serialized straight into its file (no copy of the state in memory: a full
+    fine-tuning's weights and optimizer state are gigabytes), then hashed from the file."""
     target = output_dir / f"checkpoint-{state.step}"
-    buffer = io.BytesIO()
-    torch.save({f.name: getattr(state, f.name) for f in fields(state)}, buffer)  # asdict would deep-copy every tensor
-    data = buffer.getvalue()
     with atomic_dir(target, durable=True) as tmp:
-        (tmp / STATE_FILE).write_bytes(data)
-        marker = {"step": state.step, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        torch.save({f.name: getattr(state, f.name) for f in fields(state)}, tmp / STATE_FILE)  # asdict would copy
+        size, digest = _file_digest(tmp / STATE_FILE)
+        marker = {"step": state.step, "bytes": size, "sha256": digest}
         (tmp / COMPLETE_FILE).write_text(json.dumps(marker) + "\n")
     # Only now, with the new checkpoint complete on disk, may older ones go.
     if total_limit is not None:
         prune(output_dir, total_limit, keep=target)
     return target
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
 
 
 def prune(output_dir: Path, total_limit: int, keep: Path) -> None:
@@ -118,31 +131,32 @@ def prune(output_dir: Path, total_limit: int, keep: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def read(path: Path) -> bytes:
-    """The bytes of a complete, intact, safely loadable checkpoint; a one-line UserError otherwise."""
-    return load(path)[0]
-
-
-def load(path: Path) -> tuple[bytes, TrainState]:
-    """``read``'s bytes and what they decode to."""
+def verify(path: Path) -> Path:
+    """``path``'s state file, once it is known complete and intact (its marker's size and SHA-256); a
+    one-line UserError otherwise."""
     if not (path / COMPLETE_FILE).is_file():
         raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE_FILE}): its run stopped while writing it, "
                         "or a xeontune older than that marker wrote it")
     try:
         marker = json.loads((path / COMPLETE_FILE).read_text())
-        data = (path / STATE_FILE).read_bytes()
+        size, digest = _file_digest(path / STATE_FILE)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
-    if not isinstance(marker, dict) or marker.get("bytes") != len(data) or \
-            marker.get("sha256") != hashlib.sha256(data).hexdigest():
-        raise UserError(f"checkpoint {path} is damaged: {STATE_FILE} ({len(data)} bytes) does not match "
+    if not isinstance(marker, dict) or marker.get("bytes") != size or marker.get("sha256") != digest:
+        raise UserError(f"checkpoint {path} is damaged: {STATE_FILE} ({size} bytes) does not match "
                         f"its {COMPLETE_FILE}")
-    return data, decode(data, path)  # so that a bad one fails here, on rank 0, before anything starts
+    return path / STATE_FILE
 
 
-def decode(data: bytes, where: Path | str) -> TrainState:
+def load(path: Path) -> TrainState:
+    """A complete, intact, safely loadable checkpoint's state (memory-mapped); a one-line UserError otherwise."""
+    return decode(verify(path), path)  # so that a bad one fails here, on rank 0, before anything starts
+
+
+def decode(state_file: Path, where: Path | str) -> TrainState:
     try:
-        raw = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        # mmap: the tensors are the file's pages, read as they are copied in, not a second copy of the state
+        raw = torch.load(state_file, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:  # weights_only met something other than tensors and plain data
         raise UserError(f"checkpoint {where} holds objects other than tensors and plain data; refusing to "
                         "load it (unpickling them could run code)") from None
@@ -155,8 +169,8 @@ def decode(data: bytes, where: Path | str) -> TrainState:
         raise UserError(f"checkpoint {where} is not a xeontune checkpoint (unexpected contents)") from None
 
 
-def resolve(resume_from: str, output_dir: Path) -> tuple[Path, bytes, TrainState]:
-    """The checkpoint to resume from, its bytes and its state. ``latest``: the newest one that is complete
+def resolve(resume_from: str, output_dir: Path) -> tuple[Path, TrainState]:
+    """The checkpoint to resume from and its state. ``latest``: the newest one that is complete
     and readable, with a warning for every newer one skipped."""
     if resume_from != "latest":
         path = Path(resume_from)
@@ -166,14 +180,14 @@ def resolve(resume_from: str, output_dir: Path) -> tuple[Path, bytes, TrainState
         if inside:  # a run's output dir given for one of its checkpoints
             raise UserError(f"--resume-from-checkpoint: {path} is a run's output dir, not a checkpoint: give "
                             f"{path / inside[-1][1].name}, or latest with --output-dir {path}")
-        return path, *load(path)
+        return path, load(path)
     found = _all_checkpoint_dirs(output_dir)
     if not found:
         raise UserError(f"--resume-from-checkpoint latest: no checkpoint in {output_dir}")
     skipped = []
     for _, path in reversed(found):
         try:
-            data, state = load(path)
+            state = load(path)
         except UserError as exc:
             log.warning("--resume-from-checkpoint latest: skipping %s: %s", path.name, exc)
             skipped.append(path.name)
@@ -181,7 +195,7 @@ def resolve(resume_from: str, output_dir: Path) -> tuple[Path, bytes, TrainState
         if skipped:
             log.warning("--resume-from-checkpoint latest: resuming from %s, the newest complete checkpoint "
                         "(skipped %s)", path.name, ", ".join(skipped))
-        return path, data, state
+        return path, state
     raise UserError(f"--resume-from-checkpoint latest: no complete, readable checkpoint in {output_dir} "
                     f"(skipped {', '.join(skipped)})")
 
@@ -200,18 +214,24 @@ def check_model(state: TrainState, identity: dict[str, str] | None, given: str, 
                  recorded.get("model"), given)
 
 
-def share(data: bytes | None, is_main: bool, group: Any) -> bytes:
-    """Rank 0's checkpoint bytes on every rank (a few KB with spliced vectors). ``group``: the process
-    group to broadcast on, or None in a single process."""
-    if group is None:
-        assert data is not None
-        return data
-    size = torch.tensor([len(data) if is_main and data is not None else 0], dtype=torch.int64)
+def share(state_file: Path | None, is_main: bool, group: Any) -> Path:
+    """Rank 0's checkpoint state file on every rank: rank 0 (``state_file``) sends it in chunks, each
+    other rank writes them to a temporary file and returns its path (the caller decodes it, then deletes
+    it). ``group``: the process group to broadcast on; rank 0 returns ``state_file``."""
+    size = torch.tensor([state_file.stat().st_size if is_main and state_file is not None else 0], dtype=torch.int64)
     torch.distributed.broadcast(size, src=0, group=group)
+    total = int(size)
     if is_main:
-        assert data is not None
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    else:
-        buf = torch.empty(int(size), dtype=torch.uint8)
-    torch.distributed.broadcast(buf, src=0, group=group)
-    return data if is_main and data is not None else buf.numpy().tobytes()
+        assert state_file is not None
+        with open(state_file, "rb") as f:
+            for start in range(0, total, CHUNK):
+                chunk = torch.frombuffer(bytearray(f.read(min(CHUNK, total - start))), dtype=torch.uint8)
+                torch.distributed.broadcast(chunk, src=0, group=group)
+        return state_file
+    fd, name = tempfile.mkstemp(prefix="xeontune-checkpoint-", suffix=".pt")
+    with os.fdopen(fd, "wb") as f:
+        for start in range(0, total, CHUNK):
+            chunk = torch.empty(min(CHUNK, total - start), dtype=torch.uint8)
+            torch.distributed.broadcast(chunk, src=0, group=group)
+            f.write(chunk.numpy().tobytes())
+    return Path(name)

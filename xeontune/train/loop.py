@@ -524,10 +524,9 @@ def _setup(
     output_dir = check_output_dir(opts) if main else Path(opts.output_dir)
     pause_for_tests("setup", accelerator.process_index)  # a slow model load, with the output dir locked
     resume_path: Path | None = None
-    resume_data: bytes | None = None
     resume_state: checkpoint.TrainState | None = None
     if opts.resume_from_checkpoint and main:
-        resume_path, resume_data, resume_state = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
+        resume_path, resume_state = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
         checkpoint.check_model(resume_state, model_identity(opts.model, opts.revision), opts.model, resume_path)
         # a checkpoint of other settings: found before the folder is read and the models load
         early = methods.create(opts)
@@ -644,8 +643,14 @@ def _setup(
     state = None
     if opts.resume_from_checkpoint:
         where = resume_path or "rank 0's checkpoint"
-        shared = checkpoint.share(resume_data, main, sync.group)
-        state = resume_state if resume_state is not None else checkpoint.decode(shared, where)
+        state = resume_state
+        if world > 1:  # the others receive rank 0's file (they may see no output dir of its)
+            received = checkpoint.share(resume_path / checkpoint.STATE_FILE if main else None, main, sync.group)
+            if not main:
+                try:
+                    state = checkpoint.decode(received, where)
+                finally:
+                    received.unlink()  # its pages stay mapped while the state is in use
         check_checkpoint_method(state, method, where)
         method.load_state(state, str(where))
         optimizer.load_state_dict(state.optimizer)
