@@ -6,11 +6,14 @@ Tests that compare runs for equality pin `--mixed-precision fp32` (see test_trai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -185,6 +188,90 @@ def test_both_files_load_into_diffusers_and_the_full_pipeline_holds_them(family,
     for part in ["unet", "text_encoder", *(["text_encoder_2"] if family == "sdxl" else [])]:
         want = layouts[DIFFUSERS_FILE][part] if part in parts else state(getattr(base, part))
         assert max_diff(state(getattr(full, part)), want) <= 1e-6, part
+
+
+# One target of each kind peft wraps in a UNet: attention's to_q, the transformers' proj_in/proj_out (1x1
+# Conv2d in SD1.x, Linear in SDXL), ff's two Linear layers, a resnet's 3x3 conv1 and its time projection,
+# and conv_in. convert_state_dict_to_diffusers renamed only to_q's adapters, so load_lora_weights (and the
+# saved pipeline's merge) loaded one kind or the other, with a RuntimeWarning naming what had no weights.
+EVERY_KIND = "to_q,proj_in,proj_out,ff.net.0.proj,ff.net.2,conv1,time_emb_proj,conv_in"
+MERGE_TOLERANCE = 1e-6  # fp32: what merging the same adapters in another order can differ by
+
+
+def merged_in_memory(model: torch.nn.Module, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each wrapped layer's weight, by its name in ``base`` (the model before training), with the adapter
+    the run holds in memory merged into it by peft's own arithmetic (alpha/rank x B @ A, or for a conv the
+    composition of its two convs), not from any file."""
+    from peft.tuners.lora import LoraLayer
+
+    return {f"{name}.weight": base[f"{name}.weight"] + layer.get_delta_weight("default").detach().float()
+            for name, layer in model.named_modules() if isinstance(layer, LoraLayer)}
+
+
+@contextlib.contextmanager
+def loading_warnings() -> Iterator[list[str]]:
+    """What diffusers logs at WARNING or above (its own logger does not propagate) and what Python warns
+    (peft's RuntimeWarning lists the targets a state dict had no weights for)."""
+    import logging
+
+    said: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler, logger = Collect(logging.WARNING), logging.getLogger("diffusers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield said
+    finally:
+        logger.removeHandler(handler)
+    said.extend(str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+def test_every_kind_of_unet_target_loads_whole_from_the_diffusers_file(family, model_of, lora_args, runs, tmp_path):
+    """The diffusers file, loaded by load_lora_weights and fused, and --save-as-full-pipeline's UNet are
+    the base with every adapter the run trained merged: attention's, proj_in/out's, ff's, the convs' and
+    time_emb_proj's alike; loading warns of nothing."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from peft.tuners.lora import LoraLayer
+    from torch import nn
+
+    model, out = model_of(family), tmp_path / "out"
+    train(lora_args(model=model) + ["--lora-targets", EVERY_KIND, "--rank", "4", "--lora-alpha", "8",
+                                    "--train-text-encoder", "--save-as-full-pipeline"])
+    models = runs[0].method.models
+    pipeline_cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    base = pipeline_cls.from_pretrained(str(model))
+    parts = list(models)  # the UNet and the text encoders: trained, so diffusers has no encoder to warn of
+    bases = {part: state(getattr(base, part)) for part in parts}
+    want = {part: merged_in_memory(models[part], bases[part]) for part in parts}
+
+    wrapped = {name.removesuffix(".weight") for name in want["unet"]}
+    assert all(any(name == t or name.endswith("." + t) for name in wrapped) for t in EVERY_KIND.split(","))
+    assert {type(base.unet.get_submodule(name)) for name in wrapped} == {nn.Conv2d, nn.Linear}
+    for name, weight in want["unet"].items():  # every adapter of the UNet trained, far above the tolerance
+        moved = float((weight - bases["unet"][name]).abs().max())
+        assert moved >= 100 * MERGE_TOLERANCE, (name, moved)
+
+    pipe = pipeline_cls.from_pretrained(str(model))
+    with loading_warnings() as said:
+        pipe.load_lora_weights(str(out), weight_name=DIFFUSERS_FILE)
+        loaded = {name for name, m in pipe.unet.named_modules() if isinstance(m, LoraLayer)}
+        pipe.fuse_lora(components=parts)
+        pipe.unload_lora_weights()
+    assert not said, said
+    assert loaded == wrapped, sorted(wrapped ^ loaded)[:8]
+    full = pipeline_cls.from_pretrained(str(out / "pipeline"))
+    for what, got in (("load_lora_weights", pipe), ("--save-as-full-pipeline", full)):
+        for part in parts:
+            weights = state(getattr(got, part))
+            assert max_diff({k: weights[k] for k in want[part]}, want[part]) <= MERGE_TOLERANCE, (what, part)
+            untouched = [k for k in weights if k not in want[part]]
+            assert untouched and all(torch.equal(weights[k], bases[part][k]) for k in untouched), (what, part)
 
 
 # --- equal results by other routes ----------------------------------------------------------------

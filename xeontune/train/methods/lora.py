@@ -252,8 +252,8 @@ class Lora(Method):
         layers = self.peft_state_dicts()
         path = output_dir / learned_file(DIFFUSERS_STEM, None if final else step)
         pipeline = StableDiffusionXLPipeline if self.family == "sdxl" else StableDiffusionPipeline
-        kwargs: dict[str, Any] = {f"{name}_lora_layers": convert_state_dict_to_diffusers(sd)
-                                  for name, sd in layers.items()}
+        kwargs: dict[str, Any] = {f"{name}_lora_layers": unet_layout(sd) if name == "unet"
+                                  else convert_state_dict_to_diffusers(sd) for name, sd in layers.items()}
         # the adapters' settings (alpha above all) travel in the file's metadata, as diffusers writes them
         kwargs.update({f"{name}_lora_adapter_metadata": self.config(self.targets_of(name)).to_dict()
                        for name in layers})
@@ -318,6 +318,17 @@ class Lora(Method):
         pipeline.unload_lora_weights()
         with self.token.merged_into(pipeline) if self.token else contextlib.nullcontext():
             yield
+
+
+def unet_layout(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The UNet's adapters in diffusers' layout, ``<module>.lora.down.weight`` / ``.lora.up.weight``, for
+    every module. convert_state_dict_to_diffusers renames only attention's (to_q/k/v, to_out.0) and leaves
+    proj_in's, conv1's, ff's ... as peft's ``lora_A``/``lora_B``; load_lora_adapter decides from the first
+    key alone whether to rename the file back to peft's names, so one of the two kinds went missing on
+    load (and from the saved pipeline's merge), a warning the only sign. For attention the names are
+    those diffusers' examples write."""
+    return {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
+            for key, value in state_dict.items()}
 
 
 def kohya_model_version(components: Any) -> str:
