@@ -103,3 +103,26 @@ def test_a_checkpoint_on_a_full_disk_keeps_the_previous_one_and_the_run_resumes(
     filled[0].unlink()  # room again: the same command resumes from the kept checkpoint
     result = loop.train(parse_args([*args, "--resume-from-checkpoint", "latest"]))
     assert result.steps == 3 and (out / "learned_embeds.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_loras_files_land_together_or_not_at_all_on_a_full_disk(tiny_model, sample_images, tmp_path, small_disk):
+    """With room for one layout but not both, neither lands (the diffusers file used to, without kohya's)."""
+    def args(out: Path) -> list[str]:
+        return ["--method", "lora", "--instance-prompt", "a photo of sks toy", "--model", str(tiny_model),
+                "--data-dir", str(sample_images), "--resolution", "32", "--max-train-steps", "2",
+                "--checkpointing-steps", "0", "--save-steps", "0", "--mixed-precision", "fp32",
+                "--output-dir", str(out)]
+
+    loop.train(parse_args(args(tmp_path / "roomy")))
+    size = (tmp_path / "roomy" / "pytorch_lora_weights.safetensors").stat().st_size
+    out = small_disk / "out"
+
+    def leave_room_for_one(step: int, *_):
+        if step == 2:
+            fill(small_disk, leave=size + size // 2)
+
+    with pytest.raises(DiskFullError, match="no space left on the device"):
+        loop.train(parse_args(args(out)), on_step=leave_room_for_one)
+    assert not [p.name for p in out.iterdir() if p.suffix == ".safetensors" or p.name.startswith(".")], \
+        sorted(p.name for p in out.iterdir())

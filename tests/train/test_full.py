@@ -307,3 +307,25 @@ def test_report_to_wandb_without_wandb_is_one_line(capsys, full_args, tiny_model
     monkeypatch.setitem(sys.modules, "wandb", None)  # an import of it fails, as where it is not installed
     line = one_line_error(capsys, ["train", *full_args("out", tiny_model), "--report-to", "wandb"])
     assert "--report-to wandb needs wandb: pip install 'xeontune[wandb]'" in line
+
+
+def test_a_nan_loss_stops_in_one_line_and_keeps_the_last_checkpoint(capsys, full_args, tiny_model, tmp_path,
+                                                                      monkeypatch):
+    from xeontune.train import checkpoint
+
+    real, calls = loop.sample_loss, []
+
+    def nan_at_step_3(*a, **k):
+        calls.append(1)
+        loss = real(*a, **k)
+        return loss * float("nan") if len(calls) == 3 else loss
+
+    monkeypatch.setattr(loop, "sample_loss", nan_at_step_3)
+    capsys.readouterr()
+    assert main(["train", *full_args("out", tiny_model, "--max-train-steps", "5", "--checkpointing-steps", "1")]) == 1
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: loss became nan at step 3; lower --learning-rate"], err[-2000:]
+    out = tmp_path / "out"
+    assert [p.name for _, p in checkpoint.list_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
+    assert not (out / "model.safetensors").exists() and not (out / "pipeline").exists()

@@ -154,7 +154,7 @@ class FullFineTuning(Method):
         pipe = saving.assemble_pipeline(self.components, self.opts, self)
         path = output_dir / learned_file(STEM, None if final else step)
         with self.ema_weights():  # the EMA's weights are what the examples save
-            pass  # TEMP saving.save_single_file(pipe, self.components.family, path, self.opts)
+            saving.save_single_file(pipe, self.components.family, path, self.opts)
             if final:
                 saving.save_pipeline(self.components, self.opts, self, output_dir / "pipeline", pipe)
         return path

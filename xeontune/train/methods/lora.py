@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from xeontune.errors import TrainingError, UserError
-from xeontune.io import atomic_path
+from xeontune.io import atomic_paths, disk_errors
 from xeontune.train.methods import Method
 from xeontune.train.methods.textual_inversion import TextualInversion
 from xeontune.train.outputs import METHOD_FILES, learned_file
 
-DIFFUSERS_STEM, KOHYA_STEM = METHOD_FILES["lora"][:2]
+DIFFUSERS_STEM, KOHYA_STEM, TOKEN_STEM = METHOD_FILES["lora"]
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIP's attention, as diffusers' examples
 ENCODER_NAMES = ("text_encoder", "text_encoder_2")
 
@@ -257,14 +257,19 @@ class Lora(Method):
         # the adapters' settings (alpha above all) travel in the file's metadata, as diffusers writes them
         kwargs.update({f"{name}_lora_adapter_metadata": self.config(self.targets_of(name)).to_dict()
                        for name in layers})
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=output_dir, prefix=".lora-") as tmp:
+        kohya = output_dir / learned_file(KOHYA_STEM, None if final else step)
+        token = output_dir / learned_file(TOKEN_STEM, None if final else step)
+        finals = [path, kohya, *([token] if self.token else [])]
+        with disk_errors(path):
+            output_dir.mkdir(parents=True, exist_ok=True)
+        # every layout written first, then all renamed: a failed write (a full disk) leaves none half-way
+        with tempfile.TemporaryDirectory(dir=output_dir, prefix=".lora-") as tmp, disk_errors(path), \
+                atomic_paths(finals, durable=True) as targets:
             pipeline.save_lora_weights(tmp, weight_name=path.name, **kwargs)
-            with atomic_path(path, durable=True) as target:  # its mode, fsync and rename, as every file's
-                os.replace(Path(tmp) / path.name, target)
-        self.save_kohya(layers, output_dir / learned_file(KOHYA_STEM, None if final else step), step)
-        if self.token:
-            self.token.save(output_dir, step, final)
+            os.replace(Path(tmp) / path.name, targets[0])
+            self.write_kohya(layers, targets[1], step)
+            if self.token:
+                os.replace(self.token.save(Path(tmp), step, final), targets[2])
         if final:
             self.final_path = path
         return path
@@ -272,7 +277,7 @@ class Lora(Method):
     def targets_of(self, model_name: str) -> list[str]:
         return list(self.opts.lora_target_names) if model_name == "unet" else list(TEXT_ENCODER_TARGETS)
 
-    def save_kohya(self, layers: dict[str, dict[str, torch.Tensor]], path: Path, step: int) -> Path:
+    def write_kohya(self, layers: dict[str, dict[str, torch.Tensor]], path: Path, step: int) -> Path:
         """kohya's layout: ``lora_unet_<module path with _>.lora_down.weight`` / ``.lora_up.weight`` /
         ``.alpha``; the text encoder's ``lora_te_`` for SD1.x/SD2, ``lora_te1_`` and ``lora_te2_`` for SDXL."""
         from diffusers.utils import convert_state_dict_to_kohya
@@ -290,8 +295,7 @@ class Lora(Method):
                     "ss_network_alpha": str(self.alpha), "ss_steps": str(step),
                     "ss_base_model_version": self.base_model_version,
                     "ss_v2": str(self.base_model_version.startswith("sd_v2"))}
-        with atomic_path(path, durable=True) as tmp:
-            save_file(kohya, str(tmp), metadata=metadata)
+        save_file(kohya, str(path), metadata=metadata)  # into save()'s temporary file
         return path
 
     # --- using what was learned --------------------------------------------------------------------
