@@ -66,6 +66,12 @@ def test_every_unet_weight_trains_and_the_pipeline_holds_them(full_args, tiny_mo
     assert all(torch.equal(got[k], unet[k]) for k in unet), "the saved pipeline's UNet is not the trained one"
     for part in ("text_encoder", "text_encoder_2")[: 2 if family == "sdxl" else 1]:  # frozen: as the base
         assert all(torch.equal(getattr(saved, part).state_dict()[k], v) for k, v in base[part].items())
+    # the single file is the folder: diffusers' from_single_file gives every part's weights back exactly
+    single = type(saved).from_single_file(str(tmp_path / "out" / "model.safetensors"), config=str(model),
+                                          local_files_only=True)
+    for part in ("unet", "vae", "text_encoder", "text_encoder_2")[: 4 if family == "sdxl" else 3]:
+        want, got = getattr(saved, part).state_dict(), getattr(single, part).state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items() if not k.endswith("position_ids")), part
 
 
 def test_train_text_encoder_trains_it_too(full_args, tiny_model, tmp_path):
@@ -329,3 +335,15 @@ def test_a_nan_loss_stops_in_one_line_and_keeps_the_last_checkpoint(capsys, full
     out = tmp_path / "out"
     assert [p.name for _, p in checkpoint.list_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
     assert not (out / "model.safetensors").exists() and not (out / "pipeline").exists()
+
+
+def test_save_precision_bf16_writes_a_bf16_single_file(full_args, tiny_model, tmp_path):
+    from safetensors import safe_open
+
+    result = loop.train(parse_args(full_args("out", tiny_model, "--max-train-steps", "1", "--save-precision", "bf16")))
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        dtypes = {f.get_slice(k).get_dtype() for k in keys}
+        w = f.get_tensor("model.diffusion_model.out.2.weight")
+    assert dtypes <= {"BF16"} or dtypes - {"BF16"} <= {"I64"}, dtypes  # integers (if any) stay as they are
+    assert torch.equal(w, weights(result, "unet")["conv_out.weight"].to(torch.bfloat16))
