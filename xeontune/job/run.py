@@ -7,7 +7,8 @@
    not on this machine's own clusters, whose ranks start at once);
 2. a cluster: created (`cluster up`), or the one named with --name when it exists (reused);
 3. its data: `cluster up` syncs --data-dir to every node of a remote cluster (a reused one gets
-   it synced again); the ranks are pointed at that copy;
+   it synced again); the ranks are pointed at that copy. A --dataset is first exported here, before
+   the cluster, into a folder (train/hf_dataset.py) that then is the --data-dir;
 4. the job: job/start.py's one ``start`` (the same as `xeontune launch`), with the job's
    --output-dir on the head under ``<work_dir>/runs/<id>``. Where the head is reached by SSH the
    job runs detached there (``launch --detach``'s runner) and `run` follows its log over SFTP: a
@@ -192,6 +193,10 @@ def run(opts: RunOptions) -> int:
     resume_in = resume_dir(name, provider, request.options.resume_from_checkpoint) if reused else None
     dest = request.local_output_dir
     fetch.check_destination(dest, request.options.overwrite)
+    if request.options.dataset:  # exported here, once: the ranks get the folder as --data-dir, synced as one
+        from xeontune.train.hf_dataset import for_the_ranks
+
+        for_the_ranks(request.options, request.given)
     data_dir = request.options.data_dir
     data_here = Path(data_dir).expanduser() if data_dir else None
     if provider.remote and data_here and not data_here.is_dir():  # run copies it from here

@@ -79,6 +79,10 @@ def _main(argv: list[str] | None) -> int:
         from xeontune.train.options import parse_args, require_dir
 
         opts = parse_args(argv)
+        if opts.dataset:  # exported once into a folder of images and captions, which then is the data dir
+            from xeontune.train import hf_dataset
+
+            hf_dataset.resolve(opts)
         require_dir(opts.data_dir, "data dir")  # before seconds of imports (reading the images checks it again)
         from xeontune.train import ranks
 
@@ -87,8 +91,10 @@ def _main(argv: list[str] | None) -> int:
             if plan.ranks > 1:
                 ranks.prepare_shared_weights(opts, precision)
                 from xeontune.job.engines import elastic
+                from xeontune.train.hf_dataset import handed_to_ranks
 
-                return elastic.run_ranks(argv, plan.ranks)
+                with handed_to_ranks(opts):  # the ranks take this export, not the dataset again
+                    return elastic.run_ranks(argv, plan.ranks)
         # Before torch starts its threads: they inherit this thread's core affinity.
         from xeontune.placement import pin_this_rank
 

@@ -43,11 +43,19 @@ class TrainOptions:
                             aliases=("--pretrained_model_name_or_path",), group="model and data")
     revision: str | None = opt(None, "model revision (branch, tag or commit) on the hub", group="model and data")
     variant: str | None = opt(None, "weights variant, e.g. fp16", group="model and data")
-    data_dir: str | None = opt(None, "folder of training images (required); beside them, optional captions "
+    data_dir: str | None = opt(None, "folder of training images (required, or --dataset); beside them, optional captions "
                                "(IMAGE.txt, metadata.jsonl) and loss masks (IMAGE.mask.png: white learns, black "
                                "is ignored); see docs/training.md",
                                aliases=("--train_data_dir", "--instance_data_dir"),
                                group="model and data")
+    dataset: str | None = opt(None, "a Hugging Face datasets dataset to train on instead of --data-dir: a folder "
+                              "written by save_to_disk, parquet or arrow files (a file, a folder of them, or a glob), "
+                              "or a hub id (with HF_HUB_OFFLINE=1: from the local cache); exported once into a "
+                              "folder of images and metadata.jsonl under $XEONTUNE_CACHE (~/.cache/xeontune), which "
+                              "training then reads as --data-dir; see docs/training.md",
+                              aliases=("--dataset-name", "--dataset_name"), group="model and data")
+    image_column: str = opt("image", "the column of --dataset that holds the images (an Image feature, image "
+                            "bytes, or file paths, relative to the dataset's folder)", group="model and data")
     placeholder_token: str | None = opt(None, "the new token to learn, e.g. '<cat-toy>' (required; with "
                                         "--method lora: pivotal tuning, the token trains with the adapters)",
                                         group="textual inversion")
@@ -63,7 +71,8 @@ class TrainOptions:
         "caption comes first: IMAGE.txt beside it, or a line of DATA_DIR/metadata.jsonl ({\"file_name\": ..., "
         "\"text\": ...}); without either, textual inversion's templates (lora needs one of the two)",
         group="model and data")
-    caption_column: str = opt("text", "the caption's field in DATA_DIR/metadata.jsonl", group="model and data")
+    caption_column: str = opt("text", "the caption's field in DATA_DIR/metadata.jsonl, or the caption column of "
+                              "--dataset", group="model and data")
     rank: int = opt(4, "the adapters' rank", aliases=("--lora-rank",), group="lora")
     lora_alpha: float | None = opt(None, "the adapters' alpha: their output is scaled by alpha / rank "
                                    "(default: the rank, so 1)", group="lora")
@@ -244,13 +253,14 @@ def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         # short: argparse prints the usage above every error, and all ~80 options made it 60 lines
-        usage=f"%(prog)s [--method {{{','.join(METHOD_NAMES)}}}] --model MODEL --data-dir DIR [options]",
+        usage=f"%(prog)s [--method {{{','.join(METHOD_NAMES)}}}] --model MODEL (--data-dir DIR | --dataset DATASET) "
+        "[options]",
         description="Fine-tune a Stable Diffusion pipeline on a few images. --method textual_inversion (the "
         "default) learns a new token's vectors, everything else frozen; --method lora learns low-rank adapters "
         "on the UNet's attention (and the text encoders' with --train-text-encoder) beside the frozen weights.",
         argument_default=argparse.SUPPRESS,
         epilog="Every flag also accepts its snake_case spelling and the example script's names "
-        "(--pretrained_model_name_or_path, --train_data_dir, ...). Values may come from --config FILE "
+        "(--pretrained_model_name_or_path, --train_data_dir, --dataset_name, ...). Values may come from --config FILE "
         "(YAML or TOML with the same names); the command line wins.",
     )
     parser.add_argument("--config", help="YAML or TOML file of options (same names as the flags)")
@@ -337,7 +347,7 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 # The options that name a path: a config file's ~/... is the home folder, as it is on a command line.
-HOME_PATHS = ("model", "data_dir", "class_data_dir", "output_dir", "logging_dir", "resume_from_checkpoint")
+HOME_PATHS = ("model", "data_dir", "dataset", "class_data_dir", "output_dir", "logging_dir", "resume_from_checkpoint")
 _TYPE_WORDS = {str: "text (quoted)", int: "a whole number", float: "a number", bool: "true or false"}
 _BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
@@ -472,10 +482,18 @@ def validate(o: TrainOptions) -> TrainOptions:
     """Check what can be checked without loading anything; raise UserError with one line."""
     if o.method not in METHOD_NAMES:
         raise UserError(f"--method must be one of {', '.join(METHOD_NAMES)}, got {o.method!r}")
-    missing = [f"--{n.replace('_', '-')}" for n in ("model", "data_dir", *METHOD_REQUIRED[o.method])
-               if getattr(o, n) in (None, "")]
+    no_data = o.data_dir in (None, "") and o.dataset in (None, "")
+    missing = [("--data-dir (or --dataset)" if n == "data_dir" else _flag(n))
+               for n in ("model", "data_dir", *METHOD_REQUIRED[o.method])
+               if (no_data if n == "data_dir" else getattr(o, n) in (None, ""))]
     if missing:
         raise UserError(f"missing required option(s): {', '.join(missing)}")
+    if o.data_dir not in (None, "") and o.dataset not in (None, ""):
+        raise UserError("--dataset and --data-dir both name the training images: give one")
+    if o.dataset in (None, "") and o.image_column != TrainOptions.image_column:
+        raise UserError("--image-column needs --dataset (a folder's images are its image files)")
+    if o.dataset is not None and not (o.dataset.strip() and o.image_column.strip() and o.caption_column.strip()):
+        raise UserError("--dataset, --image-column and --caption-column must not be empty")
     if o.random_flip is None and o.flip_p != TrainOptions.flip_p and not METHOD_DEFAULTS[o.method]["random_flip"]:
         raise UserError(f"--flip-p needs --random-flip: --method {o.method} does not mirror images unless asked")
     _check_method_options(o)
