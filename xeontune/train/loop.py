@@ -612,7 +612,7 @@ def _setup(
     global_batch = opts.train_batch_size * world * opts.gradient_accumulation_steps
     max_steps = opts.max_train_steps or math.ceil(opts.num_train_epochs * plan.epoch_len / global_batch)
     lr = opts.learning_rate * (global_batch if opts.scale_lr else 1)
-    optimizer = make_optimizer(opts, method.parameters(), lr)
+    optimizer = make_optimizer(opts, method.parameters(), lr, fused=bool(method.trains))
     lr_scheduler = get_scheduler(
         opts.lr_scheduler, optimizer=optimizer, num_warmup_steps=opts.lr_warmup_steps,
         num_training_steps=max_steps, num_cycles=opts.lr_num_cycles, power=opts.lr_power,
@@ -667,7 +667,12 @@ def _setup(
     return run, state
 
 
-def make_optimizer(opts: TrainOptions, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def make_optimizer(opts: TrainOptions, params: list[torch.nn.Parameter], lr: float,
+                   fused: bool = False) -> torch.optim.Optimizer:
+    """``fused``: torch's fused CPU AdamW, one vectorized pass over each parameter: 13x the default
+    per-tensor loop on 100 M parameters on a 2-core AVX2 EPYC (0.12 against 1.53 s; foreach was slower
+    still), so for a method that trains a model's own weights, where the optimizer is seconds a step.
+    (For a token's rows or adapters it is milliseconds either way; they keep the loop the examples run.)"""
     if opts.optimizer == "adafactor":
         from transformers.optimization import Adafactor
 
@@ -675,7 +680,8 @@ def make_optimizer(opts: TrainOptions, params: list[torch.nn.Parameter], lr: flo
         return Adafactor(params, lr=lr, weight_decay=opts.adam_weight_decay, scale_parameter=False,
                          relative_step=False, warmup_init=False)
     return torch.optim.AdamW(params, lr=lr, betas=(opts.adam_beta1, opts.adam_beta2),
-                             weight_decay=opts.adam_weight_decay, eps=opts.adam_epsilon)
+                             weight_decay=opts.adam_weight_decay, eps=opts.adam_epsilon,
+                             **({"fused": True} if fused else {}))
 
 
 def check_checkpoint_method(state: checkpoint.TrainState, method: methods.Method, where: Path | str) -> None:
