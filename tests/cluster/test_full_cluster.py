@@ -52,13 +52,22 @@ def test_full_on_three_ranks_matches_one_process(local_cluster, tiny_model, samp
     assert all(n >= unet_bytes for n in sent), (unet_bytes, sent)
 
 
+@pytest.mark.parametrize("family", ["sd", "sd2", "sdxl"])
 def test_run_on_three_nodes_fetches_the_pipeline_and_the_single_file(root_home, cluster_name,  # noqa: F811
-                                                                      tiny_model, sample_images, tmp_path):
+                                                                      tiny_model, sd2_model, sdxl_model,
+                                                                      sample_images, tmp_path, family):
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    model = {"sd": tiny_model, "sd2": sd2_model, "sdxl": sdxl_model}[family]
     out = tmp_path / "out"
     proc = cli("run", "--provider", "local", "-n", "3", "--name", cluster_name, "--",
-               *full_args(tiny_model, sample_images, out, 1, 2, "--checkpointing-steps", "2"), env=OFFLINE)
+               *full_args(model, sample_images, out, 1, 2, "--checkpointing-steps", "2"), env=OFFLINE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "model.safetensors").is_file() and (out / "checkpoint-2").is_dir()
-    trained, base = unet_of(out / "pipeline"), unet_of(tiny_model)
+    trained, base = unet_of(out / "pipeline"), unet_of(model)
     assert max(float((trained[k] - base[k]).abs().max()) for k in base) > 1e-4
+    # diffusers loads the single file, and it is the fetched folder
+    cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    single = cls.from_single_file(str(out / "model.safetensors"), config=str(model), local_files_only=True)
+    assert all(torch.equal(single.unet.state_dict()[k], v) for k, v in trained.items())
     assert_nothing_left(cluster_name)
