@@ -37,6 +37,15 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def require_installed(why: str | None) -> None:
+    """Skip for a developer without root when ``why`` (what is missing) is set; as root or in CI, where
+    `make test` installs everything first (scripts/install-test-deps.sh, the dev extras), it fails."""
+    if why and (os.geteuid() == 0 or os.environ.get("CI")):
+        pytest.fail(f"root (or CI) runs these tests after the install step, yet it {why}")
+    if why:
+        pytest.skip(why)
+
+
 def require_local_cluster() -> None:
     """Skip only for a developer without root (network namespaces need it). As root, which is how CI
     and `make test` run them after scripts/install-test-deps.sh, anything missing is a failure: the

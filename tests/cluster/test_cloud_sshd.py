@@ -15,8 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
+from tests.cluster.clusterlib import require_installed
 from xeontune.cluster import bootstrap
 from xeontune.cluster.providers import local
 from xeontune.cluster.state import ClusterRecord, Node
@@ -39,8 +38,7 @@ def test_cloud_nodes_are_bootstrapped_with_keepalives_and_namespace_nodes_are_no
 
 def test_the_node_script_writes_keepalives_that_sshd_applies(tmp_path):
     sshd = local.sshd_path()
-    if not sshd or not shutil.which("ssh-keygen"):
-        pytest.skip("needs openssh-server (scripts/install-test-deps.sh)")
+    require_installed(None if sshd and shutil.which("ssh-keygen") else "needs openssh-server (scripts/install-test-deps.sh)")
     (tmp_path / "home").mkdir()
     drop_in = tmp_path / "sshd_config.d"
     user = pwd.getpwuid(os.getuid()).pw_name

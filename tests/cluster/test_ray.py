@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.checks import References, assert_same_vectors, rank_pids
+from tests.cluster.clusterlib import require_installed
 from xeontune.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,7 +122,7 @@ def _kill_session(sid: int) -> None:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    pytest.importorskip("ray")
+    require_installed(None if importlib.util.find_spec("ray") else "needs ray (the [ray] extra)")
     temp = tempfile.mkdtemp(prefix="xtr-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
@@ -381,7 +383,7 @@ def test_a_restart_resumes_from_this_jobs_newest_complete_checkpoint(tmp_path):
 def test_a_node_that_cannot_run_the_check_is_named_in_one_line(tmp_path):
     """The check's task fails on a node (xeontune not importable there: another venv): one line naming the
     node, not Ray's traceback; and the driver's markers are gone."""
-    pytest.importorskip("ray")
+    require_installed(None if importlib.util.find_spec("ray") else "needs ray (the [ray] extra)")
     from xeontune.job.engines import ray as engine
 
     class Task:
@@ -452,7 +454,7 @@ def test_an_address_where_nothing_answers_is_one_line_at_once(xeontune_home, cap
     line that nothing answers there, before Ray is asked."""
     from xeontune.cli import main
 
-    pytest.importorskip("ray")
+    require_installed(None if importlib.util.find_spec("ray") else "needs ray (the [ray] extra)")
     port = _free_port()  # closed again: nothing listens there
     started = time.monotonic()
     assert main(["cluster", "up", "--provider", "ray", "--address", f"127.0.0.1:{port}", "-n", "2",
