@@ -134,8 +134,50 @@ def test_reexec_preloads_once(monkeypatch):
     assert len(calls) == 1
 
 
-def test_loaded_allocator_reads_this_process():
-    assert bench.loaded_allocator() in ("tcmalloc", "jemalloc", "glibc malloc", "unknown")
+ALLOCATOR_PROBE = "from xeontune.bench import loaded_allocator; print(loaded_allocator())"
+
+
+def _allocator_of_a_process(preload: str | None) -> str:
+    """What loaded_allocator() says in a fresh Python with ``preload`` as its LD_PRELOAD (None: none)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", hardware.PRELOAD_MARKER)}
+    if preload:
+        env["LD_PRELOAD"] = preload
+    done = subprocess.run([sys.executable, "-c", ALLOCATOR_PROBE], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_loaded_allocator_names_the_malloc_mapped_into_the_process(monkeypatch):
+    """The rule: tcmalloc or jemalloc where that library is mapped into the process (LD_PRELOAD puts
+    it there), glibc malloc where neither is, unknown where the memory map cannot be read."""
+    assert _allocator_of_a_process(None) == "glibc malloc"
+    libs = hardware.libraries()
+    for name, path in (("tcmalloc", libs.tcmalloc), ("jemalloc", libs.jemalloc)):
+        if path:  # this machine has it (CI installs tcmalloc): a real process that maps it
+            assert _allocator_of_a_process(path) == name, path
+
+    class Maps:  # /proc/self/maps as bench reads it, faked for the libraries this machine may not have
+        text: str | None = ""
+
+        def __init__(self, path: str) -> None:
+            assert path == "/proc/self/maps"
+
+        def read_text(self) -> str:
+            if Maps.text is None:
+                raise PermissionError("/proc/self/maps")
+            return Maps.text
+
+    monkeypatch.setattr(bench, "Path", Maps)
+    line = "7f0000000000-7f0000001000 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/{}\n"
+    for maps, want in (([line.format("libc.so.6")], "glibc malloc"),
+                       ([line.format("libc.so.6"), line.format("libtcmalloc_minimal.so.4")], "tcmalloc"),
+                       ([line.format("libjemalloc.so.2"), line.format("libc.so.6")], "jemalloc"),
+                       (None, "unknown")):
+        Maps.text = None if maps is None else "".join(maps)
+        assert bench.loaded_allocator() == want, maps
 
 
 @pytest.mark.slow

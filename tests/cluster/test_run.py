@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.checks import MOVED_MIN
 from tests.cluster.clusterlib import REPO, cli, leftovers, require_local_cluster
 from tests.cluster.test_distributed_training import (
-    MOVED_MIN,
     OFFLINE,
     load_vectors,
     moved_from_initializer,
@@ -57,6 +57,20 @@ def cluster_name(root_home):
         from xeontune.cluster import manage
 
         manage.teardown(name, "local")
+
+
+def assert_trained_embeds(out: Path, model) -> None:
+    """``out`` holds the run's learned_embeds.safetensors: the placeholder's one vector of the tiny text
+    encoder's width (train_args: 1 vector, "<cat-toy>"), finite, and moved from its initializer ("toy")
+    by more than rounding (lr 5e-3: one step moves each value by about that)."""
+    import torch
+
+    vectors = load_vectors(out)
+    assert list(vectors) == ["<cat-toy>"], sorted(vectors)
+    vector = vectors["<cat-toy>"]
+    assert vector.dtype == torch.float32 and vector.shape == (1, 32) and bool(torch.isfinite(vector).all()), vector
+    moved = moved_from_initializer(model, vector)
+    assert moved > MOVED_MIN, f"moved {moved:.2e} from the initializer: it learned nothing"
 
 
 def run_argv(name: str, *flags: str) -> list[str]:
@@ -239,7 +253,7 @@ def test_keep_leaves_the_cluster_for_a_later_teardown(root_home, cluster_name, t
     proc = cli("run", "--provider", "local", "-n", "2", "--name", cluster_name, "--keep", "--",
                *train_args(tiny, tmp_path / "out", 1, 1), env=OFFLINE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (tmp_path / "out" / "learned_embeds.safetensors").is_file()
+    assert_trained_embeds(tmp_path / "out", tiny["model"])
     last = proc.stdout.strip().splitlines()[-1]
     assert last.endswith(f"delete it with: xeontune teardown --name {cluster_name}"), last
     assert state.exists(cluster_name) and any(x.startswith("netns") for x in leftovers(cluster_name))
@@ -248,7 +262,7 @@ def test_keep_leaves_the_cluster_for_a_later_teardown(root_home, cluster_name, t
                 *train_args(tiny, tmp_path / "out2", 1, 1), env=OFFLINE)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "reusing cluster" in again.stdout and state.exists(cluster_name)
-    assert (tmp_path / "out2" / "learned_embeds.safetensors").is_file()
+    assert_trained_embeds(tmp_path / "out2", tiny["model"])
     down = cli("teardown", "--name", cluster_name)
     assert down.returncode == 0, down.stderr
     assert_nothing_left(cluster_name)
@@ -268,7 +282,7 @@ def test_detach_then_logs_follow_returns_output_and_status(local_cluster, tiny, 
     assert follow.returncode == 0, follow.stdout[-3000:] + follow.stderr[-3000:]
     assert "learned_embeds.safetensors" in follow.stdout and "step 2/2" in follow.stdout
     assert "exited with status 0" in follow.stderr
-    assert (tmp_path / "out" / "learned_embeds.safetensors").is_file()  # the head shares this disk
+    assert_trained_embeds(tmp_path / "out", tiny["model"])  # the head shares this disk
 
     # a mistake in the options is refused before anything starts (issue 18, finding 5)
     bad = cli("launch", "--name", name, "--detach", "--",
@@ -356,7 +370,8 @@ def test_run_on_localhost_writes_straight_into_the_output_dir(xeontune_home, tin
     out = tmp_path / "out"
     proc = cli("run", "--provider", "localhost", "-n", "2", "--", *train_args(tiny, out, 1, 2), env=OFFLINE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (out / "learned_embeds.safetensors").is_file() and "nothing to copy" in proc.stdout
+    assert "nothing to copy" in proc.stdout
+    assert_trained_embeds(out, tiny["model"])
     assert proc.stdout.strip().splitlines()[-1].startswith("deleted cluster 'run-")
     assert state.list_names() == []
 

@@ -247,9 +247,9 @@ def test_slurm_refusals_are_one_line_errors_before_anything_runs(on_slurm, tiny_
 @pytest.mark.slow
 @pytest.mark.root
 def test_run_provider_slurm_trains_three_ranks_and_leaves_no_job(on_slurm, tiny_model, sample_images, tmp_path,
-                                                                capsys):
-    """One batch job, one srun task per rank (the 3-rank result equals one process with 3x the batch:
-    the hand-written script's test above); the outputs are written in place, the record is gone."""
+                                                                capsys, references):
+    """One batch job, one srun task per rank: the 3-rank result equals one process with 3x the batch
+    (fp32), as in the hand-written script's test above; the outputs are written in place, the record is gone."""
     from xeontune.cli import main
     from xeontune.cluster import state
 
@@ -260,7 +260,10 @@ def test_run_provider_slurm_trains_three_ranks_and_leaves_no_job(on_slurm, tiny_
     assert rc == 0, text.out[-3000:] + text.err[-3000:] + on_slurm.log()
     assert "submitted slurm job" in text.out and "3 rank(s), 1 per node" in text.out  # auto: 1 CPU a node
     assert json.loads((out / "train_config.json").read_text())["world_size"] == 3
-    assert load_file(str(out / EMBEDS))
+    # the file holds the placeholder's vector, as one process with the 3 ranks' batches together learns
+    # it (and that reference moved from its initializer: not two runs that learned nothing)
+    assert list(load_file(str(out / EMBEDS))) == ["<toy-bot>"]
+    assert_same_vectors(out, _straight(references, tiny_model, sample_images, 2))
     assert on_slurm.jobs() == [] and not state.exists("sl")
 
 
@@ -605,6 +608,7 @@ def _checkpoint(out: Path, step: int, complete: bool = True, mtime: float | None
     return path
 
 
+@pytest.mark.slow  # a real Slurm (the module's slurm fixture): not in `make test-fast`
 @pytest.mark.root
 @pytest.mark.parametrize("out_name", ["out", "out [v1]*?"])
 def test_a_restarted_job_resumes_its_checkpoint_or_starts_its_own_run_over(
@@ -634,6 +638,7 @@ def test_a_restarted_job_resumes_its_checkpoint_or_starts_its_own_run_over(
     assert main(["teardown", "--name", "rs"]) == 0
 
 
+@pytest.mark.slow  # a real Slurm (the module's slurm fixture): not in `make test-fast`
 @pytest.mark.root
 def test_a_restart_resumes_from_the_newest_checkpoint_not_the_one_named_at_submission(
         on_slurm, tiny_model, sample_images, tmp_path, capsys):
@@ -665,6 +670,7 @@ PREEMPTED_JOB = ("JobId=7 JobName=xeontune-x UserId=root(0) JobState=RUNNING Rea
                  "PreemptEligibleTime=2026-11-25T18:00:00 PreemptTime={} SuspendTime=None NodeList=n[1-3]")
 
 
+@pytest.mark.slow  # a real Slurm (the module's slurm fixture): not in `make test-fast`
 @pytest.mark.root
 def test_the_script_requeues_a_preempted_job_and_no_other_failure(on_slurm, tiny_model, sample_images, tmp_path,
                                                                   capsys):
@@ -694,6 +700,7 @@ def test_the_script_requeues_a_preempted_job_and_no_other_failure(on_slurm, tiny
     assert main(["teardown", "--name", "pq"]) == 0
 
 
+@pytest.mark.slow  # a real Slurm (the module's slurm fixture): not in `make test-fast`
 @pytest.mark.root
 def test_the_env_file_stays_for_a_requeue_and_goes_when_the_job_is_over(on_slurm, tiny_model, sample_images,
                                                                          tmp_path, capsys):

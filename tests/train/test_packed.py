@@ -208,16 +208,16 @@ def test_auto_packs_in_both_precisions_on_both_cpu_kinds_where_the_kernels_run(f
 
 def test_auto_leaves_sdxl_stock_in_bf16_without_amx(fake_cpu, monkeypatch):
     """SDXL in bf16 was no faster packed on an AVX512-BF16 CPU without AMX (docs/performance.md, "SDXL"),
-    for one UNet more in memory: auto packs it only with AMX; SD1.x packs on both (1.29x without AMX)."""
+    for one UNet more in memory: auto packs it only with AMX; SD1.x packs on both (1.29x without AMX).
+    The kernels' check is faked as passing, so that the rule is asserted on every CPU (an AVX2-only
+    one has no oneDNN bf16 kernels); where that check fails, every family stays stock (asserted last)."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # a rank's threads, as measured (see below)
+    monkeypatch.setattr(packed, "available", lambda dtype: (True, "the kernels run"))  # any CPU: the rule alone
     for family in ("sdxl", "sd"):
         unet, vae = _unet_and_vae()
         unet.to(torch.bfloat16)
         _, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="auto",
                                                      family=family)
-        if not _packs(torch.bfloat16):  # no oneDNN bf16 kernels on this CPU: stock for every family
-            assert type(unet[0]) is nn.Conv2d
-            continue
         expect_packed = family == "sd" or fake_cpu == "amx-xeon"
         assert (type(unet[0]) is packed.PackedConv2d) == expect_packed, (family, notes)
         if not expect_packed:
@@ -225,6 +225,14 @@ def test_auto_leaves_sdxl_stock_in_bf16_without_amx(fake_cpu, monkeypatch):
     unet, vae = _unet_and_vae()  # fp32 SDXL: the kernels and the memory decide, not AMX
     _, _, notes = backends.prepare_frozen_models(unet, vae, precision="fp32", ipex="off", pack="auto", family="sdxl")
     assert type(unet[0]) is packed.PackedConv2d
+    # no oneDNN bf16 kernels (an AVX2-only CPU's answer): stock for every family, AMX flag or not
+    monkeypatch.setattr(packed, "available", lambda dtype: (dtype != torch.bfloat16, "no bf16 kernels here"))
+    for family in ("sdxl", "sd"):
+        unet, vae = _unet_and_vae()
+        unet.to(torch.bfloat16)
+        _, _, notes = backends.prepare_frozen_models(unet, vae, precision="bf16", ipex="off", pack="auto",
+                                                     family=family)
+        assert type(unet[0]) is nn.Conv2d and notes[-1] == "packed weights: not used (no bf16 kernels here)", notes
 
 
 def test_auto_leaves_bf16_stock_on_amx_above_a_few_threads_a_rank(fake_cpu, monkeypatch):

@@ -108,7 +108,10 @@ def test_a_stopped_generation_resumes_and_the_class_loss_counts(tiny_model, samp
     # the class images train: another prior weight gives other adapters
     assert main(prior_args(tiny_model, sample_images, class_dir, tmp_path / "c", "--prior-loss-weight", "0")) == 0
     b, c = (load_file(tmp_path / d / LORA_FILE) for d in ("b", "c"))
-    assert max(float((b[k] - c[k]).abs().max()) for k in b) > 1e-5
+    apart = max(float((b[k] - c[k]).abs().max()) for k in b)
+    print(f"prior loss weight 0.5 vs 0: adapters {apart:.3g} apart")
+    # 100x the 1e-5 within which runs that should agree do (the rank test below): not rounding
+    assert apart >= 100 * 1e-5, apart
 
 
 @pytest.mark.slow

@@ -241,6 +241,128 @@ def test_all_white_masks_train_exactly_as_no_masks(tiny_model, folder, tmp_path)
     assert max(float(v.abs().max()) for k, v in plain.items() if "lora.up" in k) > 1e-4  # and they trained
 
 
+# A mask's black cells must not count, and that can be asserted exactly only where it is exact: the loss
+# weighs the UNet's prediction per latent cell, but the VAE encoder and the UNet see the whole image, so
+# the pixels under a black half still shape the prediction in the white half (measured, textual inversion
+# as below: noise in the black half of every image moved the vectors 1.0e-2, as much as noise in the white
+# half did: no tolerance tells the two apart). What is exact, and asserted: (1) an image whose mask is
+# black all over teaches nothing, whatever its pixels (bit for bit: 0.0 measured); (2) the prediction in
+# the black cells does not count: an offset added to it there changes nothing, bit for bit, while the same
+# offset in the white cells does. The masks' black half is the top one, 32 px: latent rows 0-3 exactly
+# (8 px a latent cell), and the same half on a mirrored sample, so random flips stay on.
+BLACK_ROWS, WHITE_ROWS = slice(0, 4), slice(4, 8)
+
+
+def masked_folder(sample_images, folder, masks: str, noise_in: str | None = None):
+    """The 6 sample images with masks: "white" all over, or "top" (top half black, and toy_01's mask black
+    all over). ``noise_in`` "toy_01": that image's pixels replaced by noise."""
+    import numpy as np
+
+    shutil.copytree(sample_images, folder)
+    for i in range(6):
+        mask = Image.new("L", (64, 64), 255)
+        if masks == "top":
+            mask.paste(0, (0, 0, 64, 64 if i == 1 else 32))
+        mask.save(folder / f"toy_0{i}.mask.png")
+    if noise_in:
+        noise = np.random.default_rng(9).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        Image.fromarray(noise).save(folder / f"{noise_in}.png")
+    return folder
+
+
+def offset_prediction(monkeypatch, rows: slice, samples: slice = slice(None)) -> None:
+    """The UNet's prediction plus 1 in latent ``rows`` of the batch's ``samples`` (a constant: it adds
+    nothing to the gradient but what the loss makes of it)."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+    forward = UNet2DConditionModel.forward
+
+    def shifted(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        sample = out.sample if isinstance(out, UNet2DConditionOutput) else out[0]
+        assert sample.shape[-2:] == (8, 8), sample.shape  # 64 px: 8 x 8 latent cells
+        offset = torch.zeros_like(sample)
+        offset[samples, :, rows, :] = 1.0
+        return UNet2DConditionOutput(sample=sample + offset)
+
+    monkeypatch.setattr(UNet2DConditionModel, "forward", shifted)
+
+
+def max_apart(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+def test_textual_inversion_learns_from_the_white_half_of_a_mask_alone(tiny_model, sample_images, tmp_path,
+                                                                       monkeypatch):
+    """fp32, 4 steps at lr 5e-3 (the vectors move about 2e-2). Half-black masks train other vectors than
+    white ones, far beyond rounding; an all-black image's pixels and the prediction in black cells change
+    nothing, bit for bit (see BLACK_ROWS above for why not the black half's pixels)."""
+    from tests.checks import initializer_row
+
+    def vectors(name: str, masks: str, noise_in: str | None = None) -> dict:
+        data = masked_folder(sample_images, tmp_path / f"data-{name}", masks, noise_in)
+        assert main(train_args(tiny_model, data, tmp_path / name, *TI, "--max-train-steps", "4",
+                               "--learning-rate", "5e-3", "--train-batch-size", "2")) == 0
+        return load_file(tmp_path / name / "learned_embeds.safetensors")
+
+    white, half = vectors("white", "white"), vectors("half", "top")
+    noisy = vectors("noisy", "top", noise_in="toy_01")  # toy_01's mask is black all over
+    with monkeypatch.context() as patched:
+        offset_prediction(patched, BLACK_ROWS)
+        black_offset = vectors("black-offset", "top")
+    with monkeypatch.context() as patched:
+        offset_prediction(patched, WHITE_ROWS)
+        white_offset = vectors("white-offset", "top")
+    moved = float((half["<sks>"] - initializer_row(tiny_model)).abs().max())
+    found = {"half vs white": max_apart(half, white), "all-black image's pixels": max_apart(noisy, half),
+             "offset in black cells": max_apart(black_offset, half), "offset in white cells": max_apart(white_offset, half)}
+    print(f"masked textual inversion (moved {moved:.3g}): " + ", ".join(f"{k} {v:.3g}" for k, v in found.items()))
+    assert moved >= 1e-3, moved
+    assert found["half vs white"] >= 1e-3  # fp32 rounding of these runs is below 1e-6
+    assert found["all-black image's pixels"] <= 1e-6 and found["offset in black cells"] <= 1e-6, found
+    assert found["offset in white cells"] >= 1e-3, found  # the offset is felt where the mask is white
+
+
+@pytest.mark.slow
+def test_prior_preservation_masks_the_instance_samples_and_not_the_class_samples(tiny_model, sample_images,
+                                                                                 tmp_path, monkeypatch):
+    """LoRA with prior preservation, batch 1 (the UNet's batch: the instance sample, then a class
+    sample): instance masks act as without prior preservation (above); the class sample has no mask,
+    so the same offset in its top rows changes the adapters."""
+    class_dir = tmp_path / "class"
+
+    def adapters(name: str, masks: str, noise_in: str | None = None) -> dict:
+        data = masked_folder(sample_images, tmp_path / f"data-{name}", masks, noise_in)
+        assert main(train_args(tiny_model, data, tmp_path / name, *LORA, "--instance-prompt", "a photo of sks toy",
+                               "--with-prior-preservation", "--class-data-dir", str(class_dir), "--class-prompt",
+                               "a photo of a toy", "--num-class-images", "2", "--class-inference-steps", "2",
+                               "--max-train-steps", "3", "--train-batch-size", "1", "--adam-epsilon", "1e-5")) == 0
+        return load_file(tmp_path / name / "pytorch_lora_weights.safetensors")
+
+    white = adapters("white", "white")  # generates the class images, unshifted; the later runs read them
+    half = adapters("half", "top")
+    noisy = adapters("noisy", "top", noise_in="toy_01")
+    with monkeypatch.context() as patched:
+        offset_prediction(patched, BLACK_ROWS, samples=slice(0, 1))  # the instance sample's black cells
+        instance_offset = adapters("instance-offset", "top")
+    with monkeypatch.context() as patched:
+        offset_prediction(patched, BLACK_ROWS, samples=slice(1, 2))  # the class sample's same cells
+        class_offset = adapters("class-offset", "top")
+    moved = max(float(v.abs().max()) for k, v in half.items() if "lora.up" in k)  # up weights start at 0
+    found = {"half vs white": max_apart(half, white), "all-black image's pixels": max_apart(noisy, half),
+             "offset in the instance's black cells": max_apart(instance_offset, half),
+             "offset in the class sample's": max_apart(class_offset, half)}
+    print(f"masked prior preservation (up weights moved {moved:.3g}): "
+          + ", ".join(f"{k} {v:.3g}" for k, v in found.items()))
+    assert moved >= 1e-3, moved
+    assert found["half vs white"] >= 1e-3
+    assert found["all-black image's pixels"] <= 1e-6 and found["offset in the instance's black cells"] <= 1e-6, found
+    assert found["offset in the class sample's"] >= 1e-3, found
+
+
 # --- sample images ------------------------------------------------------------------------------------
 
 
