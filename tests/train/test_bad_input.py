@@ -365,3 +365,19 @@ def test_a_run_whose_vectors_become_non_finite_stops_without_writing_them(capsys
     assert main(["train", *replace(base_args, "--max-train-steps", "2"), "--mixed-precision", "fp32"]) == 1
     assert "vectors became non-finite at step 1" in capsys.readouterr().err
     assert not (tmp_path / "out" / "learned_embeds.safetensors").exists()
+
+
+def test_a_pickled_weights_file_holding_more_than_tensors_is_one_line_that_never_suggests_unsafe_loading(
+        capsys, base_args, tiny_model, tmp_path):
+    import numpy as np
+    from safetensors.torch import load_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    weights = load_file(str(model / "text_encoder" / "model.safetensors"))
+    (model / "text_encoder" / "model.safetensors").unlink()
+    torch.save({**weights, "extra": np.float64(1.0)}, model / "text_encoder" / "pytorch_model.bin")
+    rc, errors = run_cli(capsys, replace(base_args, "--model", str(model)))
+    assert rc == 2 and len(errors) == 1, errors
+    assert "text_encoder/pytorch_model.bin) holds more than tensors" in errors[0]
+    assert "weights_only" not in errors[0] and "Traceback" not in capsys.readouterr().err

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -172,6 +173,8 @@ def load(
         vae = AutoencoderKL.from_pretrained(model, subfolder="vae", variant=variant, **common)
         unet = _load_unet_in(unet_dtype, model, revision, variant)
         noise_scheduler = DDPMScheduler.from_pretrained(model, subfolder="scheduler", **common)
+    except pickle.UnpicklingError as exc:
+        raise UserError(unsafe_pickle_message(model, exc)) from None
     except (OSError, ValueError) as exc:
         missing = hub_repo_missing(exc)
         if missing:
@@ -196,6 +199,18 @@ def load(
                       unet_cast=unet_dtype is not None or upcast["unet"], family=family, tokenizer_2=tokenizer_2,
                       text_encoder_2=text_encoder_2, text_encoder_cast=upcast["text_encoder"],
                       text_encoder_2_cast=upcast["text_encoder_2"])
+
+
+def unsafe_pickle_message(model: str, exc: BaseException) -> str:
+    """One line for a pickled weights file (.bin) that holds more than tensors: torch's own message
+    suggests weights_only=False, which would let the file run code; never that."""
+    local = Path(model).expanduser()
+    bins = sorted(str(p.relative_to(local)) for p in local.glob("*/*.bin")) if local.is_dir() else []
+    what = next((line.split("Unsupported global:", 1)[1].split(" was not")[0].strip()
+                 for line in str(exc).splitlines() if "Unsupported global:" in line), "other objects")
+    return (f"{model}: a pickled weights file ({', '.join(bins) or '.bin'}) holds more than tensors ({what}); "
+            "xeontune reads pickles as plain tensors only, so that a file cannot run code: convert it to "
+            "safetensors where you trust its source")
 
 
 def _in_fp32(module: Any) -> bool:
