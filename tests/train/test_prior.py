@@ -19,7 +19,9 @@ from safetensors.torch import load_file
 
 from tests.one_line import one_line_error
 from xeontune.cli import main
+from xeontune.errors import UserError
 from xeontune.train.data import Batch, SamplePlan, read_images, sample_loss
+from xeontune.train.options import parse_args
 from xeontune.train.prior import GENERATED, class_image_names, missing_names
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -165,6 +167,26 @@ def test_prior_preservation_mistakes_are_one_line_errors(tiny_model, sample_imag
     assert "is an option of --method lora" in one_line_error(capsys, ti)
     assert not (tmp_path / "class").exists()
 
+
+def test_a_folder_named_like_a_class_image_is_refused_before_the_model_loads(tiny_model, sample_images, tmp_path,
+                                                                             capsys, monkeypatch):
+    """A folder class-00000.png in --class-data-dir is no class image: generating that image would fail only
+    after the model loaded and drew the others. `run`'s check and the rank refuse it up front, in one line."""
+    class_dir = tmp_path / "class"
+    (class_dir / GENERATED.format(0)).mkdir(parents=True)
+    Image.new("RGB", (64, 64), "gray").save(class_dir / "mine.png")
+    from xeontune.train import loop
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(loop, "load", no_model)
+    args = prior_args(tiny_model, sample_images, class_dir, tmp_path / "out")
+    line = one_line_error(capsys, args)
+    assert f"holds a folder named like an image, {class_dir / GENERATED.format(0)}" in line
+    with pytest.raises(UserError, match="folder named like an image"):
+        loop.check_training_data(parse_args(args[1:]))  # `xeontune run`'s check on the user's machine
+    assert sorted(p.name for p in class_dir.iterdir()) == [GENERATED.format(0), "mine.png"]
 
 @pytest.mark.slow
 def test_bench_times_prior_preservation_against_the_examples_with_a_class_sample_per_instance_sample(tiny_model,

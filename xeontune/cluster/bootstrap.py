@@ -128,13 +128,21 @@ def data_target(record: ClusterRecord, data_dir: str) -> str:
     return posixpath.join(record.work_dir, "data", f"{path.name}-{digest}")
 
 
+# What training reads of a data folder (train.data.IMAGE_SUFFIXES, masks among them, and IMAGE.txt /
+# metadata.jsonl captions), named here without importing the trainer: a symlink to such a file is synced
+# as the file; tests/train/test_low_findings.py checks the two lists agree.
+DATA_FILE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".txt", ".jsonl"})
+
+
 def sync_data(record: ClusterRecord, node: Node, data_dir: str) -> str:
     """Make the node's copy of ``data_dir`` exactly its files now (nothing left from an older
-    sync: copied into a fresh folder, then swapped in); return its path on the node."""
+    sync: copied into a fresh folder, then swapped in); return its path on the node. Symlinks go by the
+    training reader's rule (``ssh.tree_plan``'s ``follow_file_links``): a link to a file is sent as the
+    file, one to a folder or to nothing is skipped with a warning naming it, as the reader skips it here."""
     target = data_target(record, data_dir)
     staging = f"{target}.sync"
     _check(node, "clearing the data's staging folder", ssh.run(record, node, ["rm", "-rf", staging], timeout_s=300))
-    ssh.put_tree(record, node, data_dir, staging)
+    ssh.put_tree(record, node, data_dir, staging, follow_file_links=DATA_FILE_SUFFIXES)
     _check(node, "swapping in the synced data", ssh.run(
         record, node, ["sh", "-c", 'rm -rf "$1" && mv "$0" "$1"', staging, target], timeout_s=300))
     return target

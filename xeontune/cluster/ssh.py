@@ -19,7 +19,7 @@ Typical use::
     ssh.pin_host_key(record, node, "ssh-ed25519 AAAA...")     # at up time
     ssh.wait_for_ssh(record, node, timeout_s=120)             # banner, then a real login
     rc, out, err = ssh.run(record, node, ["python3", "-V"])  # argv, quoted with shlex.join
-    ssh.put_tree(record, node, "dist/", "/opt/xeontune/dist") # SFTP, recursive
+    ssh.put_tree(record, node, "dist/", "/opt/xeontune/dist") # SFTP, recursive (links: tree_plan)
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -274,57 +275,103 @@ def on_every_node(nodes: Sequence[Node], fn: Callable[[Node], T], workers: int =
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def put_tree(record: ClusterRecord, node: Node, local_dir: str | os.PathLike[str], remote_dir: str) -> int:
+@dataclass
+class TreePlan:
+    """What ``put_tree`` sends of a local folder; paths relative to it, in POSIX form."""
+
+    dirs: list[str] = field(default_factory=list)  # folders to create
+    files: list[tuple[Path, str]] = field(default_factory=list)  # (local path, read through any link; where)
+    links: list[tuple[str, str]] = field(default_factory=list)  # (where, relative target): links inside the tree
+    skipped: list[tuple[Path, str]] = field(default_factory=list)  # (local link, why it is not sent)
+
+
+def tree_plan(local_dir: str | os.PathLike[str], follow_file_links: frozenset[str] = frozenset()) -> TreePlan:
+    """``put_tree``'s rule for each entry of ``local_dir``, at every depth. Files and folders are sent. A symlink
+    that resolves inside the tree is recreated as a relative link (the same target on the node); one that
+    points outside it, or nowhere, is skipped, since following it could upload anything on this machine (a
+    link to $HOME would send ~/.ssh to every node).
+
+    ``follow_file_links`` (a training data folder, ``bootstrap.sync_data``: the suffixes of the files
+    training reads): the rule the training reader has (``train.data.is_image_file``: ``Path.is_file``,
+    which follows links): a link to a file of those suffixes, wherever it points, is sent as the file's
+    bytes (a linked dataset trains on the nodes as it does here), unless it points inside the tree (then
+    it is a link, as above); a link to any other file outside the tree, to a folder, or to nothing, is
+    skipped: training reads no folder and no other file, and a stray link to a key is not sent."""
+    src = Path(local_dir)
+    top = src.resolve()
+    plan = TreePlan()
+    for root, dirs, names in os.walk(src):  # followlinks=False: links to dirs come in `dirs`, never walked
+        rel_root = Path(root).relative_to(src)
+        for name in sorted(dirs + names):
+            local = Path(root) / name
+            rel = (rel_root / name).as_posix()
+            if not local.is_symlink():
+                if name in dirs:
+                    plan.dirs.append(rel)
+                else:
+                    plan.files.append((local, rel))
+                continue
+            try:
+                target = local.resolve()
+            except (OSError, RuntimeError):  # a loop of links
+                plan.skipped.append((local, "a symlink that loops"))
+                continue
+            inside = target.is_relative_to(top) and target.exists()
+            if follow_file_links and not target.exists():
+                plan.skipped.append((local, f"a symlink to nothing ({target})"))
+            elif follow_file_links and not target.is_file():
+                plan.skipped.append((local, f"a symlink to a folder ({target}): training reads files (and links to "
+                                            "files), no folder"))
+            elif inside:
+                plan.links.append((rel, os.path.relpath(target, local.parent.resolve())))
+            elif follow_file_links and local.suffix.lower() in follow_file_links:
+                plan.files.append((local, rel))
+            elif follow_file_links:
+                plan.skipped.append((local, f"a symlink to {target}, outside the folder, and no file training reads"))
+            else:
+                plan.skipped.append((local, f"a symlink to {target}, outside {top} (or missing)"))
+    return plan
+
+
+def say_skipped(plan: TreePlan) -> None:
+    for link, why in plan.skipped:
+        print(f"warning: not uploading {link}: {why}", file=sys.stderr)
+
+
+def put_tree(record: ClusterRecord, node: Node, local_dir: str | os.PathLike[str], remote_dir: str,
+             follow_file_links: frozenset[str] = frozenset()) -> int:
     """Copy ``local_dir`` recursively to ``remote_dir`` on ``node`` over SFTP; return files copied.
 
     Directories are created as needed and file modes are kept (so a 0600 key stays 0600).
-    Existing files are overwritten. Symlinks are never followed: one that points inside the tree
-    is recreated as a relative link (the same target on the node); one that points outside it,
-    or nowhere, is skipped with a warning, since following it could upload anything on this
-    machine (a link to $HOME would send ~/.ssh to every node).
+    Existing files are overwritten. Symlinks follow ``tree_plan``'s rule (``follow_file_links``: a
+    data folder's); each one skipped is named in a warning.
     """
     src = Path(local_dir)
     if not src.is_dir():
         raise UserError(f"not a directory: {src}")
-    top = src.resolve()
+    plan = tree_plan(src, follow_file_links)
+    say_skipped(plan)
     client = connect(record, node)
-    count = 0
     try:
         sftp = client.open_sftp()
         sftp.get_channel().settimeout(SFTP_TIMEOUT_S)
         try:
             sftp_makedirs(sftp, remote_dir)
-            for root, dirs, files in os.walk(src):  # followlinks=False: links to dirs come in `dirs`
-                rel = Path(root).relative_to(src)
-                remote_root = remote_dir if rel == Path(".") else f"{remote_dir.rstrip('/')}/{rel.as_posix()}"
-                for name in sorted(dirs + files):
-                    local = Path(root) / name
-                    remote = f"{remote_root}/{name}"
-                    if local.is_symlink():
-                        _put_link(sftp, local, top, remote)
-                    elif name in dirs:
-                        sftp_makedirs(sftp, remote)
-                    else:
-                        sftp.put(os.fspath(local), remote)
-                        sftp.chmod(remote, stat.S_IMODE(local.stat().st_mode))
-                        count += 1
+            base = remote_dir.rstrip("/")
+            for rel in plan.dirs:
+                sftp_makedirs(sftp, f"{base}/{rel}")
+            for local, rel in plan.files:
+                sftp.put(os.fspath(local), f"{base}/{rel}")  # through a link: its target's bytes
+                sftp.chmod(f"{base}/{rel}", stat.S_IMODE(local.stat().st_mode))
+            for rel, target in plan.links:
+                with contextlib.suppress(OSError):
+                    sftp.remove(f"{base}/{rel}")  # a re-run: replace the old link (or file) of that name
+                sftp.symlink(target, f"{base}/{rel}")
         finally:
             sftp.close()
     finally:
         close(client)
-    return count
-
-
-def _put_link(sftp: paramiko.SFTPClient, link: Path, top: Path, remote: str) -> None:
-    """Recreate ``link`` at ``remote`` if it resolves inside ``top`` (the resolved tree); else warn."""
-    target = link.resolve()
-    if not (target.is_relative_to(top) and target.exists()):
-        print(f"warning: not uploading {link}: a symlink to {target}, outside {top} (or missing)", file=sys.stderr)
-        return
-    relative = os.path.relpath(target, link.parent.resolve())
-    with contextlib.suppress(OSError):
-        sftp.remove(remote)  # a re-run: replace the old link (or file) of that name
-    sftp.symlink(relative, remote)
+    return len(plan.files)
 
 
 def put_file(record: ClusterRecord, node: Node, local_path: str | os.PathLike[str], remote_path: str) -> None:

@@ -11,9 +11,11 @@ top-left corner among its ``time_ids``, and the latent cache keeps them beside e
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, PngImagePlugin, UnidentifiedImageError
 
 from xeontune.errors import UserError
 from xeontune.train.options import require_dir
@@ -173,20 +175,68 @@ def _described(img: Image.Image) -> str:
 
 
 def upright_size(img: Image.Image) -> tuple[int, int]:
-    """(width, height) as ``decode_upright`` gives the image, from its header alone (a rank that decodes
-    an image of another size lays its folder out again: buckets.load_training_images)."""
+    """(width, height) as ``decode_upright`` gives the image, from its metadata alone, decoding no pixel: the
+    header's, and a PNG's chunks after its pixels too (``png_exif``), so `run`'s check and a rank agree. A
+    rank that still decodes an image of another size lays its folder out again (buckets.load_training_images)."""
     if img.format == "TIFF":  # Pillow gives a TIFF's size upright on open and turns its pixels on load
         return img.size
-    # A PNG's own getexif() decodes the whole file to look for an eXIf chunk after the pixels; the base
-    # one reads what the header holds (eXIf before the pixels, ImageMagick's raw profile, XMP).
-    exif = Image.Image.getexif(img) if img.format == "PNG" else img.getexif()
+    exif = png_exif(img) if img.format == "PNG" else img.getexif()
     return (img.height, img.width) if exif.get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8) else img.size
+
+
+PNG_EXIF_CHUNKS = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")  # where Pillow finds an orientation (ImageMagick's raw
+# profile and XMP are text chunks)
+
+
+def png_exif(img: Image.Image) -> Image.Exif:
+    """The EXIF a decode of the PNG ``img`` (just opened) transposes by: that of its chunks before the pixels
+    and after them (an eXIf may follow IDAT; Pillow reads those chunks when it decodes), read with Pillow's
+    own chunk readers while every pixel chunk is skipped, not inflated. PNG's own getexif() would decode
+    the whole image for it."""
+    info = dict(img.info)
+    filename = getattr(img, "filename", "")
+    if filename:
+        # a chunk past the pixels that does not read: the decode fails there too (and skips the file)
+        with contextlib.suppress(OSError, ValueError, SyntaxError, struct.error):
+            info.update(_png_info_after_pixels(Path(filename), bool(getattr(img, "is_animated", False))))
+    probe = Image.new("1", (1, 1))  # Image.getexif's rule (eXIf, else the raw profile; XMP) on that info
+    probe.info = info
+    return probe.getexif()
+
+
+def _png_info_after_pixels(path: Path, animated: bool) -> dict[str | tuple[int, int], Any]:
+    """The image info that the PNG's metadata chunks after its first pixel chunk give, as Pillow's
+    ``load_end`` reads them: up to IEND, or an animation's next frame."""
+    with path.open("rb") as fp:
+        if fp.read(8) != b"\x89PNG\r\n\x1a\n":
+            return {}
+        png = PngImagePlugin.PngStream(fp)
+        after = False
+        while True:
+            try:
+                cid, pos, length = png.read()
+            except (struct.error, SyntaxError):  # the file's end (or a damaged chunk: the decode stops there too)
+                break
+            if cid == b"IEND" or (after and animated and cid == b"fcTL"):
+                break
+            after = after or cid == b"IDAT"
+            if after and cid in PNG_EXIF_CHUNKS:
+                try:
+                    png.call(cid, pos, length)
+                except UnicodeDecodeError:  # where Pillow's load_end stops reading too
+                    break
+            fp.seek(pos + length + 4)  # past the data (unread, or read) and the CRC
+        return png.im_info
 
 
 def _each_image(data_dir: str | Path, limit: int | None, take: Callable[[Image.Image], Any]) -> Iterator[tuple[Path, Any]]:
     """``take`` of each readable image of the folder, by name: read_images' rules, one image open at a time."""
     root = Path(data_dir)
     require_dir(root, "data dir")
+    for link in sorted(p for p in root.iterdir() if p.is_symlink() and not p.is_file()):
+        # a link to a file is read as the file, here and on a cluster's nodes (ssh.tree_plan sends its bytes)
+        log.warning("skipping %s: a symlink to %s: files and links to files are read, no folder", link,
+                    "a folder" if link.is_dir() else "nothing")
     if not any(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
         folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
         if folders:

@@ -24,7 +24,7 @@ from PIL import Image
 
 from xeontune.errors import UserError
 from xeontune.io import atomic_path
-from xeontune.train.data import is_image_file, sample_generator
+from xeontune.train.data import IMAGE_SUFFIXES, is_image_file, sample_generator
 
 log = logging.getLogger("xeontune.train")
 
@@ -33,13 +33,22 @@ CLASS_IMAGE_SEED = 0xC1A55_1A6E  # the class images' seeds, apart from every tra
 
 
 def check_class_dir(opts: Any) -> None:
-    """Before anything loads: DIR must be a folder (or not exist yet), and not the --data-dir."""
+    """Before anything loads: DIR must be a folder (or not exist yet), not the --data-dir, and hold no
+    folder named like an image."""
     class_dir, data_dir = Path(opts.class_data_dir), Path(opts.data_dir)
     if class_dir.exists() and not class_dir.is_dir():
         raise UserError(f"--class-data-dir {class_dir} is a file, not a folder")
     if class_dir.resolve() == data_dir.resolve():
         raise UserError(f"--class-data-dir {class_dir} is the --data-dir: generated class images would become "
                         "training images of the subject; give the class images a folder of their own")
+    # a folder named like an image is no class image: one named as a generated one (class-00000.png) would
+    # stop the run when that image is written, after the base model loaded and drew the others
+    listed = sorted(class_dir.iterdir()) if class_dir.is_dir() else []
+    folders = [p for p in listed if p.suffix.lower() in IMAGE_SUFFIXES and p.is_dir()]
+    if folders:
+        raise UserError(f"--class-data-dir {class_dir} holds a folder named like an image, {folders[0]}: class "
+                        f"images are files there (generated ones are named {GENERATED.format(0)}, ...); "
+                        "rename or move the folder")
 
 
 def class_image_names(class_dir: Path) -> list[str]:
