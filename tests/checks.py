@@ -1,5 +1,6 @@
-"""Checks that many test files make, in one place: waiting for a run's metrics lines, comparing a run's
-learned vectors with a reference run's, and training each distinct reference run once."""
+"""Checks that many test files make, in one place: waiting for a condition or a run's metrics lines,
+comparing a run's learned vectors with a reference run's or its initializer's, and training each
+distinct reference run once."""
 
 from __future__ import annotations
 
@@ -17,6 +18,30 @@ def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+def wait_until(done: Callable[[], bool], timeout_s: float, poll_s: float = 0.5, *,
+               proc: subprocess.Popen | None = None, tick: Callable[[], None] | None = None) -> bool:
+    """Poll ``done()`` until it is true (then True), ``timeout_s`` passed, or ``proc`` (when given) ended
+    (then False: ``done()`` was false when last asked, after the deadline if that is what ended it).
+    Between polls, ``tick()`` (say, one that drains a pty) or else a sleep of ``poll_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() >= deadline or (proc is not None and proc.poll() is not None):
+            return False
+        if tick is None:
+            time.sleep(poll_s)
+        else:
+            tick()
+    return True
+
+
+def wait_while_running(proc: subprocess.Popen, done: Callable[[], bool], what: str, output: Callable[[], str],
+                       timeout: float = 180, tick: Callable[[], None] | None = None) -> None:
+    """Until ``done()`` (polled every 0.2 s, or after each ``tick()``); fails, with the command's output,
+    if the command ``proc`` ends first or it takes longer than ``timeout`` seconds."""
+    if not wait_until(done, timeout, 0.2, proc=proc, tick=tick):
+        raise AssertionError(f"{what}: not within {timeout:.0f} s (exit {proc.poll()}):\n{output()[-3000:]}")
+
+
 def wait_for_lines(path: Path, count: int, timeout_s: float = 120.0, poll_s: float = 0.1,
                    until: Callable[[], bool] | None = None) -> int:
     """Poll ``path`` (a run's metrics.jsonl: one line a step) until it has ``count`` lines, ``timeout_s``
@@ -27,7 +52,8 @@ def wait_for_lines(path: Path, count: int, timeout_s: float = 120.0, poll_s: flo
     return len(lines(path))
 
 
-def _vectors(path: Path) -> dict:
+def load_vectors(path: Path) -> dict:
+    """The learned vectors of a run: ``path`` is its output dir (its learned_embeds.safetensors) or the file."""
     from safetensors.torch import load_file
 
     return load_file(str(path / EMBEDS if path.is_dir() else path))
@@ -51,13 +77,19 @@ def initializer_row(model, token: str = "toy", tokenizer_dir: str = "tokenizer",
     return table[token_id].detach()
 
 
+def moved_from_initializer(model, vectors, token: str = "toy") -> float:
+    """The largest change of any learned value in ``vectors`` from the initializer ``token``'s row in the
+    base ``model``'s text encoder."""
+    return float((vectors - initializer_row(model, token)).abs().max())
+
+
 def run_moved_from_initializer(run_dir: Path) -> float:
     """The largest change of any learned value of the textual-inversion run in ``run_dir`` from its
     initializer token's row in its base model's text encoder(s), as its train_config.json names them."""
     import json
 
     config = json.loads((run_dir / "train_config.json").read_text())
-    vectors = _vectors(run_dir)
+    vectors = load_vectors(run_dir)
     # SDXL's file holds one row set per encoder (clip_l, clip_g); SD1/SD2's, the placeholder token's
     parts = ({"clip_l": ("tokenizer", "text_encoder"), "clip_g": ("tokenizer_2", "text_encoder_2")}
              if vectors.keys() == {"clip_l", "clip_g"} else
@@ -71,7 +103,7 @@ def assert_same_vectors(got: Path, want: Path, atol: float = 1e-5, trained: bool
     run's output dir): the same names, and no element further than ``atol`` apart (0: bit for bit).
     ``trained``: the reference's vectors moved from their initializer by more than rounding (a run that
     trained nothing would match anything). Returns the largest difference."""
-    have, expected = _vectors(got), _vectors(want)
+    have, expected = load_vectors(got), load_vectors(want)
     assert have.keys() == expected.keys(), (sorted(have), sorted(expected))
     diff = max(float((have[k].double() - expected[k].double()).abs().max()) for k in expected)
     assert diff <= atol, f"learned vectors differ from the reference's by {diff:.3g} (allowed: {atol:g})"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,3 +83,59 @@ def leftovers(name: str) -> list[str]:
     found += [f"process {line}" for line in ps.splitlines()
               if not line.strip().startswith("Z") and f"/clusters/{name}/" in line]
     return found
+
+
+def train_args(tiny, output_dir, batch: int, steps: int, *extra: str) -> list[str]:
+    """The flags of a short textual-inversion run of ``tiny`` (the ``tiny`` fixture: the model and data);
+    ``extra`` last: it may override the defaults here (the last flag wins)."""
+    return ["--model", str(tiny["model"]), "--data-dir", str(tiny["data"]), "--placeholder-token", "<cat-toy>",
+            "--initializer-token", "toy", "--resolution", "32", "--train-batch-size", str(batch),
+            "--max-train-steps", str(steps), "--learning-rate", "5e-3", "--seed", "7", "--output-dir", str(output_dir),
+            "--checkpointing-steps", "0", "--save-steps", "0", "--no-random-flip", *extra]
+
+
+def trainer_pids(netns: str, include_hydra: bool = False) -> list[int]:
+    """The live rank processes (and with ``include_hydra``, Hydra's and mpiexec's) in network namespace ``netns``."""
+    out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout
+    found = []
+    for pid in map(int, out.split()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    continue  # a zombie runs nothing (this VM's init does not reap them)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "xeontune.train" in cmd or (include_hydra and ("hydra" in cmd or "mpiexec" in cmd)):
+            found.append(pid)
+    return found
+
+
+def assert_nothing_left(name: str) -> None:
+    """Nothing of local cluster ``name`` runs or exists any more, and it has no record."""
+    from xeontune.cluster import state
+
+    time.sleep(0.5)
+    assert leftovers(name) == [], leftovers(name)
+    assert not state.exists(name)
+
+
+_counts: dict[str, Iterator[int]] = {}
+
+
+def unique_cluster_name(prefix: str) -> str:
+    """``prefix``, this process's id and a count of the names made with ``prefix``: unique to this test run
+    (other test runs use namespaces on this machine at the same time)."""
+    count = _counts.setdefault(prefix, itertools.count())
+    return f"{prefix}{os.getpid() % 100000}-{next(count)}"
+
+
+def torn_down(name: str) -> None:
+    """Whatever is left of local cluster ``name`` (its record, namespaces, links, processes) is torn down."""
+    from xeontune.cluster import state
+
+    if state.exists(name) or leftovers(name):
+        from xeontune.cluster import manage
+
+        manage.teardown(name, "local")

@@ -13,12 +13,12 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.clusterlib import REPO, cli, leftovers, process_alive, require_local_cluster
+from tests.checks import wait_until
+from tests.cluster.clusterlib import REPO, cli, leftovers, process_alive
 from xeontune.cluster import autostop, autostop_watch, files, manage, ssh, state
 from xeontune.cluster.providers import ClusterSpec
 from xeontune.job import spec as job_spec
@@ -28,25 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.root]
 
 PROBE = "tests.cluster.allreduce_probe"
 IDLE_S = 6
-
-
-@pytest.fixture
-def own_name(request, xeontune_home) -> Iterator[str]:
-    """A cluster name unique to this run and test, torn down afterwards if it is still there."""
-    require_local_cluster()
-    name = f"a{os.getpid() % 100000}-{request.node.name[5:13].replace('_', '-')}".rstrip("-")
-    yield name
-    if state.exists(name) or leftovers(name):
-        manage.teardown(name, "local")
-
-
-def wait_until(predicate, timeout_s: float, poll_s: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(poll_s)
-    return predicate()
+OWN_NAME_PREFIX = "a"  # own_name (conftest.py): a<pid>-<part of the test's name>
 
 
 def test_an_idle_cluster_removes_itself(own_name, xeontune_home):

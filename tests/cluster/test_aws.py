@@ -14,79 +14,17 @@ import json
 import shutil
 import sys
 import threading
-import urllib.parse
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
-import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
+from tests.cluster.awslib import CIDR, REGION, Proxy, ec2, ec2_error, leftovers, live_instances, up_argv
 from xeontune import cli
 from xeontune.cluster import cloud, state
 from xeontune.cluster.providers import aws
 from xeontune.errors import UserError
 
-REGION = "us-east-1"
-CIDR = "203.0.113.7/32"
 MUTATING = {"CreateSecurityGroup", "AuthorizeSecurityGroupIngress", "ImportKeyPair", "RunInstances"}
-
-
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def env(moto_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A fresh emulated account, a private state dir, fake credentials, no real AWS reachable."""
-    urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST")).read()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("XEONTUNE_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("XEONTUNE_CHECKIP_URL", "http://127.0.0.1:9/unused")  # never the internet
-    monkeypatch.setattr(aws, "POLL_S", 0.01)
-    monkeypatch.setattr(aws, "UNSEEN_GRACE_S", 1.0)
-    return moto_url
-
-
-def ec2(region: str = REGION):
-    return boto3.session.Session(region_name=region).client("ec2")
-
-
-def live_instances(name: str) -> list[dict]:
-    out = []
-    for res in ec2().describe_instances(Filters=[{"Name": "tag:xeontune-cluster", "Values": [name]}])["Reservations"]:
-        out += [i for i in res["Instances"] if i["State"]["Name"] != "terminated"]
-    return out
-
-
-def leftovers(name: str) -> dict[str, list]:
-    c = ec2()
-    by_tag = [{"Name": "tag:xeontune-cluster", "Values": [name]}]
-    return {
-        "instances": [i["InstanceId"] for i in live_instances(name)],
-        "security_groups": [g["GroupId"] for g in c.describe_security_groups()["SecurityGroups"]
-                            if g["GroupName"] == f"xeontune-{name}"]
-        + [g["GroupId"] for g in c.describe_security_groups(Filters=by_tag)["SecurityGroups"]],
-        "key_pairs": [k["KeyName"] for k in c.describe_key_pairs()["KeyPairs"] if k["KeyName"].startswith("xeontune-")],
-    }
-
-
-def up_argv(name: str, n: int = 3, *extra: str) -> list[str]:
-    return ["cluster", "up", "--provider", "aws", "-n", str(n), "--name", name, "--region", REGION,
-            "--ssh-cidr", CIDR, "--skip-bootstrap", *extra]
 
 
 def teardown(name: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -305,54 +243,6 @@ def test_missing_credentials_is_one_line(env, capsys, monkeypatch):
     assert not state.exists("nocred")
 
 
-class _Proxy(http.server.ThreadingHTTPServer):
-    """Forwards to moto; ``answer(action, n)`` may replace the n-th call of an action with its own
-    (status, XML) reply, the way the real EC2 would have answered."""
-
-    def __init__(self, upstream: str, answer) -> None:
-        super().__init__(("127.0.0.1", 0), _ProxyHandler)
-        self.upstream = urllib.parse.urlsplit(upstream)
-        self.answer = answer
-        self.counts: dict[str, int] = {}
-
-    def __enter__(self) -> str:
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-        self.server_close()
-
-
-class _ProxyHandler(http.server.BaseHTTPRequestHandler):
-    server: _Proxy
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _reply(self, status: int, data: bytes, headers: list[tuple[str, str]]) -> None:
-        self.send_response(status)
-        for k, v in headers:
-            if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
-                self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        action = (urllib.parse.parse_qs(body.decode()).get("Action") or [""])[0]
-        self.server.counts[action] = self.server.counts.get(action, 0) + 1
-        mine = self.server.answer(action, self.server.counts[action], urllib.parse.parse_qs(body.decode()))
-        if mine is not None:
-            return self._reply(mine[0], mine[1], [("Content-Type", "text/xml")])
-        conn = http.client.HTTPConnection(self.server.upstream.hostname, self.server.upstream.port, timeout=30)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-        conn.request("POST", self.path, body, headers)
-        resp = conn.getresponse()
-        self._reply(resp.status, resp.read(), resp.getheaders())
-
-
 def _quota_at(n: int):
     def answer(action: str, count: int, params) -> tuple[int, bytes] | None:
         if action == "RunInstances" and count == n:
@@ -366,7 +256,7 @@ def _quota_at(n: int):
 
 @pytest.mark.slow
 def test_quota_error_is_one_line_and_leaves_nothing_running(env, capsys, monkeypatch):
-    proxy = _Proxy(env, _quota_at(2))
+    proxy = Proxy(env, _quota_at(2))
     with proxy as url:
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
         assert cli.main(up_argv("quota", 3)) == 2
@@ -403,7 +293,7 @@ def test_wait_pins_the_host_key_from_the_console_then_waits_for_ssh(env, capsys,
 
     waited: list[str] = []
     monkeypatch.setattr(cloud, "wait_for_ssh", lambda rec, deadline: waited.extend(n.name for n in rec.nodes))
-    proxy = _Proxy(env, answer)
+    proxy = Proxy(env, answer)
     with proxy as url:
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
         aws.PROVIDER.wait(record, timeout_s=30)
@@ -424,7 +314,7 @@ def test_wait_names_the_node_that_did_not_come_up(env, capsys, monkeypatch):
     record = state.load("slow")
     record.skip_bootstrap = False
     # A console that never shows host keys: the error names the node, after the timeout.
-    proxy = _Proxy(env, lambda action, count, params: (200, (
+    proxy = Proxy(env, lambda action, count, params: (200, (
         b'<GetConsoleOutputResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"><requestId>r</requestId>'
         b"<instanceId>" + params["InstanceId"][0].encode() + b"</instanceId><timestamp>2026-11-22T12:00:00.000Z</timestamp>"
         b"<output></output></GetConsoleOutputResponse>")) if action == "GetConsoleOutput" else None)
@@ -440,11 +330,6 @@ def test_wait_names_the_node_that_did_not_come_up(env, capsys, monkeypatch):
     assert teardown("slow", capsys)[0] == 0
 
 
-def _ec2_error(code: str, message: str) -> tuple[int, bytes]:
-    return 400, (f'<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error><Code>{code}</Code>'
-                 f"<Message>{message}</Message></Error></Errors><RequestID>r</RequestID></Response>").encode()
-
-
 @pytest.mark.slow
 def test_teardown_retries_a_busy_group_and_names_what_it_could_not_delete(env, capsys, monkeypatch):
     assert cli.main(up_argv("dep", 2)) == 0
@@ -452,12 +337,12 @@ def test_teardown_retries_a_busy_group_and_names_what_it_could_not_delete(env, c
 
     def answer(action: str, count: int, params) -> tuple[int, bytes] | None:
         if action == "DeleteSecurityGroup" and count <= 2:  # ENIs of the terminated instances still attached
-            return _ec2_error("DependencyViolation", "resource sg-x has a dependent object")
+            return ec2_error("DependencyViolation", "resource sg-x has a dependent object")
         if action == "DeleteKeyPair":
-            return _ec2_error("UnauthorizedOperation", "You are not authorized to perform this operation.")
+            return ec2_error("UnauthorizedOperation", "You are not authorized to perform this operation.")
         return None
 
-    proxy = _Proxy(env, answer)
+    proxy = Proxy(env, answer)
     with proxy as url:
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
         rc, out, err = teardown("dep", capsys)
@@ -485,12 +370,12 @@ def test_teardown_terminates_instances_ec2_does_not_show_yet(env, capsys, monkey
         if action == "DescribeInstances" and hidden["left"] > 0:
             hidden["left"] -= 1
             if by_id:
-                return _ec2_error("InvalidInstanceID.NotFound", "The instance IDs do not exist")
+                return ec2_error("InvalidInstanceID.NotFound", "The instance IDs do not exist")
             return 200, (b'<DescribeInstancesResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">'
                          b"<requestId>r</requestId><reservationSet/></DescribeInstancesResponse>")
         return None
 
-    proxy = _Proxy(env, answer)
+    proxy = Proxy(env, answer)
     with proxy as url:
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
         rc, out, err = teardown("ec", capsys)
@@ -649,7 +534,7 @@ def test_run_instances_carries_an_idempotency_token_from_the_cluster_id(env, cap
                 return 503, b"<Response><Errors><Error><Code>Unavailable</Code><Message>x</Message></Error></Errors></Response>"
         return None
 
-    proxy = _Proxy(env, answer)
+    proxy = Proxy(env, answer)
     with proxy as url:
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
         assert cli.main(up_argv("tok", 2)) == 0

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.test_aws import ec2, env, leftovers, live_instances, moto_url, up_argv  # noqa: F401
+from tests.cluster.awslib import ec2, leftovers, live_instances, up_argv
 from xeontune import cli
 from xeontune.cluster import state
 
-pytestmark = pytest.mark.usefixtures("env")  # moto's server, a fresh account, a private state dir
+pytestmark = pytest.mark.usefixtures("env")  # moto's server, a fresh account, a private state dir (conftest.py)
 
 
 def terminate_from_inside(name: str) -> None:

@@ -19,47 +19,15 @@ import pytest
 import torch
 
 from tests.bf16_bounds import BF16_LOSS_RTOL, BF16_VECTOR_RTOL
-from tests.checks import initializer_row
-from tests.cluster.clusterlib import REPO, cli
+from tests.checks import initializer_row, load_vectors, moved_from_initializer
+from tests.cluster.clusterlib import REPO, cli, train_args, trainer_pids
+from tests.trainlib import OFFLINE, train_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
-
-OFFLINE = {"HF_HUB_OFFLINE": "1"}
-
-
-@pytest.fixture
-def tiny(tiny_model, sample_images):
-    """The session's tiny pipeline and sample images (tests/conftest.py)."""
-    return {"model": tiny_model, "data": sample_images}
-
-
-def train_args(tiny, output_dir, batch: int, steps: int, *extra: str) -> list[str]:
-    # extra last: it may override the defaults here (the last flag wins)
-    return ["--model", str(tiny["model"]), "--data-dir", str(tiny["data"]), "--placeholder-token", "<cat-toy>",
-            "--initializer-token", "toy", "--resolution", "32", "--train-batch-size", str(batch),
-            "--max-train-steps", str(steps), "--learning-rate", "5e-3", "--seed", "7", "--output-dir", str(output_dir),
-            "--checkpointing-steps", "0", "--save-steps", "0", "--no-random-flip", *extra]
-
-
-def load_vectors(path):
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "learned_embeds.safetensors"))
 
 
 def train_alone(tiny, output_dir, batch: int, steps: int, *extra: str) -> None:
     train_in_process(train_args(tiny, output_dir, batch, steps, *extra))
-
-
-def train_in_process(args: list[str]) -> None:
-    """A single-process reference, in this process: the same trainer, offline, without a process start
-    (whose imports cost about 7 s on 2 cores)."""
-    from xeontune.cli import main
-
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in OFFLINE.items():
-            mp.setenv(key, value)
-        assert main(["train", *args]) == 0
 
 
 def launch(cluster, tiny, output_dir, batch: int, steps: int, *extra: str,
@@ -69,11 +37,6 @@ def launch(cluster, tiny, output_dir, batch: int, steps: int, *extra: str,
                *train_args(tiny, output_dir, batch, steps, *extra), env=OFFLINE)
     assert dist.returncode == 0, dist.stdout[-3000:] + dist.stderr[-3000:]
     return dist
-
-
-def moved_from_initializer(model, vectors) -> float:
-    """The largest change of any learned value from the initializer token's row in the base ``model``."""
-    return float((vectors - initial_vector(model)).abs().max())
 
 
 def losses(output_dir) -> list[float]:
@@ -241,24 +204,6 @@ def test_killing_one_rank_ends_the_job(local_cluster, tiny, tmp_path):
     for name, pids in left.items():
         assert pids == [], f"processes left on {name}"
     print(f"job exited {rc} {took:.1f} s after rank 1 was killed")
-
-
-def trainer_pids(netns: str, include_hydra: bool = False) -> list[int]:
-    out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout
-    found = []
-    for pid in map(int, out.split()):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "Z":
-                    continue  # a zombie runs nothing (this VM's init does not reap them)
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "xeontune.train" in cmd or (include_hydra and ("hydra" in cmd or "mpiexec" in cmd)):
-            found.append(pid)
-    return found
-
 
 
 def test_ranks_outwait_slow_loading_and_rank0_working_alone(local_cluster, tiny, tmp_path):

@@ -9,13 +9,10 @@ import json
 import pytest
 import torch
 
-from tests.cluster.clusterlib import cli
-from tests.cluster.test_distributed_training import train_in_process
-from tests.cluster.test_run import assert_nothing_left, cluster_name, root_home  # noqa: F401 (fixtures)
+from tests.cluster.clusterlib import assert_nothing_left, cli
+from tests.trainlib import OFFLINE, train_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
-
-OFFLINE = {"HF_HUB_OFFLINE": "1"}
 
 
 def full_args(model, data, out, batch: int, steps: int, *extra: str) -> list[str]:
@@ -53,7 +50,7 @@ def test_full_on_three_ranks_matches_one_process(local_cluster, tiny_model, samp
 
 
 @pytest.mark.parametrize("family", ["sd", "sd2", "sdxl"])
-def test_run_on_three_nodes_fetches_the_pipeline_and_the_single_file(root_home, cluster_name,  # noqa: F811
+def test_run_on_three_nodes_fetches_the_pipeline_and_the_single_file(root_home, cluster_name,
                                                                       tiny_model, sd2_model, sdxl_model,
                                                                       sample_images, tmp_path, family):
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline

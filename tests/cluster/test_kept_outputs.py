@@ -13,13 +13,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.clusterlib import REPO, cli, leftovers, require_local_cluster
-from tests.cluster.test_distributed_training import OFFLINE, train_args
+from tests.cluster.clusterlib import REPO, cli, leftovers, train_args
+from tests.trainlib import OFFLINE
 from xeontune.cluster import autostop, autostop_watch, manage, state
 from xeontune.cluster.providers import ClusterSpec
 from xeontune.errors import UserError
@@ -30,21 +29,7 @@ from xeontune.job.record import UNFETCHED
 
 HOUR = 3600.0
 IDLE_S = 6
-
-
-@pytest.fixture
-def tiny(tiny_model, sample_images):
-    return {"model": tiny_model, "data": sample_images}
-
-
-@pytest.fixture
-def own_name(request, xeontune_home) -> Iterator[str]:
-    """A cluster name unique to this run and test, torn down afterwards if it is still there."""
-    require_local_cluster()
-    name = f"k{os.getpid() % 100000}-{request.node.name[5:13].replace('_', '-')}".rstrip("-")
-    yield name
-    if state.exists(name) or leftovers(name):
-        manage.teardown(name, "local")
+OWN_NAME_PREFIX = "k"  # own_name (conftest.py): k<pid>-<part of the test's name>
 
 
 def backdate(path: Path, age_s: float) -> None:

@@ -17,7 +17,6 @@ cluster DNS, PersistentVolume, the image build (Dockerfile), and kubectl's own o
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fnmatch
 import json
@@ -37,32 +36,11 @@ from packaging.specifiers import SpecifierSet
 
 from tests.checks import assert_same_vectors
 from tests.cluster.clusterlib import REPO
+from tests.cluster.kubelib import BASE, TRAIN, args_of
 from xeontune.errors import UserError, exit_status
 from xeontune.job.engines import kubernetes as k8s
 
 VALIDATE = Path(sys.prefix) / "bin" / "kubernetes-validate"
-BASE = ["--image", "registry.example.com/xeontune:0.1", "--volume-claim", "xeontune-data", "--cpus", "4",
-        "--memory", "16Gi", "--job-name", "tj"]
-TRAIN = ["--model", "org/sd", "--data-dir", "concept", "--placeholder-token", "<t>", "--initializer-token", "toy"]
-
-
-def launch_parser() -> argparse.ArgumentParser:
-    """`xeontune launch`'s own flags (xeontune/cli.py) plus the module's: what the CLI hands launch_command."""
-    p = argparse.ArgumentParser(prog="xeontune launch")
-    p.add_argument("-n", "--num-processes", type=int)
-    p.add_argument("--ppn", default="1")
-    p.add_argument("--name", default="default")
-    p.add_argument("--dist-backend", choices=["auto", "gloo", "ccl"], default="auto")
-    p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--detach", action="store_true")
-    p.add_argument("--env", action="append")
-    k8s.add_arguments(p)
-    p.add_argument("train_args", nargs=argparse.REMAINDER)
-    return p
-
-
-def args_of(*argv: str) -> argparse.Namespace:
-    return launch_parser().parse_args(list(argv))
 
 
 def launch(capsys, *argv: str) -> tuple[int, str, str]:
@@ -345,7 +323,7 @@ else:
 DRIVER = """
 import sys
 sys.path.insert(0, {tests!r})
-from tests.cluster.test_kubernetes import launch_parser
+from tests.cluster.kubelib import launch_parser
 from xeontune.errors import UserError, exit_status
 from xeontune.job.engines import kubernetes as k8s
 k8s.POLL_S = 0.05

@@ -19,7 +19,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from tests.cluster.clusterlib import REPO, cli, leftovers, process_alive, require_local_cluster
+from tests.cluster.clusterlib import REPO, cli, leftovers, process_alive
 from xeontune.cluster import files, manage, ssh, state
 from xeontune.errors import UserError
 from xeontune.job import start as launcher
@@ -27,14 +27,6 @@ from xeontune.job import start as launcher
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
 PROBE = "tests.cluster.allreduce_probe"
-
-
-@pytest.fixture
-def root_home(xeontune_home):
-    """A private state dir, for the tests that make their own clusters: they skip for a developer
-    without root as the shared cluster does (as root or in CI, a missing dependency fails them)."""
-    require_local_cluster()
-    return xeontune_home
 
 
 def probe_plan(record, *probe_args: str, n: int = 3):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.clusterlib import REPO, cli
+from tests.cluster.clusterlib import REPO, cli, train_args
+from tests.trainlib import OFFLINE
 from xeontune.cluster import files, manage, providers
 from xeontune.job import start as launcher
 
@@ -32,7 +33,6 @@ def test_three_ranks_all_reduce_on_localhost(xeontune_home):
 def test_teardown_stops_a_detached_job_whose_ranks_run_here(xeontune_home, tiny_model, sample_images, tmp_path):
     """"Nothing left running": the job's runner, mpirun and ranks ran on after `teardown` had deleted the
     cluster and the job's record (so `logs` and `fetch` could no longer reach them)."""
-    from tests.cluster.test_distributed_training import OFFLINE, train_args
     from xeontune.job import record as job_record
 
     tiny = {"model": tiny_model, "data": sample_images}

@@ -13,13 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cluster.clusterlib import cli
-from tests.cluster.test_distributed_training import train_in_process
-from tests.cluster.test_run import assert_nothing_left, cluster_name, root_home  # noqa: F401 (fixtures)
+from tests.cluster.clusterlib import assert_nothing_left, cli
+from tests.trainlib import OFFLINE, lora_args, train_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
-OFFLINE = {"HF_HUB_OFFLINE": "1"}
 DIFFUSERS_FILE, KOHYA_FILE = "pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"
 
 
@@ -28,13 +26,12 @@ def families(tiny_model, sd2_model, sdxl_model):
     return {"sd": tiny_model, "sd2": sd2_model, "sdxl": sdxl_model}
 
 
-def lora_args(model, data, out, batch: int, steps: int, *extra: str) -> list[str]:
-    return ["--method", "lora", "--model", str(model), "--data-dir", str(data), "--instance-prompt", "a photo of toy",
-            "--resolution", "32", "--train-batch-size", str(batch), "--max-train-steps", str(steps),
-            "--learning-rate", "1e-3", "--seed", "7", "--output-dir", str(out), "--checkpointing-steps", "0",
-            "--save-steps", "0", "--no-random-flip", "--mixed-precision", "fp32",
-            # Adam's default 1e-8 magnifies the rounding of a near-zero gradient past 1e-5 (test_lora.py)
-            "--adam-epsilon", "1e-5", *extra]
+def run_lora_args(model, data, out, batch: int, steps: int, *extra: str) -> list[str]:
+    """trainlib.lora_args at 32 px, with the batch (a rank's) and steps, seed 7, no checkpoints, no random
+    flip, and this module's prompt; ``extra`` last: it may override them (the last flag wins)."""
+    return lora_args(model, data, out, "--train-batch-size", str(batch), "--max-train-steps", str(steps),
+                     "--seed", "7", "--checkpointing-steps", "0", "--no-random-flip", *extra,
+                     prompt="a photo of toy", resolution=32)
 
 
 def fused(model, family: str, out=None, weight_name: str | None = None) -> dict[str, torch.Tensor]:
@@ -91,11 +88,11 @@ def test_lora_on_three_ranks_matches_one_process_and_loads_in_both_layouts(local
     data = mixed_shapes(sample_images, tmp_path / "mixed") if family == "sd" else sample_images
     extra += BUCKETS if family == "sd" else ()
     dist = cli("launch", "-n", "3", "--name", local_cluster.name, "--",
-               *lora_args(model, data, tmp_path / "dist", 1, 3, "--scale-lr", *extra), env=OFFLINE)
+               *run_lora_args(model, data, tmp_path / "dist", 1, 3, "--scale-lr", *extra), env=OFFLINE)
     assert dist.returncode == 0, dist.stdout[-3000:] + dist.stderr[-3000:]
     if family == "sd":
         assert "aspect-ratio buckets (width x height: images): 64x64: 2, 48x80: 2, 80x48: 2" in dist.stdout + dist.stderr
-    train_in_process(lora_args(model, data, tmp_path / "one", 3, 3, "--scale-lr", *extra))
+    train_in_process(run_lora_args(model, data, tmp_path / "one", 3, 3, "--scale-lr", *extra))
     got, want = load_file(tmp_path / "dist" / DIFFUSERS_FILE), load_file(tmp_path / "one" / DIFFUSERS_FILE)
     assert got.keys() == want.keys()
     diff = max(float((got[k] - want[k]).abs().max()) for k in want)
@@ -121,11 +118,12 @@ def test_lora_on_three_ranks_matches_one_process_and_loads_in_both_layouts(local
 
 # SD1.x runs on three nodes in test_run_on_three_nodes_trains_dreambooth_... below
 @pytest.mark.parametrize("family", ["sd2", "sdxl"])
-def test_run_on_three_nodes_trains_a_lora_and_fetches_both_files(root_home, cluster_name, families,  # noqa: F811
+def test_run_on_three_nodes_trains_a_lora_and_fetches_both_files(root_home, cluster_name, families,
                                                                  sample_images, tmp_path, family):
     out = tmp_path / "out"
     proc = cli("run", "--provider", "local", "-n", "3", "--name", cluster_name, "--",
-               *lora_args(families[family], sample_images, out, 1, 2, "--checkpointing-steps", "2"), env=OFFLINE)
+               *run_lora_args(families[family], sample_images, out, 1, 2, "--checkpointing-steps", "2"),
+               env=OFFLINE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / DIFFUSERS_FILE).is_file() and (out / KOHYA_FILE).is_file() and (out / "checkpoint-2").is_dir()
     assert_loads_in_both_layouts(families[family], family, out, text_encoder=False)
@@ -142,7 +140,7 @@ def test_run_on_slurm_trains_a_lora_on_three_ranks(slurm, xeontune_home, monkeyp
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
     rc = main(["run", "--provider", "slurm", "-n", "3", "--name", "sl-lora", "--time", "10:00", "--",
-               *lora_args(families["sd"], sample_images, out, 1, 2)])
+               *run_lora_args(families["sd"], sample_images, out, 1, 2)])
     text = capsys.readouterr()
     assert rc == 0, text.out[-3000:] + text.err[-3000:] + slurm.log()
     assert json.loads((out / "train_config.json").read_text())["world_size"] == 3
@@ -151,7 +149,7 @@ def test_run_on_slurm_trains_a_lora_on_three_ranks(slurm, xeontune_home, monkeyp
 
 
 def test_run_on_three_nodes_trains_dreambooth_with_captions_a_pivotal_token_and_prior_preservation(
-        root_home, cluster_name, families, sample_images, tmp_path):  # noqa: F811
+        root_home, cluster_name, families, sample_images, tmp_path):
     """Issue 30's user: photos of mixed aspect ratios (buckets), some captioned, the rest under
     --instance-prompt, a new token trained with the LoRA, class images generated by the 3 ranks (the same
     set as one process draws), both files in diffusers."""
@@ -168,7 +166,8 @@ def test_run_on_three_nodes_trains_dreambooth_with_captions_a_pivotal_token_and_
                   "a photo of <sks> toy", "--with-prior-preservation", "--class-prompt", "a photo of a toy",
                   "--num-class-images", "3", "--class-inference-steps", "2", *BUCKETS]
     out = tmp_path / "out"
-    args = lora_args(families["sd"], data, out, 1, 2, *dreambooth, "--class-data-dir", str(tmp_path / "class3"))
+    args = run_lora_args(families["sd"], data, out, 1, 2, *dreambooth, "--class-data-dir",
+                         str(tmp_path / "class3"))
     proc = cli("run", "--provider", "local", "-n", "3", "--name", cluster_name, "--", *args, env=OFFLINE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert {DIFFUSERS_FILE, KOHYA_FILE, "learned_embeds.safetensors"} <= {p.name for p in out.iterdir()}
@@ -176,8 +175,8 @@ def test_run_on_three_nodes_trains_dreambooth_with_captions_a_pivotal_token_and_
     assert_loads_in_both_layouts(families["sd"], "sd", out, text_encoder=False)
     assert_nothing_left(cluster_name)
 
-    alone = lora_args(families["sd"], data, tmp_path / "one", 1, 1, *dreambooth, "--class-data-dir",
-                      str(tmp_path / "class1"))
+    alone = run_lora_args(families["sd"], data, tmp_path / "one", 1, 1, *dreambooth, "--class-data-dir",
+                          str(tmp_path / "class1"))
     assert main(["train", *alone]) == 0
     names = sorted(p.name for p in (tmp_path / "class3").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "class1").iterdir()) and len(names) == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.test_kubernetes import BASE, TRAIN, args_of
+from tests.cluster.kubelib import BASE, TRAIN, args_of
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.job import spec as job_spec
 from xeontune.job import start

@@ -19,44 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.checks import MOVED_MIN
-from tests.cluster.clusterlib import REPO, cli, leftovers, require_local_cluster
-from tests.cluster.test_distributed_training import (
-    OFFLINE,
-    load_vectors,
-    moved_from_initializer,
-    train_args,
-    trainer_pids,
-)
+from tests.checks import MOVED_MIN, load_vectors, moved_from_initializer
+from tests.cluster.clusterlib import REPO, assert_nothing_left, cli, leftovers, train_args, trainer_pids
+from tests.trainlib import OFFLINE
 from xeontune.cluster import state
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
-
-
-@pytest.fixture
-def tiny(tiny_model, sample_images):
-    return {"model": tiny_model, "data": sample_images}
-
-
-@pytest.fixture
-def root_home(xeontune_home):
-    require_local_cluster()
-    return xeontune_home
-
-
-_names: list[str] = []
-
-
-@pytest.fixture
-def cluster_name(root_home):
-    """A name unique to this test run; whatever a test leaves under it is torn down afterwards."""
-    name = f"r{os.getpid() % 100000}-{len(_names)}"
-    _names.append(name)
-    yield name
-    if state.exists(name) or leftovers(name):
-        from xeontune.cluster import manage
-
-        manage.teardown(name, "local")
 
 
 def assert_trained_embeds(out: Path, model) -> None:
@@ -115,12 +83,6 @@ def kill_if_running(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
-
-
-def assert_nothing_left(name: str) -> None:
-    time.sleep(0.5)
-    assert leftovers(name) == [], leftovers(name)
-    assert not state.exists(name)
 
 
 def test_run_refuses_an_output_dir_holding_a_run_before_creating_anything(root_home, cluster_name, tiny, tmp_path):

@@ -24,18 +24,19 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.checks import rank_pids
-from tests.cluster.clusterlib import REPO, leftovers, require_local_cluster
+from tests.checks import rank_pids, wait_while_running
+from tests.cluster.clusterlib import REPO, leftovers
+from tests.trainlib import OFFLINE
 from xeontune.cluster import state
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
-OFFLINE = {"HF_HUB_OFFLINE": "1"}
+CLUSTER_NAME_PREFIX = "sg"  # cluster_name (conftest.py): sg<pid>-<count>
 FOREVER = "100000"  # --max-train-steps: the job only ends by the signal
 
 
@@ -49,16 +50,6 @@ def train_options(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
 
 def lines(path: Path) -> int:
     return path.read_text().count("\n") if path.is_file() else 0
-
-
-def wait_until(proc: subprocess.Popen, done: Callable[[], bool], what: str, output: Callable[[], str],
-               timeout: float = 180, tick: Callable[[], None] = lambda: time.sleep(0.2)) -> None:
-    """Until ``done()``; fails, with the command's output, if the command ends first or it takes too long."""
-    deadline = time.monotonic() + timeout
-    while not done():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s (exit {proc.poll()}):\n{output()[-3000:]}")
-        tick()
 
 
 @contextlib.contextmanager
@@ -110,8 +101,8 @@ def test_ctrl_c_of_run_on_slurm_cancels_the_job_and_leaves_its_checkpoint(on_slu
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     with never_outlives(proc):
-        wait_until(proc, lambda: lines(out / "metrics.jsonl") >= 3 and len(rank_pids(str(out))) == 2,
-                   "2 ranks training", lambda: log.read_text() + slurm.log())
+        wait_while_running(proc, lambda: lines(out / "metrics.jsonl") >= 3 and len(rank_pids(str(out))) == 2,
+                           "2 ranks training", lambda: log.read_text() + slurm.log())
         submitted = re.search(r"submitted slurm job (\d+)", log.read_text())
         assert submitted, log.read_text()
         job_id = submitted[1]
@@ -144,23 +135,6 @@ def test_ctrl_c_of_run_on_slurm_cancels_the_job_and_leaves_its_checkpoint(on_slu
 
 
 # --- SIGTERM and SIGHUP to `run --provider local` ---------------------------------------------------
-
-_names: list[str] = []
-
-
-@pytest.fixture
-def cluster_name(xeontune_home) -> Iterator[str]:
-    """A name unique to this test run (other runs use namespaces at the same time); whatever a test
-    leaves under it is torn down afterwards."""
-    require_local_cluster()
-    name = f"sg{os.getpid() % 100000}-{len(_names)}"
-    _names.append(name)
-    yield name
-    if state.exists(name) or leftovers(name):
-        from xeontune.cluster import manage
-
-        manage.teardown(name, "local")
-
 
 def local_run_argv(name: str, model: Path, data: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "xeontune.cli", "run", "--provider", "local", "-n", "2", "--name", name, "--",
@@ -213,7 +187,7 @@ def test_sigterm_to_run_stops_the_job_fetches_what_it_wrote_and_deletes_the_clus
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     head = Head(cluster_name)
     with never_outlives(proc):
-        wait_until(proc, head.training, "2 ranks past their first checkpoint", log.read_text)
+        wait_while_running(proc, head.training, "2 ranks past their first checkpoint", log.read_text)
         at_signal = head.newest_checkpoint()
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -260,8 +234,8 @@ def test_a_closed_terminal_stops_the_job_fetches_what_it_wrote_and_deletes_the_c
     head = Head(cluster_name)
     with never_outlives(proc):
         try:
-            wait_until(proc, head.training, "2 ranks past their first checkpoint",
-                       lambda: seen.decode(errors="replace"), tick=drain)
+            wait_while_running(proc, head.training, "2 ranks past their first checkpoint",
+                               lambda: seen.decode(errors="replace"), tick=drain)
             at_signal = head.newest_checkpoint()
         finally:
             os.close(master)  # the terminal goes away

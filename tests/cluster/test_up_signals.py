@@ -22,17 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.awslib import CIDR, REGION, Proxy, ec2_error, leftovers, live_instances
 from tests.cluster.clusterlib import REPO
-from tests.cluster.test_aws import (  # noqa: F401 (env and moto_url: fixtures)
-    CIDR,
-    REGION,
-    _ec2_error,
-    _Proxy,
-    env,
-    leftovers,
-    live_instances,
-    moto_url,
-)
 from xeontune import cli
 from xeontune.cluster import state
 
@@ -58,18 +49,18 @@ class Cloud:
             self.terminating.set()
             if self.hold:
                 self.release.wait(120)
-                return _ec2_error("RequestExpired", "held by the test")
+                return ec2_error("RequestExpired", "held by the test")
         return None
 
 
-pytestmark = pytest.mark.usefixtures("env")  # moto's server, a fresh account, a private state dir
+pytestmark = pytest.mark.usefixtures("env")  # moto's server, a fresh account, a private state dir (conftest.py)
 
 
 @contextlib.contextmanager
 def proxied(hold: bool = False) -> Iterator[tuple[Cloud, str]]:
     """A proxy in front of moto (where ``env`` points AWS_ENDPOINT_URL) that watches the command."""
     watch = Cloud(hold)
-    with _Proxy(os.environ["AWS_ENDPOINT_URL"], watch) as url:
+    with Proxy(os.environ["AWS_ENDPOINT_URL"], watch) as url:
         try:
             yield watch, url
         finally:

@@ -20,6 +20,7 @@ import torch
 from PIL import ExifTags, Image, ImageFile
 from safetensors.torch import load_file
 
+from tests.trainlib import lora_args
 from xeontune.cli import main
 from xeontune.errors import UserError
 from xeontune.train.buckets import bucket_sizes, fit_to_bucket, load_training_images, nearest_bucket
@@ -204,10 +205,9 @@ def test_each_global_micro_batch_is_one_bucket_and_every_image_comes_once_an_epo
         plan.batch([1, 2])
 
 
-def lora_args(model, data, out, *more):
-    return ["train", "--method", "lora", "--instance-prompt", "a photo of sks toy", "--model", str(model),
-            "--data-dir", str(data), "--resolution", "64", "--bucket-step", "16", "--mixed-precision", "fp32",
-            "--learning-rate", "1e-3", "--save-steps", "0", "--adam-epsilon", "1e-5", "--output-dir", str(out), *more]
+def bucketed(model, data, out, *more):
+    """`xeontune train` and trainlib.lora_args, with buckets 16 px apart; ``more`` last (the last flag wins)."""
+    return ["train", *lora_args(model, data, out, "--bucket-step", "16", *more)]
 
 
 def max_diff(a, b):
@@ -231,12 +231,12 @@ def test_bucketed_training_resumes_exactly_across_bucket_changes(sdxl_model, sam
         return batch
 
     monkeypatch.setattr(SamplePlan, "batch", noted)
-    assert main(lora_args(model, data, tmp_path / "straight", *common)) == 0
+    assert main(bucketed(model, data, tmp_path / "straight", *common)) == 0
     monkeypatch.undo()
     assert len(buckets) == 4 and buckets[1] != buckets[2]  # the resume at step 2 lands on a bucket change
-    assert main(lora_args(model, data, tmp_path / "resumed", "--max-train-steps", "2", "--checkpointing-steps",
-                          "2")) == 0
-    assert main(lora_args(model, data, tmp_path / "resumed", *common, "--resume-from-checkpoint", "latest")) == 0
+    assert main(bucketed(model, data, tmp_path / "resumed", "--max-train-steps", "2", "--checkpointing-steps",
+                         "2")) == 0
+    assert main(bucketed(model, data, tmp_path / "resumed", *common, "--resume-from-checkpoint", "latest")) == 0
     straight, resumed = (load_file(tmp_path / d / LORA_FILE) for d in ("straight", "resumed"))
     assert max(float(v.abs().max()) for k, v in straight.items() if "lora.up" in k) > 1e-4
     assert max_diff(straight, resumed) == 0
@@ -247,11 +247,11 @@ def test_two_ranks_train_what_one_process_does_with_both_batches(tiny_model, sam
     """(3 ranks on the namespace cluster: tests/cluster/test_lora_cluster.py.)"""
     data = shaped_folder(sample_images, tmp_path, MIXED)
     common = ["--max-train-steps", "3", "--checkpointing-steps", "0", "--no-random-flip", "--scale-lr"]
-    proc = subprocess.run([sys.executable, "-m", "xeontune.cli", *lora_args(tiny_model, data, tmp_path / "ranks", *common,
-                                                                             "--nproc-per-node", "2")],
+    proc = subprocess.run([sys.executable, "-m", "xeontune.cli", *bucketed(tiny_model, data, tmp_path / "ranks", *common,
+                                                                            "--nproc-per-node", "2")],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert main(lora_args(tiny_model, data, tmp_path / "one", *common, "--train-batch-size", "2")) == 0
+    assert main(bucketed(tiny_model, data, tmp_path / "one", *common, "--train-batch-size", "2")) == 0
     got, want = (load_file(tmp_path / d / LORA_FILE) for d in ("ranks", "one"))
     diff = max_diff(got, want)
     # the up weights start at 0: what they hold is how far the adapters moved (two runs that learned

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.cluster.test_distributed_training import moved_from_initializer, train_in_process
+from tests.checks import moved_from_initializer
+from tests.trainlib import train_in_process
 from xeontune import placement
 from xeontune.train.options import parse_args
 from xeontune.train.ranks import TEXT_ENCODER_LINEAR_SHARE, frozen_weight_bytes, packs, plan_ranks

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from tests.bf16_bounds import BF16_LOSS_RTOL, BF16_VECTOR_RTOL
 from tests.checks import initializer_row
 from tests.held_out import held_out_loss as shared_held_out_loss
+from tests.trainlib import train
 from xeontune.errors import TrainingError, UserError
 from xeontune.train import components, loop, tokens
 from xeontune.train.data import Latents, SamplePlan, crop_of, load_images_with_crops
@@ -31,10 +32,6 @@ from xeontune.train.options import parse_args
 @pytest.fixture
 def xl_args(base_args, sdxl_model):
     return [*base_args[:1], str(sdxl_model), *base_args[2:]]
-
-
-def train(args, on_step=None):
-    return loop.train(parse_args(args), on_step=on_step)
 
 
 def split(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.checks import MOVED_MIN, run_moved_from_initializer
+from tests.trainlib import train
 from xeontune import hardware
 from xeontune.cli import main
 from xeontune.errors import TrainingError
@@ -25,10 +26,6 @@ from xeontune.train import packed as packed_layers
 from xeontune.train.options import parse_args
 
 pytestmark = pytest.mark.slow
-
-
-def train(args, on_step=None):
-    return loop.train(parse_args(args), on_step=on_step)
 
 
 # The tiny model's random UNet hardly listens to its text, so the held-out loss moves little (1.1116 from
