@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """`make single-node-test`: build the tiny model and sample images if missing, train a few steps
 offline, then prove the result loads with diffusers' own `load_textual_inversion` (textual
-inversion) or `load_lora_weights` (`METHOD=lora`: both files, diffusers' and kohya's layouts)."""
+inversion) or `load_lora_weights` (`METHOD=lora`: both files, diffusers' and kohya's layouts), or the pipeline
+folder and the single file (`METHOD=full`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def main() -> int:
     parser.add_argument("--model", default="models/tiny")
     parser.add_argument("--data", default="data/sample")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--method", default="textual_inversion", choices=("textual_inversion", "lora"))
+    parser.add_argument("--method", default="textual_inversion", choices=("textual_inversion", "lora", "full"))
     parser.add_argument("--output-dir", default=None, help="default: textual_inversion_output or lora_output")
     parser.add_argument("--token", default="<toy-bot>")
     parser.add_argument("--resolution", type=int, default=0, help="pixels (default: the model's own size)")
@@ -43,7 +44,7 @@ def main() -> int:
     family = pipeline_family(args.model)
     args.output_dir = args.output_dir or f"{args.method}_output"
     own = (["--placeholder-token", args.token, "--initializer-token", "toy"] if args.method == "textual_inversion"
-           else ["--method", "lora", "--instance-prompt", "a photo of sks toy"])
+           else ["--method", args.method, "--instance-prompt", "a photo of sks toy"])
     rc = train_main([
         "--model", args.model, "--data-dir", args.data, *own,
         "--resolution", str(args.resolution or native_resolution(args.model)),
@@ -53,6 +54,8 @@ def main() -> int:
         return rc
     if args.method == "lora":
         return load_lora(args.model, family, Path(args.output_dir))
+    if args.method == "full":
+        return load_full(args.model, family, Path(args.output_dir))
 
     import diffusers
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
@@ -77,6 +80,23 @@ def main() -> int:
     print(f"loaded {embeds} with diffusers' load_textual_inversion: added token(s) {added} "
           f"(vocabulary {before} -> {len(pipe.tokenizer)})")
     return 0 if added else 1
+
+
+def load_full(model: str, family: str, out: Path) -> int:
+    """The pipeline folder and the single file, each loaded by diffusers: the same UNet, not the base's."""
+    import diffusers
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    diffusers.utils.logging.disable_progress_bar()
+    cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    base = cls.from_pretrained(model).unet.state_dict()
+    folder = cls.from_pretrained(str(out / "pipeline")).unet.state_dict()
+    single = cls.from_single_file(str(out / "model.safetensors"), config=model, local_files_only=True).unet.state_dict()
+    moved = max(float((folder[k] - base[k]).abs().max()) for k in base)
+    same = max(float((folder[k] - single[k]).abs().max()) for k in base)
+    print(f"loaded {out / 'pipeline'} and {out / 'model.safetensors'} with diffusers: the UNet moved by up to "
+          f"{moved:.2e} from the base; the two differ by {same:.1e}")
+    return 0 if moved > 0 and same == 0 else 1
 
 
 def load_lora(model: str, family: str, out: Path) -> int:
