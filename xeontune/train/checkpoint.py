@@ -101,7 +101,10 @@ def save(output_dir: Path, state: TrainState, total_limit: int | None) -> Path:
     fine-tuning's weights and optimizer state are gigabytes), then hashed from the file."""
     target = output_dir / f"checkpoint-{state.step}"
     with atomic_dir(target, durable=True) as tmp:
-        torch.save({f.name: getattr(state, f.name) for f in fields(state)}, tmp / STATE_FILE)  # asdict would copy
+        # into an open file, not a path: torch's zip writer then raises the OS's error (a full disk is
+        # ENOSPC, said in one line), where with a path it raises "unexpected pos"
+        with open(tmp / STATE_FILE, "wb") as out:
+            torch.save({f.name: getattr(state, f.name) for f in fields(state)}, out)  # asdict would copy
         size, digest = _file_digest(tmp / STATE_FILE)
         marker = {"step": state.step, "bytes": size, "sha256": digest}
         (tmp / COMPLETE_FILE).write_text(json.dumps(marker) + "\n")
