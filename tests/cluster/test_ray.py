@@ -291,8 +291,7 @@ def test_a_node_that_does_not_see_the_output_dir_is_refused_in_one_line(ray_clus
     """A fourth Ray node whose filesystem differs: it runs in a mount namespace of its own, where a
     tmpfs hides --output-dir's folder. The driver's check from every node names it, before any worker
     starts. (Last in this module: the node stays until the module's cluster stops.)"""
-    if os.geteuid() != 0:
-        pytest.skip("needs root (a mount namespace for the fourth node); CI runs as root")
+    require_installed(None if os.geteuid() == 0 else "needs root (a mount namespace for the fourth node)")
     assert shutil.which("unshare"), "unshare (util-linux) is missing: the fourth node needs it"
     hidden = tmp_path / "hidden"
     hidden.mkdir()

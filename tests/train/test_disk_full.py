@@ -19,7 +19,7 @@ from xeontune.train.options import parse_args
 
 @pytest.fixture
 def small_disk(tmp_path):
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 and not os.environ.get("CI"):  # as root or in CI a failing mount fails the test
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     mount = tmp_path / "disk"
     mount.mkdir()

@@ -347,3 +347,20 @@ def test_save_precision_bf16_writes_a_bf16_single_file(full_args, tiny_model, tm
         w = f.get_tensor("model.diffusion_model.out.2.weight")
     assert dtypes <= {"BF16"} or dtypes - {"BF16"} <= {"I64"}, dtypes  # integers (if any) stay as they are
     assert torch.equal(w, weights(result, "unet")["conv_out.weight"].to(torch.bfloat16))
+
+
+def test_weights_that_overflow_are_never_written(capsys, full_args, tiny_model, tmp_path, monkeypatch):
+    """The weights are checked as they are written, not every step (a pass over the whole model): an
+    overflow in the last optimizer step, with its loss still finite, writes no model file."""
+    real_step = torch.optim.AdamW.step
+
+    def overflowing_step(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        next(iter(self.param_groups[0]["params"])).data.fill_(float("inf"))
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflowing_step)
+    capsys.readouterr()
+    assert main(["train", *full_args("out", tiny_model, "--max-train-steps", "1")]) == 1
+    assert "error: the weights became non-finite; lower --learning-rate" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "model.safetensors").exists() and not (tmp_path / "out" / "pipeline").exists()

@@ -218,6 +218,7 @@ class Run:
     text_cache: TextCache | None = None  # the frozen encoders' outputs per prompt
     reduced: list[torch.nn.Parameter] = field(default_factory=list)  # trainable, outside DDP: all-reduced here
     checkpoint_on_disk: Path | None = None  # the checkpoint this state is already in (resumed from or saved)
+    model_identity: dict[str, str] | None = None  # components.model_identity, for the checkpoints (rank 0)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "method":  # copy/pickle probes; a method not set yet
@@ -461,14 +462,9 @@ def check_output_dir(opts: TrainOptions) -> Path:
 
 def clear_previous_run(out: Path) -> None:
     """Delete what the run recorded in ``out``'s train_config.json wrote; nothing in a dir without one."""
-    config_path = out / RUN_CONFIG
-    if not config_path.is_file():
+    if not (out / RUN_CONFIG).is_file():
         return
-    try:
-        recorded = json.loads(config_path.read_text())
-        logging_dir, run_id = recorded.get("logging_dir") or "logs", recorded.get("run_id")
-    except (OSError, ValueError, AttributeError):
-        logging_dir, run_id = "logs", None
+    logging_dir, run_id = recorded_config(out).get("logging_dir") or "logs", recorded_run_id(out)
     for p in out.iterdir():
         if RUN_FILE_RE.match(p.name) and p.is_file():
             p.unlink()
@@ -525,9 +521,10 @@ def _setup(
     pause_for_tests("setup", accelerator.process_index)  # a slow model load, with the output dir locked
     resume_path: Path | None = None
     resume_state: checkpoint.TrainState | None = None
+    identity = model_identity(opts.model, opts.revision) if main else None  # what rank 0's checkpoints record
     if opts.resume_from_checkpoint and main:
         resume_path, resume_state = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
-        checkpoint.check_model(resume_state, model_identity(opts.model, opts.revision), opts.model, resume_path)
+        checkpoint.check_model(resume_state, identity, opts.model, resume_path)
         # a checkpoint of other settings: found before the folder is read and the models load
         early = methods.create(opts)
         check_checkpoint_method(resume_state, early, resume_path)
@@ -623,7 +620,7 @@ def _setup(
     run = Run(
         opts=opts, accelerator=accelerator, components=components, method=method, ddp_modules=ddp_modules,
         plan=plan, latents=latents, optimizer=optimizer, lr_scheduler=lr_scheduler, precision=precision,
-        max_steps=max_steps, output_dir=output_dir, sync=sync, backend_notes=notes,
+        max_steps=max_steps, output_dir=output_dir, sync=sync, backend_notes=notes, model_identity=identity,
         reduced=[p for p in method.parameters() if id(p) not in under_ddp],
     )
     if not method.trains_text_encoders and opts.cache_text:
@@ -902,7 +899,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
     state = checkpoint.TrainState(
         step=step, optimizer=run.optimizer.state_dict(), lr_scheduler=run.lr_scheduler.state_dict(),
         rng=checkpoint.rng_state(), method=run.method.name, samples_per_step=run.samples_per_step,
-        model=model_identity(run.opts.model, run.opts.revision),
+        model=run.model_identity,
         **run.method.state(),
     )
     run.checkpoint_on_disk = checkpoint.save(run.output_dir, state, run.opts.checkpoints_total_limit)
@@ -950,9 +947,15 @@ def save_pipeline(run: Run, target: Path) -> Path:
     return saving.save_pipeline(run.components, run.opts, run.method, target)
 
 
+def recorded_config(out: Path) -> dict[str, Any]:
+    """``out``'s train_config.json as a run wrote it, or {} where there is none readable."""
+    with contextlib.suppress(OSError, ValueError):
+        recorded = json.loads((out / RUN_CONFIG).read_text())
+        return recorded if isinstance(recorded, dict) else {}
+    return {}
+
+
 def recorded_run_id(out: Path) -> str | None:
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        run_id = json.loads((out / RUN_CONFIG).read_text()).get("run_id")
-        return run_id if isinstance(run_id, str) and run_id.isalnum() else None
-    return None
+    run_id = recorded_config(out).get("run_id")
+    return run_id if isinstance(run_id, str) and run_id.isalnum() else None
 

@@ -115,13 +115,21 @@ class FullFineTuning(Method):
             self.ema.restore(params)
 
     def finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.parameters())
+        """Not a pass over the whole model every step (0.3-0.5 s for SD1.5's UNet on 2 cores): a weight that
+        went non-finite makes the next step's loss so, which the loop checks; what is written (the files,
+        a checkpoint) is checked as it is written (``_require_finite``)."""
+        return True
+
+    def _require_finite(self) -> None:
+        if not all(bool(torch.isfinite(p).all()) for p in self.parameters()):
+            raise TrainingError("the weights became non-finite; lower --learning-rate")
 
     def learned(self) -> dict[str, torch.Tensor]:
         """The trained weights by name (views of the live ones: a copy would be the model's size again)."""
         return {name: p.detach() for name, p in self.named_parameters()}
 
     def state(self) -> dict[str, Any]:
+        self._require_finite()
         ema = None if self.ema is None else self.ema.state_dict()
         return {"learned": {"tensors": self.learned(), "models": list(self.models), "ema": ema}}
 
@@ -151,6 +159,7 @@ class FullFineTuning(Method):
         """The single file (each step copy too); at the end, the pipeline folder as well."""
         from xeontune.train import saving
 
+        self._require_finite()
         pipe = saving.assemble_pipeline(self.components, self.opts, self)
         path = output_dir / learned_file(STEM, None if final else step)
         with self.ema_weights():  # the EMA's weights are what the examples save
