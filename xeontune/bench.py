@@ -47,23 +47,11 @@ from xeontune.quiet import quiet_libraries
 VARIANTS = ("optimized", "baseline")
 # Built once into --models-dir and reused (models.DIMS): sizes on disk, for the first build's note.
 BUILT_IN = {"tiny": "", "sd15-arch": "3.9 GB", "sd2-tiny": "", "sdxl-tiny": "", "sdxl-arch": "about 13 GB"}
-TOKEN = "<bench-token>"
 
-# Issue 9's targets (2 cores, 256 px, bf16): one process >= 1.6x the example's steps/s, the `auto`
-# ranks per node >= 1.8x its images/s (3.0x at 512 px on a 16-core AMX host), peak RSS <= 0.8x.
-TARGETS = {"speedup_min": 1.6, "auto_ranks_speedup_min": 1.8, "overhead_max": 1.05, "rss_ratio_max": 0.8}
-# Issue 17's for SDXL (2 cores, 512 px, one process): >= 2.0x the SDXL example's steps/s; peak RSS
-# <= 0.6x its own in bf16 and <= 0.9x in fp32 (where the fp32 UNet alone is 10.3 GB).
-SDXL_TARGETS = {"speedup_min": 2.0, "rss_ratio_max": {"bf16": 0.6, "fp32": 0.9}}
-
-
-# Issue 28's for LoRA against diffusers' train_dreambooth_lora*.py: >= 1.5x its steps/s at 512 px in bf16
-# (1.8x on an AVX2-only CPU in fp32 at 256 px), peak RSS <= 0.6x its own.
-LORA_TARGETS = {"speedup_min": {"bf16": 1.5, "fp32": 1.8}, "rss_ratio_max": 0.6}
-# Issue 47's for full fine-tuning against train_text_to_image.py: >= 1.4x its steps/s (bf16 at 512 px on
-# AVX512-BF16 and AMX, fp32 at 256 px on AVX2), peak RSS <= 0.8x its own.
-FULL_TARGETS = {"speedup_min": 1.4, "rss_ratio_max": 0.8}
-INSTANCE_PROMPT = "a photo of sks toy"
+# Every method's targets are its declaration's (train/methods/: Declaration.bench); these hold for all.
+# Issue 9's: the `auto` ranks per node >= 1.8x the example's images/s (3.0x at 512 px on a 16-core AMX
+# host), the step within 5 % of the model's own compute.
+SHARED_TARGETS = {"auto_ranks_speedup_min": 1.8, "overhead_max": 1.05}
 CLASS_PROMPT = "a photo of a toy"
 
 
@@ -72,18 +60,15 @@ def prior_flag(args: argparse.Namespace) -> list[str]:
 
 
 def targets_for(family: str, precision: str, method: str = "textual_inversion") -> dict[str, float]:
-    """The targets this run is judged against: SD1.x/SD2's, or SDXL's where it has its own; LoRA's."""
-    if method == "full":
-        return {**TARGETS, **FULL_TARGETS}
-    if method == "lora":
-        speedup = LORA_TARGETS["speedup_min"]
-        assert isinstance(speedup, dict)
-        return {**TARGETS, "speedup_min": speedup[precision], "rss_ratio_max": float(LORA_TARGETS["rss_ratio_max"])}
-    if family != "sdxl":
-        return dict(TARGETS)
-    rss = SDXL_TARGETS["rss_ratio_max"]
-    assert isinstance(rss, dict)
-    return {**TARGETS, "speedup_min": float(SDXL_TARGETS["speedup_min"]), "rss_ratio_max": rss[precision]}
+    """The targets this run is judged against: the shared ones and the method's, its family's where it
+    declares its own (SDXL's for textual inversion), each for this precision where it differs by it."""
+    import xeontune.train.methods.declaration as methods
+
+    declared = methods.get(method).bench
+    assert declared is not None, f"--method {method} declares no bench baseline"
+    chosen = {k: v for k, v in declared.targets.items() if k != "families"}
+    chosen.update(declared.targets.get("families", {}).get(family, {}))
+    return {**SHARED_TARGETS, **{k: float(v[precision] if isinstance(v, dict) else v) for k, v in chosen.items()}}
 
 
 @dataclass
@@ -141,9 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time this trainer's optimized step against the example script's approach (baseline), "
         "(in its own process) alternating step by step, with per-phase times, FLOPs, MFU and ranks per node.",
     )
-    from xeontune.train.options import METHOD_NAMES
+    import xeontune.train.methods.declaration as methods
 
-    p.add_argument("--method", default="textual_inversion", choices=METHOD_NAMES,
+    p.add_argument("--method", default="textual_inversion", choices=methods.names(),
                    help="what trains (default textual_inversion); lora's baseline is diffusers' "
                    "train_dreambooth_lora(_sdxl).py: instance prompt, rank --rank, VAE and text encoder every step; "
                    "full's is train_text_to_image(_sdxl).py: the UNet in fp32 under autocast, the VAE and the "
@@ -307,18 +292,17 @@ def class_images_beside(data: Path) -> Path:
 def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace, variant: str):
     """The trainer's options for one variant: the baseline differs only in the benchmark switches (and
     never packs): VAE every step, and textual inversion's whole token table or LoRA's text encoder every step."""
+    import xeontune.train.methods.declaration as methods
     from xeontune.train.options import TrainOptions, validate
 
-    method = getattr(args, "method", "textual_inversion")
-    own = ({"placeholder_token": TOKEN, "initializer_token": "toy", "train_full_table": variant == "baseline"}
-           if method == "textual_inversion" else
-           {"instance_prompt": INSTANCE_PROMPT, **({"rank": args.rank} if method == "lora" else {}),
-            "cache_text": variant != "baseline",
-            **({"with_prior_preservation": True, "class_data_dir": str(class_images_beside(data)),
+    method = methods.get(getattr(args, "method", "textual_inversion"))
+    assert method.bench is not None, f"--method {method.name} declares no bench baseline"
+    own = method.bench.options(variant == "baseline", args)
+    if method.prior_preservation and getattr(args, "with_prior_preservation", False):
+        own |= {"with_prior_preservation": True, "class_data_dir": str(class_images_beside(data)),
                 "class_prompt": CLASS_PROMPT, "num_class_images": len(list(data.iterdir()))}
-               if getattr(args, "with_prior_preservation", False) else {})})
     return validate(TrainOptions(
-        method=method, model=str(model), data_dir=str(data), **own,
+        method=method.name, model=str(model), data_dir=str(data), **own,
         resolution=args.resolution, train_batch_size=args.batch_size, max_train_steps=args.warmup + args.steps,
         output_dir=str(out), mixed_precision=args.mixed_precision, ipex=args.ipex, compile=args.compile,
         pack_weights=args.pack_weights if variant != "baseline" else "off", report_to="none",
@@ -328,31 +312,28 @@ def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace
 
 
 def example_components(model: Path, precision: str, method: str = "textual_inversion"):
-    """The frozen models as the example scripts hold them: with bf16, the UNet and the VAE cast to
-    bf16 once (they then encode every step in bf16); the text encoder, which they train, in fp32.
-    SDXL's script also casts its second text encoder to bf16 whole, after handing its token table to
-    the optimizer: that table then trains in bf16 (``tokens.install`` copies the table's dtype).
-    The LoRA examples cast every frozen model, text encoders included, and then the adapters they
-    add to the UNet back to fp32 (as the LoRA method does); SDXL's LoRA script keeps its VAE in fp32
-    ("to avoid NaN losses"), so its baseline encodes each step's images in fp32."""
+    """The models as the method's example script holds them (its declaration's ``example_bf16``): in a bf16
+    run, the parts it casts to bf16 once (then run every step in bf16), the rest in fp32. The textual
+    inversion scripts keep the text encoder they train in fp32 (SDXL's casts its second encoder whole,
+    after handing its token table to the optimizer: that table then trains in bf16, as ``tokens.install``
+    copies the table's dtype). The LoRA scripts cast every frozen model, and the adapters they add back to
+    fp32 (as the LoRA method does); SDXL's keeps its VAE in fp32 ("to avoid NaN losses"), so its baseline
+    encodes each step's images in fp32. train_text_to_image.py trains its UNet in fp32 under autocast."""
     import torch
 
-    from xeontune.train.components import load, unet_dtype
+    import xeontune.train.methods.declaration as methods
+    from xeontune.train.components import load
 
     components = load(str(model))  # as its files hold it, then cast: not from the trainer's bf16 copy
-    if unet_dtype(precision) is not None and method != "full":  # train_text_to_image.py trains it in fp32
-        components.unet.to(unet_dtype(precision))
-        components.unet_cast = True
+    declared = methods.get(method).bench
+    assert declared is not None, f"--method {method} declares no bench baseline"
     if precision == "bf16":
-        if not (method == "lora" and components.family == "sdxl"):
-            components.vae.to(torch.bfloat16)
-        if method in ("lora", "full"):
-            for name in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
-                getattr(components, name).to(torch.bfloat16)
-                setattr(components, f"{name}_cast", True)
-        elif components.text_encoder_2 is not None:
-            components.text_encoder_2.to(torch.bfloat16)
-            components.text_encoder_2_cast = True
+        for name in declared.example_bf16(components.family):
+            part = getattr(components, name)
+            if part is not None:
+                part.to(torch.bfloat16)
+                if name != "vae":
+                    setattr(components, f"{name}_cast", True)
     return components
 
 

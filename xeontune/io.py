@@ -33,6 +33,15 @@ _DISK_ERROR_TEXT = {"No space left on device": errno.ENOSPC, "StorageFull": errn
                     "Read-only file system": errno.EROFS, "ReadOnlyFilesystem": errno.EROFS}
 
 
+CACHE_ENV = "XEONTUNE_CACHE"
+
+
+def cache_root() -> Path:
+    """The project's cache on this machine: $XEONTUNE_CACHE, or ~/.cache/xeontune (bf16 weight copies,
+    exported datasets, latents)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "xeontune")
+
+
 def _free_space(path: Path) -> str:
     for p in (path, *path.parents):
         try:

@@ -270,6 +270,11 @@ def test_run_provider_slurm_trains_three_ranks_and_leaves_no_job(on_slurm, tiny_
 def _start_long_job(name: str, tiny_model, sample_images, out, slurm, capsys) -> list[int]:
     from xeontune.cli import main
 
+    # A node still ending an earlier test's job (its slurmstepds in KillWait) may start this job's task late:
+    # CI once saw two of three ranks for 120 s right after a teardown's scancel. Start on idle nodes.
+    deadline = time.monotonic() + 60
+    while _stepds("") and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert main(["cluster", "up", "--provider", "slurm", "-n", "3", "--name", name]) == 0
     assert "ssh_config" not in capsys.readouterr().out  # no SSH, no hosts file: Slurm places the ranks
     assert main(["launch", "--dry-run", "--name", name, *_options(tiny_model, sample_images, out)]) == 0
@@ -285,7 +290,8 @@ def _start_long_job(name: str, tiny_model, sample_images, out, slurm, capsys) ->
     while time.monotonic() < deadline and len(rank_pids(str(out))) < 3:
         time.sleep(0.5)
     pids = rank_pids(str(out))
-    assert len(pids) == 3, slurm.log()
+    assert len(pids) == 3, (f"ranks {pids}; slurmstepds {_stepds('')}; steps "
+                            f"{slurm.run('squeue', '--steps', '-o', '%i %j %T %N').stdout}\n{slurm.log()}")
     return pids
 
 
@@ -717,13 +723,13 @@ def test_the_env_file_stays_for_a_requeue_and_goes_when_the_job_is_over(on_slurm
 
 
 def _stepds(job_id: str) -> list[str]:
-    """slurmstepd processes still serving job ``job_id`` (its batch script or a step)."""
+    """slurmstepd processes still serving job ``job_id`` (its batch script or a step; "": any job)."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
             cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if proc.name.isdigit() and cmd.startswith(f"slurmstepd: [{job_id}."):
+        if proc.name.isdigit() and cmd.startswith(f"slurmstepd: [{job_id}." if job_id else "slurmstepd: ["):
             found.append(cmd)
     return found

@@ -24,7 +24,8 @@ from tests.trainlib import lora_args
 from xeontune.cli import main
 from xeontune.errors import UserError
 from xeontune.train.buckets import bucket_sizes, fit_to_bucket, load_training_images, nearest_bucket
-from xeontune.train.data import Latents, SamplePlan, read_image_sizes
+from xeontune.train.data import SamplePlan, read_image_sizes
+from xeontune.train.latent_cache import Latents
 from xeontune.train.loop import check_training_data, read_training_data
 from xeontune.train.options import parse_args
 
@@ -106,15 +107,20 @@ def test_auto_buckets_only_where_some_image_is_not_nearest_the_square(sample_ima
 
 def test_class_images_join_every_bucket_fitted_to_it_as_they_come(sample_images, tmp_path):
     """Prior preservation's class images go after each bucket's own images, fitted to that bucket, from an
-    iterator (a user's full-size class photos are decoded and fitted one at a time, not held together)."""
+    iterator (a user's full-size class photos are decoded and fitted one at a time, not held together),
+    and decoded again from their files when read."""
     opts = parse_args(["--method", "lora", "--model", "m", "--data-dir", str(shaped_folder(sample_images, tmp_path,
                        MIXED)), "--instance-prompt", "a photo of sks toy", "--resolution", "64", "--bucket-step", "16"])
     images = load_training_images(opts)
     before = {part.size: len(part.members) for part in images.parts}
     wide = Image.open(sorted(sample_images.glob("*.png"))[0]).convert("RGB").resize((120, 60))
     tall = wide.transpose(Image.Transpose.ROTATE_90)
+    (tmp_path / "class").mkdir()
+    for name, img in (("wide", wide), ("tall", tall)):
+        img.save(tmp_path / "class" / f"{name}.png")
     drawn = []
-    assert images.add((drawn.append(img) or img for img in (wide, tall)), opts) == 2
+    assert images.add(((drawn.append(img) or tmp_path / "class" / f"{name}.png", img)
+                       for name, img in (("wide", wide), ("tall", tall))), opts) == 2
     for part in images.parts:
         assert part.pixels.shape[0] == part.crops.shape[0] == before[part.size] + 2 and part.crops.dtype == torch.long
         for row, img in zip(range(before[part.size], before[part.size] + 2), drawn, strict=True):

@@ -55,7 +55,7 @@ def test_wide_images_decode_to_mid_grey_in_buckets(tmp_path, mode, value, name):
                                               "<t>", "--initializer-token", "t", "--resolution", "32",
                                               "--bucket-step", "16", "--buckets", "on"]))
     assert images.bucketed
-    pixels = images.parts[0].pixels
+    pixels = images.parts[0].pixels[:]
     assert abs(float((pixels.mean() + 1) * 127.5) - 128) < 1.5
 
 

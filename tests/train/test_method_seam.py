@@ -1,12 +1,13 @@
-"""The method seam: a fake method, known to the loop only through train/methods' contract, trains,
-checkpoints, resumes, validates and saves a pipeline end to end (as the fake provider proves the
-provider seam). Had the loop reached past the contract (a textual inversion's ``embedding`` or
-``placeholder``, say), this method, which has neither, would fail with an AttributeError."""
+"""The method seam: a fake method, known to the toolkit only through its declaration (registered by name,
+as the built-in ones are) and train/methods' contract, takes its own options, trains, checkpoints,
+resumes, validates and saves a pipeline end to end (as the fake provider proves the provider seam). Had
+the loop reached past the contract (a textual inversion's ``embedding`` or ``placeholder``, say), this
+method, which has neither, would fail with an AttributeError; had the options named the built-in
+methods, its defaults and its refusals of the others' options would not be its declaration's."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections import Counter
 
 import pytest
@@ -14,8 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from xeontune.errors import UserError
 from xeontune.train import loop, methods
-from xeontune.train.options import parse_args
+from xeontune.train.methods import declaration
+from xeontune.train.options import build_parser, parse_args
 
 CALLS: Counter[str] = Counter()
 
@@ -78,17 +81,36 @@ class FakeMethod(methods.Method):
         yield
 
 
+METHOD = declaration.Declaration(
+    name="fake", summary="a bias on the UNet's output", implementation=FakeMethod, group="fake",
+    files=("fake",), defaults={"learning_rate": 2e-3, "output_dir": "fake_output", "random_flip": False})
+
+
 @pytest.fixture
-def fake_method(monkeypatch):
-    monkeypatch.setitem(methods.REGISTRY, "fake", FakeMethod)
+def fake_method():
+    declaration.register("fake", __name__)  # found by name, as the built-in methods' packages are
     CALLS.clear()
-    return CALLS
+    yield CALLS
+    declaration.unregister("fake")
 
 
 def fake_options(base_args, out, *extra):
-    ti = parse_args(base_args + ["--output-dir", str(out), "--mixed-precision", "fp32", *extra])
-    # the fake method's own options are none; textual inversion's are left at their defaults
-    return dataclasses.replace(ti, method="fake", placeholder_token=None, initializer_token=None)
+    # base_args are textual inversion's: its own options (the token) are not the fake method's
+    given = [a for a in base_args if a not in ("--placeholder-token", "<toy-bot>", "--initializer-token", "toy")]
+    return parse_args(["--method", "fake", *given, "--output-dir", str(out), "--mixed-precision", "fp32", *extra])
+
+
+def test_a_method_is_known_by_its_declaration_alone(fake_method, base_args, tmp_path):
+    opts = fake_options(base_args, tmp_path / "out")
+    assert opts.learning_rate == 2e-3 and not opts.random_flip  # its declared defaults
+    with pytest.raises(UserError, match="--placeholder-token is an option of --method textual_inversion, not of "
+                                        "--method fake"):
+        parse_args(["--method", "fake", *base_args])
+    with pytest.raises(UserError, match="--with-prior-preservation is prior preservation's, which --method fake "
+                                        "does not take"):
+        fake_options(base_args, tmp_path / "out", "--with-prior-preservation")
+    assert "fake: a bias on the UNet's output" in build_parser().format_help().replace("\n", " ").replace("  ", " ")
+    assert isinstance(methods.create(opts), FakeMethod)
 
 
 @pytest.mark.slow

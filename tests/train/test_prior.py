@@ -164,7 +164,8 @@ def test_prior_preservation_mistakes_are_one_line_errors(tiny_model, sample_imag
     ti = ["train", "--placeholder-token", "<x>", "--initializer-token", "toy", "--with-prior-preservation",
           *args[args.index("--class-data-dir"):args.index("--prior-loss-weight")], "--model", str(tiny_model),
           "--data-dir", str(sample_images)]
-    assert "is an option of --method lora" in one_line_error(capsys, ti)
+    assert "--with-prior-preservation is prior preservation's, which --method textual_inversion does not take" in \
+        one_line_error(capsys, ti)
     assert not (tmp_path / "class").exists()
 
 

@@ -16,7 +16,8 @@ from tests.one_line import one_line_error
 from xeontune.cli import main
 from xeontune.errors import UserError
 from xeontune.train import loop
-from xeontune.train.data import Batch, Latents, SamplePlan, load_images_with_crops, load_masks, masked_mse
+from xeontune.train.data import Batch, SamplePlan, load_images_with_crops, load_masks, masked_mse
+from xeontune.train.latent_cache import Latents
 from xeontune.train.prompts import image_prompts
 
 
@@ -225,6 +226,7 @@ def test_mask_mistakes_are_one_line_errors_before_the_model_loads(tiny_model, fo
     for i in range(1, 6):
         (folder / f"toy_0{i}.mask.png").unlink()
     caplog.clear()
+    caplog.set_level("WARNING", logger="xeontune.train.data")  # bench, run earlier in this process, quiets xeontune.train
     assert load_masks(paths, sizes_of(paths), 64, False) is not None and "toy_00.mask.png is black all over" in caplog.text
 
 

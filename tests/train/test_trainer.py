@@ -350,7 +350,7 @@ def test_latents_are_cached_a_bounded_number_of_pixels_at_a_time(tiny_model):
     fp32 activations); the cached latents do not depend on how the images were grouped."""
     from diffusers import AutoencoderKL
 
-    from xeontune.train.data import Latents
+    from xeontune.train.latent_cache import Latents
 
     vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae").eval()
     calls: list[int] = []
@@ -372,7 +372,8 @@ def test_only_the_images_a_step_can_draw_are_encoded(tiny_model):
     of both gives."""
     from diffusers import AutoencoderKL
 
-    from xeontune.train.data import Batch, Latents
+    from xeontune.train.data import Batch
+    from xeontune.train.latent_cache import Latents
 
     vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae").eval()
     encoded: list[torch.Tensor] = []
@@ -397,7 +398,7 @@ def test_only_the_images_a_step_can_draw_are_encoded(tiny_model):
 
 
 class ThreadRanks:
-    """``data.Spread`` for ranks that are threads of this process: gather meets at a barrier."""
+    """``latent_cache.Spread`` for ranks that are threads of this process: gather meets at a barrier."""
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -426,7 +427,7 @@ def test_ranks_share_the_latent_encoding_and_all_get_every_latent(tiny_model, si
     encodes; rank 0's progress counts about the whole job's."""
     from diffusers import AutoencoderKL
 
-    from xeontune.train.data import Latents, encode_latents
+    from xeontune.train.latent_cache import Latents, encode_latents
 
     vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae").eval()
     generator = torch.Generator().manual_seed(0)
@@ -457,7 +458,7 @@ def test_ranks_share_the_latent_encoding_and_all_get_every_latent(tiny_model, si
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:  # the cause first: the other ranks only saw the barrier break
         raise next((r for r in failed if not isinstance(r, threading.BrokenBarrierError)), failed[0])
-    assert calls == [len(range(r, rows, 3)) for r in range(3)] and sum(calls) == rows
+    assert max(calls) - min(calls) <= 1 and sum(calls) == rows
     assert done[0] >= rows
     for parts in results:
         assert isinstance(parts, list)

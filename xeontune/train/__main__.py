@@ -8,9 +8,10 @@ import signal
 import sys
 import time
 
+import xeontune.train.methods.declaration as methods
 from xeontune.errors import TrainingError, UserError
 from xeontune.quiet import quiet_libraries
-from xeontune.train.outputs import METHOD_FILES, learned_file
+from xeontune.train.outputs import learned_file
 
 
 def _configure_logging() -> None:
@@ -104,7 +105,7 @@ def _main(argv: list[str] | None) -> int:
         result = train(opts)
         if result.result_path:
             loss = "no step left to train" if result.final_loss is None else f"loss {result.final_loss:.4f}"
-            beside = [learned_file(stem) for stem in METHOD_FILES[opts.method][1:]  # LoRA: kohya's, a pivotal token's
+            beside = [learned_file(stem) for stem in methods.get(opts.method).files[1:]  # LoRA: kohya's, a pivotal token's
                       if (result.output_dir / learned_file(stem)).is_file()]
             also = f" and beside it {', '.join(beside)}" if beside else ""
             print(f"wrote {result.result_path}{also} ({loss} after {result.steps} steps)")

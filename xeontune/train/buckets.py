@@ -11,6 +11,7 @@ each image's original size, its crop and its bucket's size.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ from PIL import Image
 from xeontune.errors import UserError
 from xeontune.train.data import (
     Batch,
-    Latents,
+    Pixels,
     cover_box,
+    crop_of,
     decode_upright,
     eight_bit,
     fit_square,
@@ -33,6 +35,7 @@ from xeontune.train.data import (
     open_image,
     read_image_sizes,
 )
+from xeontune.train.latent_cache import Latents
 
 
 def bucket_sizes(resolution: int, step: int, max_ratio: float = 2.0) -> list[tuple[int, int]]:
@@ -56,23 +59,29 @@ def nearest_bucket(width: int, height: int, sizes: list[tuple[int, int]]) -> tup
 
 
 def fit_to_bucket(img: Image.Image, size: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
-    """The image scaled to cover ``size`` and center-cropped to it, in [-1, 1], and its crop in SDXL's
-    terms (as data.crop_of: original height and width, crop top and left in the scaled image, the
-    mirrored image's crop left)."""
-    box, scale = cover_box(img.width, img.height, size)
+    """The image scaled to cover ``size`` and center-cropped to it, in [-1, 1], and its crop
+    (``bucket_crop``)."""
+    box, _ = cover_box(img.width, img.height, size)
     pixels = eight_bit(img).convert("RGB").resize(size, Image.BICUBIC, box=box)
     array = np.asarray(pixels, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous(), bucket_crop(img.width, img.height, size)
+
+
+def bucket_crop(width: int, height: int, size: tuple[int, int]) -> tuple[int, int, int, int, int]:
+    """``fit_to_bucket``'s crop of a width x height image in SDXL's terms (as data.crop_of: original height
+    and width, crop top and left in the scaled image, the mirrored image's crop left)."""
+    box, scale = cover_box(width, height, size)
     top, left = round(box[1] * scale), round(box[0] * scale)
-    mirrored_left = max(0, round(img.width * scale) - size[0] - left)
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous(), (img.height, img.width, top, left, mirrored_left)
+    return height, width, top, left, max(0, round(width * scale) - size[0] - left)
 
 
 @dataclass
 class BucketImages:
-    """The images of one bucket: pixels (n, 3, H, W), crops (n, 5) and each one's index in the folder."""
+    """The images of one bucket: pixels (n, 3, H, W, decoded when read), crops (n, 5) and each one's index
+    in the folder."""
 
     size: tuple[int, int]  # (width, height)
-    pixels: torch.Tensor
+    pixels: Pixels
     crops: torch.Tensor
     members: list[int]
 
@@ -84,18 +93,21 @@ class TrainingImages:
     parts: list[BucketImages]  # one part of all the images at --resolution without buckets
     bucketed: bool
 
-    def add(self, upright: Iterable[Image.Image], opts: Any) -> int:
-        """Prior preservation's class images, after each part's own images, fitted to each part as they
-        come (one decoded image held at a time: a user's class photos may be full-size). How many."""
-        fitted: list[list[tuple[torch.Tensor, Any]]] = [[] for _ in self.parts]
-        for img in upright:
-            for part, into in zip(self.parts, fitted, strict=True):
-                into.append(_fit(img, part.size, self.bucketed, opts))
-        for part, into in zip(self.parts, fitted, strict=True):
+    def add(self, found: Iterable[tuple[Path, Image.Image]], opts: Any) -> int:
+        """Prior preservation's class images (path and decoded image), after each part's own images,
+        fitted to each part as they come (one decoded image held at a time: a user's class photos may be
+        full-size), their pixels decoded again when read. How many."""
+        paths: list[Path] = []
+        crops: list[list[Any]] = [[] for _ in self.parts]
+        for path, img in found:
+            paths.append(path)
+            for part, into in zip(self.parts, crops, strict=True):
+                into.append(_crop(img, path.name, part.size, self.bucketed, opts))
+        for part, into in zip(self.parts, crops, strict=True):
             if into:
-                part.pixels = torch.cat([part.pixels, torch.stack([f[0] for f in into])])
-                part.crops = torch.cat([part.crops, torch.tensor([f[1] for f in into], dtype=torch.long)])
-        return len(fitted[0])
+                part.pixels.extend(paths, fitter(part.size, self.bucketed, opts))
+                part.crops = torch.cat([part.crops, torch.tensor(into, dtype=torch.long)])
+        return len(paths)
 
 
 Parts = list[tuple[tuple[int, int], list[int]]]  # each part's (width, height) and its images' indices
@@ -127,17 +139,18 @@ def bucket_layout(sizes: list[tuple[int, int]], opts: Any) -> Layout:
 
 
 def load_training_images(opts: Any) -> TrainingImages:
-    """--data-dir's images as ``bucket_layout`` lays them out, fitted. The layout comes from the headers;
-    then each image is decoded and fitted on its own, so one full-size photo is held at a time, not all.
-    An image whose pixels do not decode is skipped (with a warning), and one that decodes to another
-    size than its header said is taken at that size: the folder is then laid out again, once."""
+    """--data-dir's images as ``bucket_layout`` lays them out, each decoded once here to check it and take
+    its crop, one at a time (a full-size photo held at a time, not all), and decoded again when trained
+    on (``Pixels``). The layout comes from the headers; an image whose pixels do not decode is skipped
+    (with a warning), and one that decodes to another size than its header said is taken at that size:
+    the folder is then laid out again, once."""
     found = dict(read_image_sizes(opts.data_dir))
     while True:
         paths, sizes = list(found), list(found.values())
         bucketed, layout = bucket_layout(sizes, opts)
         parts = []
         for size, members in layout:
-            fitted = []
+            crops = []
             for i in members:
                 upright = open_image(paths[i], decode_upright)
                 if upright is None:  # its header read, its pixels did not: skipped (warned)
@@ -145,22 +158,43 @@ def load_training_images(opts: Any) -> TrainingImages:
                 elif upright.size != sizes[i]:  # its orientation was not where its header said
                     found[paths[i]] = upright.size
                 else:
-                    fitted.append(_fit(upright, size, bucketed, opts))
-            parts.append((size, members, fitted))
+                    crops.append(_crop(upright, paths[i].name, size, bucketed, opts))
+            parts.append((size, members, crops))
         if found == dict(zip(paths, sizes, strict=True)):
-            return TrainingImages(paths, sizes, [
-                BucketImages(size, torch.stack([f[0] for f in fitted]),
-                             torch.tensor([f[1] for f in fitted], dtype=torch.long), members)
-                for size, members, fitted in parts], bucketed)
+            images = TrainingImages(paths, sizes, [], bucketed)
+            for size, members, crops in parts:
+                pixels = Pixels(size[1], size[0])
+                pixels.extend([paths[i] for i in members], fitter(size, bucketed, opts))
+                images.parts.append(BucketImages(size, pixels, torch.tensor(crops, dtype=torch.long), members))
+            return images
         if not found:
             raise UserError(no_readable_image(Path(opts.data_dir)))
 
 
-def _fit(upright: Image.Image, size: tuple[int, int], bucketed: bool, opts: Any) -> tuple[torch.Tensor, Any]:
+def random_crop_seed(opts: Any) -> int | None:
+    """The seed of --random-crop's places (data.square_box), None without it."""
+    return opts.seed if getattr(opts, "random_crop", False) else None
+
+
+def _crop(upright: Image.Image, name: str, size: tuple[int, int], bucketed: bool, opts: Any) -> list[int]:
+    """An image's crop (data.crop_of) as ``fitter``'s pixels take it, from its size alone."""
     if bucketed:
-        return fit_to_bucket(upright, size)
-    pixels, crops = fit_square([upright], opts.resolution, opts.center_crop)
-    return pixels[0], crops[0].tolist()
+        return list(bucket_crop(upright.width, upright.height, size))
+    return list(crop_of(upright.width, upright.height, opts.resolution, opts.center_crop, random_crop_seed(opts), name))
+
+
+def fitter(size: tuple[int, int], bucketed: bool, opts: Any):
+    """What ``Pixels`` fits each decoded image with: ``_fit``'s pixels, without holding the options."""
+    chosen = {"resolution": opts.resolution, "center_crop": opts.center_crop, "random_crop": getattr(opts, "random_crop", False),
+              "seed": opts.seed}
+    return functools.partial(_fitted_pixels, size=size, bucketed=bucketed, **chosen)
+
+
+def _fitted_pixels(upright: Image.Image, name: str, size: tuple[int, int], bucketed: bool, resolution: int,
+                   center_crop: bool, random_crop: bool, seed: int) -> torch.Tensor:
+    if bucketed:
+        return fit_to_bucket(upright, size)[0]
+    return fit_square(upright, resolution, center_crop, seed if random_crop else None, name)[0]
 
 
 class BucketLatents:

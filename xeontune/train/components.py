@@ -17,7 +17,7 @@ from typing import Any
 
 from xeontune import hardware
 from xeontune.errors import UserError
-from xeontune.io import fsync_path
+from xeontune.io import CACHE_ENV, cache_root, fsync_path
 from xeontune.quiet import quiet_progress_bars
 
 log = logging.getLogger(__name__)
@@ -274,7 +274,7 @@ def not_found_message(model: str, gated: bool = False) -> str:
     return f"model {model!r} was not found on the Hugging Face hub: {why}{hint}"
 
 
-BF16_CACHE_ENV = "XEONTUNE_CACHE"
+BF16_CACHE_ENV = CACHE_ENV  # the bf16 copies live in the project's cache (io.cache_root)
 
 
 # Where each part's weights file is in a pipeline, and what its bf16 copy holds (see below).
@@ -283,7 +283,7 @@ WEIGHT_STEMS = {"unet": "diffusion_pytorch_model", "vae": "diffusion_pytorch_mod
 TEXT_LINEARS_FILE = "linears.safetensors"
 
 
-def _weights_files(model: str, part: str, revision: str | None, variant: str | None) -> list[Path]:
+def weights_files(model: str, part: str, revision: str | None, variant: str | None) -> list[Path]:
     """``part``'s weights on this disk (a local pipeline, or the hub cache): one file, or a sharded
     checkpoint's index and its shards (what `save_pretrained` writes above its shard size, as for an
     SDXL UNet in fp32); empty when they are not on disk."""
@@ -320,7 +320,7 @@ def files_dtype(model: str, part: str, revision: str | None, variant: str | None
     from safetensors import safe_open
 
     local = Path(model).expanduser()
-    files = _weights_files(str(local) if local.exists() else model, part, revision, variant)
+    files = weights_files(str(local) if local.exists() else model, part, revision, variant)
     first = next((f for f in files if f.suffix == ".safetensors"), None)
     if first is None:
         return None
@@ -333,7 +333,7 @@ def files_dtype(model: str, part: str, revision: str | None, variant: str | None
 def bf16_copy_dir(model: str, revision: str | None, variant: str | None, part: str = "unet") -> Path | None:
     """Where the bf16 copy of this model's ``part`` lives: named by its source files' paths, sizes and
     modification times, so an updated model gets a new copy. None when the source is not on disk."""
-    sources = _weights_files(model, part, revision, variant)
+    sources = weights_files(model, part, revision, variant)
     if not sources:
         return None
     stamp = []
@@ -341,7 +341,7 @@ def bf16_copy_dir(model: str, revision: str | None, variant: str | None, part: s
         stat = source.stat()
         stamp.append(f"{source}|{stat.st_size}|{stat.st_mtime_ns}")
     key = hashlib.sha1("\n".join(stamp).encode()).hexdigest()[:16]
-    root = Path(os.environ.get(BF16_CACHE_ENV) or Path.home() / ".cache" / "xeontune")
+    root = cache_root()
     return root / f"{part.replace('_', '-')}-bf16" / key
 
 
@@ -410,7 +410,7 @@ def _write_unet_copy(model: str, revision: str | None, variant: str | None, fold
 
     from xeontune.train import tensorfiles
 
-    sources = _weights_files(model, "unet", revision, variant)
+    sources = weights_files(model, "unet", revision, variant)
     config_file = sources[0].parent / "config.json" if sources else None
     if config_file is None or not config_file.is_file():
         raise tensorfiles.Unreadable("no config.json beside the UNet's weights")

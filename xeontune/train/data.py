@@ -16,10 +16,11 @@ import hashlib
 import logging
 import math
 import struct
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,17 +106,51 @@ def load_images_with_crops(
     data_dir: str | Path, resolution: int, center_crop: bool, limit: int | None = None
 ) -> tuple[torch.Tensor, list[Path], torch.Tensor]:
     """``load_images`` plus each image's crop, (N, 5) long: see ``crop_of``. ``limit``: the first so
-    many images by name (prior preservation's --num-class-images)."""
+    many images by name."""
     paths, upright = zip(*read_images(data_dir, limit), strict=True)
-    images, crops = fit_square(list(upright), resolution, center_crop)
-    return images, list(paths), crops
+    fitted = [fit_square(img, resolution, center_crop) for img in upright]
+    return torch.stack([f[0] for f in fitted]), list(paths), torch.tensor([f[1] for f in fitted], dtype=torch.long)
 
 
-def fit_square(upright: list[Image.Image], resolution: int, center_crop: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The images as training takes them without buckets, (N, 3, R, R), and their crops (N, 5)."""
-    pixels = torch.stack([preprocess(img, resolution, center_crop) for img in upright])
-    crops = [crop_of(img.width, img.height, resolution, center_crop) for img in upright]
-    return pixels, torch.tensor(crops, dtype=torch.long)
+def fit_square(upright: Image.Image, resolution: int, center_crop: bool, random_crop: int | None = None,
+               name: str = "") -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
+    """An image as training takes it without buckets, (3, R, R), and its crop (``crop_of``)."""
+    return (preprocess(upright, resolution, center_crop, random_crop, name),
+            crop_of(upright.width, upright.height, resolution, center_crop, random_crop, name))
+
+
+class Pixels:
+    """Training images as one bucket's (n, 3, H, W) tensor in [-1, 1] would hold them, each decoded from its
+    file and fitted (``fit``: upright image -> pixels) when asked: a thousand 512 px images are 3 GB in fp32,
+    and the latent cache needs each one once. A file that no longer decodes is a one-line error."""
+
+    def __init__(self, height: int, width: int) -> None:
+        self.height, self.width = height, width
+        self.sources: list[tuple[Path, Callable[[Image.Image, str], torch.Tensor]]] = []
+
+    def extend(self, paths: list[Path], fit: Callable[[Image.Image, str], torch.Tensor]) -> None:
+        self.sources += [(path, fit) for path in paths]
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self), 3, self.height, self.width))
+
+    def _one(self, i: int) -> torch.Tensor:
+        path, fit = self.sources[i]
+        pixels = open_image(path, lambda img: fit(decode_upright(img), path.name))
+        if pixels is None:
+            raise UserError(f"{path} no longer reads as the image it was when training started: keep the training "
+                            "images as they are while a run trains on them")
+        return pixels
+
+    def __getitem__(self, index: int | slice | list[int] | torch.Tensor) -> torch.Tensor:
+        if isinstance(index, int):
+            return self._one(index)
+        rows = range(len(self))[index] if isinstance(index, slice) else torch.as_tensor(index).reshape(-1).tolist()
+        return torch.stack([self._one(i) for i in rows]) if len(rows) else torch.empty(0, 3, self.height, self.width)
 
 
 def read_images(data_dir: str | Path, limit: int | None = None) -> Iterator[tuple[Path, Image.Image]]:
@@ -283,26 +318,45 @@ def cover_box(width: int, height: int, size: tuple[int, int]) -> tuple[tuple[flo
     return (left, top, left + crop_w, top + crop_h), scale
 
 
-def crop_of(width: int, height: int, resolution: int, center_crop: bool) -> tuple[int, int, int, int, int]:
+def square_box(width: int, height: int, center_crop: bool, random_crop: int | None = None,
+               name: str = "") -> tuple[int, int, int] | None:
+    """The square (left, top, side) that ``preprocess`` cuts from a width x height image before resizing it,
+    or None: the whole image squeezed to a square. ``random_crop``: the seed of a place drawn once per image
+    (from the seed and the file's ``name``, so the same on every rank and every run; train_text_to_image.py's
+    RandomCrop, drawn once as its SDXL twin does where it caches latents); else ``center_crop``'s centred one."""
+    side = min(width, height)
+    if random_crop is not None:
+        draw = sample_generator(random_crop, zlib.crc32(name.encode()))
+        left, top = (int(torch.randint(0, extra + 1, (1,), generator=draw)) for extra in (width - side, height - side))
+        return left, top, side
+    if center_crop:
+        return (width - side) // 2, (height - side) // 2, side
+    return None
+
+
+def crop_of(width: int, height: int, resolution: int, center_crop: bool, random_crop: int | None = None,
+            name: str = "") -> tuple[int, int, int, int, int]:
     """What ``preprocess`` takes from a width x height image, in SDXL's terms: (original height, original
     width, crop top, crop left, crop left of the mirrored image). SDXL counts the corner in the image
     resized so that its shorter side is the resolution: preprocess crops first and resizes the square
-    after, which is the same crop, scaled. Without --center-crop the whole image is squeezed: (0, 0)."""
-    if not center_crop:
+    after, which is the same crop, scaled. Without a crop the whole image is squeezed: (0, 0)."""
+    box = square_box(width, height, center_crop, random_crop, name)
+    if box is None:
         return height, width, 0, 0, 0
-    side = min(width, height)
+    left, top, side = box
     scale = resolution / side
-    top, left = round((height - side) // 2 * scale), round((width - side) // 2 * scale)
-    return height, width, top, left, round(width * scale) - resolution - left
+    top, left = round(top * scale), round(left * scale)
+    return height, width, top, left, max(0, round(width * scale) - resolution - left)
 
 
 def load_masks(paths: list[Path], sizes: list[tuple[int, int]], resolution: int, center_crop: bool,
-               bucket: tuple[int, int] | None = None) -> torch.Tensor | None:
+               bucket: tuple[int, int] | None = None, random_crop: int | None = None) -> torch.Tensor | None:
     """Each image's loss weights at latent resolution, (N, 1, R/8, R/8) in [0, 1], from ``IMAGE.mask.png``
     (cropped as its image is, then area-averaged, so a mask's edge weighs in between); an image without
     a mask weighs 1 everywhere. None when no image has a mask: the loss is then computed as always.
     ``sizes``: the images' upright (width, height), which a mask must match (``upright_size``).
-    ``bucket``: the images' bucket (width, height), which they were fitted to (``fit_to_bucket``)."""
+    ``bucket``: the images' bucket (width, height), which they were fitted to (``fit_to_bucket``);
+    ``random_crop``: the seed of --random-crop's places (``square_box``)."""
     if not any(mask_path(p).is_file() for p in paths):
         return None
     width, height = bucket or (resolution, resolution)
@@ -322,9 +376,9 @@ def load_masks(paths: list[Path], sizes: list[tuple[int, int]], resolution: int,
                     box, _ = cover_box(upright.width, upright.height, bucket)
                     small = upright.resize((width // 8, height // 8), Image.BOX, box=box)
                 else:
-                    if center_crop:
-                        edge = min(upright.size)
-                        left, top = (upright.width - edge) // 2, (upright.height - edge) // 2
+                    box = square_box(upright.width, upright.height, center_crop, random_crop, path.name)
+                    if box is not None:
+                        left, top, edge = box
                         upright = upright.crop((left, top, left + edge, top + edge))
                     small = upright.resize((width // 8, height // 8), Image.BOX)
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
@@ -344,11 +398,12 @@ def image_set_digest(paths: list[Path]) -> str:
     return f"{len(paths)} images, {digest.hexdigest()[:12]}"
 
 
-def preprocess(img: Image.Image, resolution: int, center_crop: bool) -> torch.Tensor:
+def preprocess(img: Image.Image, resolution: int, center_crop: bool, random_crop: int | None = None,
+               name: str = "") -> torch.Tensor:
     img = eight_bit(img).convert("RGB")
-    if center_crop:
-        side = min(img.size)
-        left, top = (img.width - side) // 2, (img.height - side) // 2
+    box = square_box(img.width, img.height, center_crop, random_crop, name)
+    if box is not None:
+        left, top, side = box
         img = img.crop((left, top, left + side, top + side))
     img = img.resize((resolution, resolution), Image.BICUBIC)
     array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
@@ -539,144 +594,6 @@ class SamplePlan:
             instance_count=len(positions) if self.num_class_images else None,
             bucket=bucket,
         )
-
-
-class Spread(Protocol):
-    """The ranks of a job, to share work out (``loop.Sync``): this rank, how many, and every rank's value."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world(self) -> int: ...
-
-    def gather(self, value: Any) -> list[Any]: ...
-
-
-def drawn_sides(flip_p: float) -> list[bool]:
-    """Which sides of an image a step can draw (False: as it is, True: mirrored): only those are encoded,
-    so --no-random-flip (flip_p 0) halves the VAE's work."""
-    return [mirrored for mirrored, drawn in ((False, flip_p < 1), (True, flip_p > 0)) if drawn]
-
-
-class Latents:
-    """VAE latents of the training images.
-
-    With ``cached=True`` each image's latent distribution (and its mirror image's, where ``flip_p``
-    lets a step draw it) is encoded once; a step draws ``mean + std * eps`` from it, which is exactly
-    what encoding every step computes. With ``cached=False`` the VAE encodes every step (what the common example
-    script does). ``crops`` (from ``load_images_with_crops``) are kept per image and per mirror image,
-    for SDXL's time_ids. ``encode=False`` leaves the cache to the caller's ``encode_latents`` (the
-    buckets of a run encoded together).
-    """
-
-    def __init__(self, vae: torch.nn.Module, images: torch.Tensor, cached: bool, encode_batch: int | None = None,
-                 crops: torch.Tensor | None = None, masks: torch.Tensor | None = None, flip_p: float = 0.5,
-                 encode: bool = True) -> None:
-        self.vae: torch.nn.Module | None = vae  # None once the caller frees it (cached mode)
-        self.images = images
-        self.cached = cached
-        # loss weights of [originals, mirrored] (from load_masks), as the square roots masked_mse takes
-        self.masks = None if masks is None else torch.cat([masks, masks.flip(-1)]).sqrt()
-        if crops is None:
-            n, _, h, w = images.shape
-            crops = torch.tensor([[h, w, 0, 0, 0]] * n)
-        # (original h, original w, crop top, crop left) of [originals, mirrored], indexed as the cache
-        self.crops = torch.cat([crops[:, :4], torch.cat([crops[:, :3], crops[:, 4:]], dim=1)])
-        self.scaling = float(getattr(vae.config, "scaling_factor", 0.18215))
-        self.sides = drawn_sides(flip_p)
-        self.per_call = encode_batch or self.encode_batch(images)
-        self.mean: torch.Tensor | None = None  # the cache: one row per image and drawn side, sides in order
-        self.std: torch.Tensor | None = None
-        if cached and encode:
-            encode_latents([self])
-
-    def side_pixels(self, rows: list[int]) -> torch.Tensor:
-        """The pixels of cache rows ``rows`` (row k: image k % n, on side k // n)."""
-        n = len(self.images)
-        return torch.stack([self.images[k % n].flip(-1) if self.sides[k // n] else self.images[k % n] for k in rows])
-
-    @staticmethod
-    def encode_batch(images: torch.Tensor) -> int:
-        """Images per VAE call when caching: up to 512 x 512 pixels' worth. The fp32 encoder's
-        full-resolution activations are 0.5 GB per 1024 px image and several are alive at once: four
-        1024 px images at a time raised an SDXL bf16 run's peak RSS from 12.4 to 21.8 GB. One at a
-        time computes the same latents."""
-        return max(1, (512 * 512) // (images.shape[-1] * images.shape[-2]))
-
-    @torch.no_grad()
-    def _encode(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dist = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist  # the bench's baseline VAE is bf16
-        return dist.mean.float(), dist.std.float()
-
-    def latent_shape(self) -> tuple[int, int, int]:
-        if self.mean is not None:
-            return tuple(self.mean.shape[1:])  # type: ignore[return-value]
-        mean, _ = self._encode(self.images[:1])
-        return tuple(mean.shape[1:])  # type: ignore[return-value]
-
-    def time_ids(self, batch: Batch) -> torch.Tensor:
-        """SDXL's six size conditions per sample: original size, crop top-left, target size (B, 6): the
-        images' own (height, width), the resolution or their bucket's."""
-        crops = self.crops[batch.image_index + batch.flip.long() * len(self.images)]
-        target = torch.tensor(list(self.images.shape[-2:])).expand(len(crops), 2)
-        return torch.cat([crops, target], dim=1).float()
-
-    def mask(self, batch: Batch) -> torch.Tensor | None:
-        """The batch's loss weights' square roots (B, 1, h, w), or None when no image has a mask."""
-        if self.masks is None:
-            return None
-        return self.masks[batch.image_index + batch.flip.long() * len(self.images)]
-
-    def sample(self, batch: Batch) -> torch.Tensor:
-        if self.cached:
-            assert self.mean is not None and self.std is not None
-            if len(self.sides) == 2:
-                index = batch.image_index + batch.flip.long() * len(self.images)
-            else:  # one side encoded: the plan, drawing flips with the same flip_p, draws only that one
-                assert bool((batch.flip == self.sides[0]).all()), "a flip drawn that flip_p rules out"
-                index = batch.image_index
-            mean, std = self.mean[index], self.std[index]
-        else:
-            pixels = self.images[batch.image_index]
-            pixels = torch.where(batch.flip[:, None, None, None], pixels.flip(-1), pixels)
-            mean, std = self._encode(pixels)
-        return (mean + std * batch.latent_eps) * self.scaling
-
-
-def encode_latents(parts: list[Latents], spread: Spread | None = None,
-                   progress: Callable[[int], object] | None = None) -> None:
-    """Fill the caches of ``parts`` (a run's buckets): every part's rows in one list, row j rank
-    ``j % N``'s, so that N ranks each encode about 1/N of them whatever the buckets (N ranks on a node
-    each encoding everything took N times as long); one gather gives every rank every row. Each rank
-    builds only its own rows' pixels. ``progress`` (rank 0's bar) counts what all ranks encoded, taking
-    the others to keep pace."""
-    rank, world = (spread.rank, spread.world) if spread else (0, 1)
-    rows = [(p, k) for p, part in enumerate(parts) for k in range(len(part.images) * len(part.sides))]
-    own = rows[rank::world]
-    mine: dict[int, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
-    for p, part in enumerate(parts):
-        ks = [k for q, k in own if q == p]
-        for first in range(0, len(ks), part.per_call):
-            chunk = ks[first:first + part.per_call]
-            mean, std = part._encode(part.side_pixels(chunk))
-            done = mine.setdefault(p, ([], [], []))
-            done[0].extend(chunk)
-            done[1].append(mean)
-            done[2].append(std)
-            if progress:
-                progress(len(chunk) * world)
-    share = {p: (torch.tensor(ks), torch.cat(means), torch.cat(stds)) for p, (ks, means, stds) in mine.items()}
-    del mine  # the gather holds every rank's share at once: not this one's twice
-    gathered = spread.gather(share) if spread and world > 1 else [share]
-    for p, part in enumerate(parts):
-        got = [g[p] for g in gathered if p in g]
-        count = len(part.images) * len(part.sides)
-        assert sum(len(ks) for ks, _, _ in got) == count, "a latent row no rank encoded"
-        part.mean = got[0][1].new_empty(count, *got[0][1].shape[1:])
-        part.std = torch.empty_like(part.mean)
-        for ks, mean, std in got:
-            part.mean[ks], part.std[ks] = mean, std
 
 
 def sample_loss(pred: torch.Tensor, target: torch.Tensor, root_weight: torch.Tensor | None, batch: Batch,

@@ -58,14 +58,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xeontune.errors import UserError
-from xeontune.io import atomic_dir, disk_errors
+from xeontune.io import atomic_dir, cache_root, disk_errors
 
 if TYPE_CHECKING:
     from xeontune.train.options import TrainOptions
 
 log = logging.getLogger("xeontune.train")
 
-CACHE_ENV = "XEONTUNE_CACHE"  # the project's cache (components.BF16_CACHE_ENV's too)
 EXPORT_ENV = "XEONTUNE_DATASET_EXPORT"  # {"source": ..., "dir": ...}: the export a parent process made
 EXPORT_RECORD = ".xeontune-dataset.json"  # in every complete export: what it holds
 EXPORT_FORMAT = 1  # part of the key: a change to what an export holds makes a new one
@@ -97,10 +96,6 @@ class Source:
         raw = self.given if self.kind == "hub" else (self.path or self.files[0]).name
         raw = raw.replace("/", "--")
         return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(raw).stem if self.kind != "hub" else raw)[:40] or "dataset"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "xeontune")
 
 
 def exports_dir() -> Path:

@@ -26,22 +26,28 @@ import torch
 
 from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
-from xeontune.io import atomic_write_json, atomic_write_text, disk_errors, file_in_the_way
-from xeontune.train import checkpoint, lock, methods, preempt, prior, report, saving, validation
-from xeontune.train.buckets import BucketLatents, Parts, TrainingImages, bucket_layout, load_training_images
+from xeontune.io import atomic_write_json, atomic_write_text, cache_root, disk_errors, file_in_the_way
+from xeontune.train import checkpoint, latent_cache, lock, methods, preempt, prior, report, saving, validation
+from xeontune.train.buckets import (
+    BucketLatents,
+    Parts,
+    TrainingImages,
+    bucket_layout,
+    load_training_images,
+    random_crop_seed,
+)
 from xeontune.train.components import (
     Components,
     cast_text_encoder_linears,
     load,
     model_identity,
     unet_dtype,
+    weights_files,
 )
 from xeontune.train.data import (
     Batch,
-    Latents,
     SamplePlan,
     check_mask_files,
-    encode_latents,
     image_set_digest,
     load_masks,
     min_snr_weights,
@@ -52,6 +58,7 @@ from xeontune.train.data import (
     seed_global_rng,
 )
 from xeontune.train.forecast import Forecast
+from xeontune.train.latent_cache import Latents, encode_latents
 from xeontune.train.options import TrainOptions
 from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, VALIDATION_IMAGE_RE
 from xeontune.train.prompts import ImagePrompts, image_prompts, prompts_digest
@@ -416,7 +423,8 @@ def _masks_and_prompts(opts: TrainOptions, paths: list[Path], sizes: list[tuple[
                        bucketed: bool) -> tuple[list[torch.Tensor | None], ImagePrompts | None, methods.Method]:
     check_mask_files(opts.data_dir)
     masks = [load_masks([paths[i] for i in members], [sizes[i] for i in members], opts.resolution,
-                        opts.center_crop, size if bucketed else None) for size, members in layout]
+                        opts.center_crop, size if bucketed else None, random_crop_seed(opts))
+             for size, members in layout]
     if all(m is not None and not m.any() for m in masks):
         raise UserError(f"every image's mask in {opts.data_dir} is black all over, so nothing would train: "
                         "white marks what the loss counts (IMAGE.mask.png)")
@@ -574,10 +582,10 @@ def _setup(
         prior.ensure_class_images(components, method, opts, sync, lambda: precision_autocast(precision))
         class_paths: list[Path] = []
 
-        def each_class_image() -> Iterator[Any]:
+        def each_class_image() -> Iterator[tuple[Path, Any]]:
             for path, img in read_images(opts.class_data_dir, limit=opts.num_class_images):
                 class_paths.append(path)
-                yield img
+                yield path, img
 
         num_class_images = images.add(each_class_image(), opts)  # into every bucket (each batch is of one)
         sync.check_same(image_set_digest(class_paths), "class images")
@@ -694,24 +702,45 @@ def release_text_encoders(components: Components) -> None:
 
 def cache_latents(components: Components, images: TrainingImages, masks: list[torch.Tensor | None],
                   opts: TrainOptions, sync: Sync, main: bool) -> BucketLatents:
-    """The latents of every bucket's images: encoded once, the ranks sharing the work out (or every
-    step, with --no-cache-latents), a bar on a terminal and the time in the log: minutes for many images."""
+    """The latents of every bucket's images: encoded once, the ranks sharing the work out, kept in
+    --latent-cache-dir for later runs and restarts (or every step, with --no-cache-latents), a bar on a
+    terminal and the time in the log: minutes for many images."""
     from tqdm.auto import tqdm
 
     parts = [Latents(components.vae, part.pixels, cached=opts.cache_latents, crops=part.crops, masks=mask,
                      flip_p=opts.flip_p, encode=False) for part, mask in zip(images.parts, masks, strict=True)]
     if opts.cache_latents:
         started = time.perf_counter()
+        root = latent_cache_root(opts, components, parts)
         count = sum(len(part.images) * len(part.sides) for part in parts)
         with tqdm(total=count, desc="latents", unit="latent", disable=not (main and sys.stderr.isatty())) as bar:
-            encode_latents(parts, sync, lambda n: bar.update(min(n, bar.total - bar.n)))
+            read = encode_latents(parts, sync, lambda n: bar.update(min(n, bar.total - bar.n)), root)
             bar.update(bar.total - bar.n)
         if main:
             sides = {(False,): "each image", (True,): "each image's mirror image",
                      (False, True): "each image and its mirror image"}[tuple(parts[0].sides)]
-            log.info("cached %d latents (%s) in %.1f s over %d rank(s)", count, sides,
-                     time.perf_counter() - started, sync.world)
+            where = f"; {read} read from" if read else "; kept in"
+            log.info("cached %d latents (%s) in %.1f s over %d rank(s)%s", count, sides,
+                     time.perf_counter() - started, sync.world,
+                     f"{where} {latent_cache.describe(root)}" if root else "")
     return BucketLatents(parts)
+
+
+def latent_cache_root(opts: TrainOptions, components: Components, parts: list[Latents]) -> Path | None:
+    """The folder of these latents in --latent-cache-dir (None: in memory only), named by what decides
+    them: the images and their crops (the parts'), the VAE's files and dtype, and how it runs."""
+    if opts.latent_cache_dir is not None and opts.latent_cache_dir.strip().lower() == "none":
+        return None
+    base = Path(opts.latent_cache_dir).expanduser() if opts.latent_cache_dir else cache_root() / "latents"
+    local = Path(opts.model).expanduser()
+    model = str(local.resolve()) if local.exists() else opts.model
+    files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
+             for f in weights_files(model, "vae", opts.revision, opts.variant)]
+    identity = {"model": model, "revision": opts.revision, "variant": opts.variant, "vae_files": files,
+                "vae_dtype": str(components.vae.dtype), "vae": type(components.vae).__name__,
+                "precision": opts.mixed_precision, "fit": [opts.resolution, opts.center_crop, opts.random_crop,
+                                                           opts.seed if opts.random_crop else None]}
+    return base / latent_cache.cache_key(parts, identity)
 
 
 def release_vae_parts(components: Components, latents: BucketLatents, opts: TrainOptions) -> None:

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import xeontune.train.methods.declaration as methods
 from xeontune.errors import UserError
 
 log = logging.getLogger(__name__)
 
-METHOD_NAMES = ("textual_inversion", "lora", "full")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
 
@@ -34,10 +34,8 @@ def opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tupl
 
 @dataclass
 class TrainOptions:
-    method: str = opt("textual_inversion", "what trains: textual_inversion (a new token's vectors; the models stay "
-                      "frozen), lora (low-rank adapters on the UNet's attention, and on the text encoders with "
-                      "--train-text-encoder) or full (every weight of the UNet, and of the text encoders with "
-                      "--train-text-encoder); see docs/training.md", choices=METHOD_NAMES, group="method")
+    method: str = opt("textual_inversion", "Each method's own options are in its group below; see docs/training.md",
+                      group="method")  # choices and their help: train/methods' declarations
     # model and data
     model: str | None = opt(None, "hub id or local path of a Stable Diffusion 1.x/2.x or SDXL pipeline (required)",
                             aliases=("--pretrained_model_name_or_path",), group="model and data")
@@ -84,17 +82,17 @@ class TrainOptions:
                                       "the adapters train", group="lora")
     with_prior_preservation: bool = opt(False, "DreamBooth's prior preservation: train on class images too "
                                         "(--class-data-dir, --class-prompt), so the model keeps drawing the class "
-                                        "as it did", group="lora")
+                                        "as it did", group="prior preservation")
     class_data_dir: str | None = opt(None, "folder of class images; the missing ones (of --num-class-images) are "
-                                     "generated there by the base model before training", group="lora")
-    class_prompt: str | None = opt(None, "the class images' prompt, e.g. 'a photo of a dog'", group="lora")
+                                     "generated there by the base model before training", group="prior preservation")
+    class_prompt: str | None = opt(None, "the class images' prompt, e.g. 'a photo of a dog'", group="prior preservation")
     num_class_images: int = opt(100, "class images to train on (the folder's first by name; generated up to "
-                                "this many)", group="lora")
-    prior_loss_weight: float = opt(1.0, "weight of the class images' loss beside the instance images'", group="lora")
-    class_inference_steps: int = opt(25, "denoising steps per generated class image", group="lora")
+                                "this many)", group="prior preservation")
+    prior_loss_weight: float = opt(1.0, "weight of the class images' loss beside the instance images'", group="prior preservation")
+    class_inference_steps: int = opt(25, "denoising steps per generated class image", group="prior preservation")
     sample_batch_size: int = opt(4, "class images each rank generates per pipeline call (as the example's "
                                  "--sample_batch_size; more threads a rank fill better with more, at more memory)",
-                                 group="lora")
+                                 group="prior preservation")
     train_text_encoder: bool = opt(False, "lora: also put adapters on the text encoder(s)' q_proj, k_proj, v_proj "
                                    "and out_proj; full: train the text encoder(s) too (else their outputs are "
                                    "computed once per prompt)", group="lora")
@@ -108,6 +106,12 @@ class TrainOptions:
     resolution: int = opt(512, "training image side in pixels (a multiple of 8)", group="model and data")
     center_crop: bool = opt(False, "crop images to a centered square before resizing (without buckets)",
                             group="model and data")
+    random_crop: bool = opt(False, "crop images to a square at a random place before resizing, drawn once per image "
+                            "from --seed (train_text_to_image.py's default; without buckets)", group="model and data")
+    latent_cache_dir: str | None = opt(None, "where the images' VAE latents are kept, so that they are encoded once: "
+                                       "a later run on the same images, or one restarted after a crash, reads them "
+                                       "(default: $XEONTUNE_CACHE/latents, ~/.cache/xeontune/latents); 'none' keeps "
+                                       "them in memory only", group="model and data")
     buckets: str = opt("auto", "aspect-ratio buckets: each image trains at the size of about --resolution squared "
                        "pixels nearest its aspect ratio (1:2 to 2:1), each batch from one bucket; auto: on when "
                        "some image is not nearest the square", choices=("auto", "on", "off"), group="model and data")
@@ -253,11 +257,10 @@ def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         # short: argparse prints the usage above every error, and all ~80 options made it 60 lines
-        usage=f"%(prog)s [--method {{{','.join(METHOD_NAMES)}}}] --model MODEL (--data-dir DIR | --dataset DATASET) "
+        usage=f"%(prog)s [--method {{{','.join(methods.names())}}}] --model MODEL (--data-dir DIR | --dataset DATASET) "
         "[options]",
-        description="Fine-tune a Stable Diffusion pipeline on a few images. --method textual_inversion (the "
-        "default) learns a new token's vectors, everything else frozen; --method lora learns low-rank adapters "
-        "on the UNet's attention (and the text encoders' with --train-text-encoder) beside the frozen weights.",
+        description="Fine-tune a Stable Diffusion pipeline: a new token (--method textual_inversion, the default), "
+        "low-rank adapters (--method lora) or every weight (--method full).",
         argument_default=argparse.SUPPRESS,
         epilog="Every flag also accepts its snake_case spelling and the example script's names "
         "(--pretrained_model_name_or_path, --train_data_dir, --dataset_name, ...). Values may come from --config FILE "
@@ -270,7 +273,11 @@ def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
         group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
         kebab = "--" + f.name.replace("_", "-")
         aliases = (["--" + f.name] if "_" in f.name else []) + list(meta["aliases"])
-        help_text = meta["help"]
+        help_text, choices = meta["help"], meta["choices"]
+        if f.name == "method":
+            choices = methods.names()
+            help_text = "what trains: " + "; ".join(f"{m.name}: {m.summary}" for m in methods.declarations()) + \
+                f". {help_text}"
         if help_text is not argparse.SUPPRESS and f.default is not None and not isinstance(f.default, bool):
             help_text += f" (default: {f.default})"
         typ = _base_type(f)
@@ -284,8 +291,8 @@ def build_parser(prog: str = "xeontune train") -> argparse.ArgumentParser:
                 group.add_argument(*names, dest=f.name, action="append", type=typ, help=shown,
                                    metavar=f.name.upper())
             else:
-                group.add_argument(*names, dest=f.name, type=typ, choices=meta["choices"], help=shown,
-                                   metavar=f.name.upper() if not meta["choices"] else None)
+                group.add_argument(*names, dest=f.name, type=typ, choices=choices, help=shown,
+                                   metavar=f.name.upper() if not choices else None)
     for flag, nargs in IGNORED_FLAGS.items():
         if nargs:
             parser.add_argument(flag, dest=f"ignored{flag}", help=argparse.SUPPRESS)
@@ -423,42 +430,31 @@ def read_options(argv: list[str]) -> tuple[TrainOptions, set[str]]:
     return _parse(argv, parser)
 
 
-# Each method's own options (the options group of its name in --help), those it requires, and the
-# defaults that differ by method. An option of another method set to anything but its default is a
-# one-line error: it would be silently ignored.
-METHOD_GROUPS = {"textual_inversion": "textual inversion", "lora": "lora", "full": "full fine-tuning"}
-METHOD_ONLY = {"save_format": "textual_inversion", "train_full_table": "textual_inversion"}
-# Options of one method that another takes too: LoRA trains textual inversion's token beside its
-# adapters when given --placeholder-token (pivotal tuning).
-# Full fine-tuning takes the text-encoder switch and DreamBooth's prior preservation.
-SHARED_WITH = {"placeholder_token": ("lora",), "initializer_token": ("lora",), "num_vectors": ("lora",),
-               "learnable_property": ("lora",), "train_text_encoder": ("full",),
-               **{name: ("full",) for name in ("with_prior_preservation", "class_data_dir", "class_prompt",
-                                               "num_class_images", "prior_loss_weight", "class_inference_steps",
-                                               "sample_batch_size")}}
-METHOD_REQUIRED = {"textual_inversion": ("placeholder_token", "initializer_token"), "lora": (), "full": ()}
-METHOD_DEFAULTS = {
-    "textual_inversion": {"learning_rate": 5e-4, "output_dir": "textual_inversion_output", "random_flip": True},
-    # no flips: a DreamBooth subject's text or asymmetry is part of it (train_dreambooth_lora.py does not flip)
-    "lora": {"learning_rate": 1e-4, "output_dir": "lora_output", "random_flip": False},
-    # train_text_to_image.py's README runs 1e-5 (its default, 1e-4, is for a large batch); no flips by default
-    "full": {"learning_rate": 1e-5, "output_dir": "full_output", "random_flip": False},
-}
+# What belongs to which method is each method's declaration (train/methods/: its options group, the
+# options it takes from others, those it requires, its defaults). An option of another method set to
+# anything but its default is a one-line error: it would be silently ignored.
+TOKEN_METHOD = "textual_inversion"  # whose token another method may train beside its own (pivotal tuning)
+PRIOR_GROUP = "prior preservation"  # DreamBooth's class images: a method takes them if it declares so
 
 
 def method_of_option(f: dataclasses.Field) -> str | None:
-    """The method an option belongs to, or None for an option of every method."""
-    by_group = {group: method for method, group in METHOD_GROUPS.items()}
-    return METHOD_ONLY.get(f.name) or by_group.get(f.metadata["group"])
+    """The method an option belongs to, or None for an option of every method (or of prior preservation's
+    shared group)."""
+    for method in methods.declarations():
+        if f.name in method.own or f.metadata["group"] == method.group:
+            return method.name
+    return None
 
 
 def _check_method_options(o: TrainOptions) -> None:
+    method = methods.get(o.method)
     for f in _fields():
         owner = method_of_option(f)
-        shared = o.method in SHARED_WITH.get(f.name, ())
-        if owner not in (None, o.method) and not shared and getattr(o, f.name) != f.default:
+        if owner not in (None, o.method) and f.name not in method.borrows and getattr(o, f.name) != f.default:
             raise UserError(f"{_flag(f.name)} is an option of --method {owner}, not of --method {o.method}")
-    for name, value in METHOD_DEFAULTS[o.method].items():
+        if f.metadata["group"] == PRIOR_GROUP and not method.prior_preservation and getattr(o, f.name) != f.default:
+            raise UserError(f"{_flag(f.name)} is prior preservation's, which --method {o.method} does not take")
+    for name, value in method.defaults.items():
         if getattr(o, name) is None:
             setattr(o, name, value)
 
@@ -480,11 +476,12 @@ def require_dir(path: str | Path, what: str) -> None:
 
 def validate(o: TrainOptions) -> TrainOptions:
     """Check what can be checked without loading anything; raise UserError with one line."""
-    if o.method not in METHOD_NAMES:
-        raise UserError(f"--method must be one of {', '.join(METHOD_NAMES)}, got {o.method!r}")
+    if o.method not in methods.names():
+        raise UserError(f"--method must be one of {', '.join(methods.names())}, got {o.method!r}")
+    method = methods.get(o.method)
     no_data = o.data_dir in (None, "") and o.dataset in (None, "")
     missing = [("--data-dir (or --dataset)" if n == "data_dir" else _flag(n))
-               for n in ("model", "data_dir", *METHOD_REQUIRED[o.method])
+               for n in ("model", "data_dir", *method.required)
                if (no_data if n == "data_dir" else getattr(o, n) in (None, ""))]
     if missing:
         raise UserError(f"missing required option(s): {', '.join(missing)}")
@@ -494,7 +491,11 @@ def validate(o: TrainOptions) -> TrainOptions:
         raise UserError("--image-column needs --dataset (a folder's images are its image files)")
     if o.dataset is not None and not (o.dataset.strip() and o.image_column.strip() and o.caption_column.strip()):
         raise UserError("--dataset, --image-column and --caption-column must not be empty")
-    if o.random_flip is None and o.flip_p != TrainOptions.flip_p and not METHOD_DEFAULTS[o.method]["random_flip"]:
+    if o.center_crop and o.random_crop:
+        raise UserError("--center-crop and --random-crop each choose the square: give one")
+    if o.latent_cache_dir is not None and not o.latent_cache_dir.strip():
+        raise UserError("--latent-cache-dir must not be empty (none: keep the latents in memory only)")
+    if o.random_flip is None and o.flip_p != TrainOptions.flip_p and not method.defaults["random_flip"]:
         raise UserError(f"--flip-p needs --random-flip: --method {o.method} does not mirror images unless asked")
     _check_method_options(o)
     if o.mixed_precision == "no":
@@ -551,7 +552,7 @@ def validate(o: TrainOptions) -> TrainOptions:
         (finite(o.prior_loss_weight) and o.prior_loss_weight >= 0, "--prior-loss-weight must be >= 0"),
         (o.class_inference_steps >= 1, "--class-inference-steps must be at least 1"),
         (o.sample_batch_size >= 1, "--sample-batch-size must be at least 1"),
-        (o.method != "lora" or (o.placeholder_token is None) == (o.initializer_token is None),
+        (o.method == TOKEN_METHOD or (o.placeholder_token is None) == (o.initializer_token is None),
          "pivotal tuning needs both --placeholder-token and --initializer-token"),
         (bool(o.lora_target_names), "--lora-targets must name at least one module"),
     ]
@@ -564,9 +565,10 @@ def validate(o: TrainOptions) -> TrainOptions:
     if adam_only:
         raise UserError(f"{' and '.join(adam_only)} {'is' if len(adam_only) == 1 else 'are'} AdamW's; --optimizer "
                         f"{o.optimizer} does not use {'it' if len(adam_only) == 1 else 'them'}")
+    pivotal = o.method != TOKEN_METHOD and "placeholder_token" in method.borrows  # the token beside what trains
     for needed, names in (("--with-prior-preservation", () if o.with_prior_preservation else PRIOR_ONLY),
                           ("--placeholder-token (pivotal tuning)",
-                           PIVOTAL_ONLY if o.method == "lora" and o.placeholder_token is None else ())):
+                           PIVOTAL_ONLY if pivotal and o.placeholder_token is None else ())):
         stray = [_flag(n) for n in names if getattr(o, n) != getattr(TrainOptions, n)]
         if stray:
             raise UserError(f"{' and '.join(stray)} {'needs' if len(stray) == 1 else 'need'} {needed}")

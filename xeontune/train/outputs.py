@@ -1,25 +1,21 @@
 """The names of what a run writes in --output-dir: one home for the trainer, which writes and clears
 them, and `fetch`, which copies them (torch-free, so `fetch` and `logs` start fast).
 
-Each training method (train/methods/) writes its learned files under the stems it declares here; the
-step copies of a file are ``<stem>-steps-N.safetensors``."""
+Each training method writes its learned files under the stems its declaration names (train/methods/,
+``Declaration.files``); the step copies of a file are ``<stem>-steps-N.safetensors``."""
 
 from __future__ import annotations
 
 import re
+
+import xeontune.train.methods.declaration as methods
 
 RUN_CONFIG = "train_config.json"  # written first by every run: it marks a dir as a run's output dir
 METRICS = "metrics.jsonl"
 RUN_LOCK = ".xeontune-run.lock"  # held by a running run's rank 0 (train/lock.py); gone when it ends
 
 # Per method: the stems of its learned files, the first one being its result (what `fetch` reports).
-METHOD_FILES = {
-    "textual_inversion": ("learned_embeds",),
-    # diffusers' key layout, kohya's, and with pivotal tuning (--placeholder-token) the token's embedding
-    "lora": ("pytorch_lora_weights", "pytorch_lora_weights_kohya", "learned_embeds"),
-    # the original Stable Diffusion single file (the pipeline folder, pipeline/, is written beside it)
-    "full": ("model",),
-}
+METHOD_FILES = {method.name: method.files for method in methods.declarations()}
 RESULT_FILES = {method: f"{stems[0]}.safetensors" for method, stems in METHOD_FILES.items()}
 
 

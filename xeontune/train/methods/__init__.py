@@ -1,11 +1,19 @@
 """Training methods as plug-ins: what trains, and what the run writes for it.
 
-The loop (train/loop.py) knows a method only by this contract; each method is one module:
+Each method is a package under train/methods/ that declares itself in its ``__init__`` (``METHOD``, a
+``declaration.Declaration``: torch-free, so that the options, `--help`, `fetch` and the bench read it without
+importing torch) and implements the ``Method`` contract below in its ``method`` module:
 
 - ``textual_inversion``: a new token's vectors in the text encoder(s), all models frozen;
 - ``lora``: peft's low-rank adapters beside the frozen (packed, bf16-copy) UNet, and the text
   encoders' when asked;
 - ``full``: the UNet's own weights (and the text encoders' with --train-text-encoder).
+
+A declaration holds what the rest of the toolkit knows of a method by name: what it trains in a phrase,
+its options group (options.py's fields of that group are its own), the options it takes from others,
+those it requires, its defaults, the stems of its learned files (outputs.py), whether it takes prior
+preservation's shared group, and its bench baseline (the example script it is measured against, its
+targets, how that script holds the models).
 
 What a method trains of the pipeline itself it declares in ``trains``; the loop follows from that alone:
 a trained part is loaded with fp32 master weights (never a frozen bf16 copy, never packed as frozen,
@@ -20,8 +28,7 @@ are all-reduced by the loop), once for ``check_gradient`` after the first backwa
 optimizer step (``before_update``) and after it (``after_step``, ``finite``), for its checkpoint ``state`` /
 ``load_state`` (and, resuming, ``check_state`` before any model loads), to
 ``save`` its learned files, to apply itself for sample images (``inference``) and to merge itself into
-a pipeline being saved (``merged_into``). Its options are its own group of TrainOptions
-(options.METHOD_GROUPS); its file names are declared in train/outputs.py (torch-free, for `fetch`).
+a pipeline being saved (``merged_into``).
 """
 
 from __future__ import annotations
@@ -32,19 +39,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from torch import nn
+from xeontune.train.methods.declaration import get
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from xeontune.train.components import Components
     from xeontune.train.options import TrainOptions
     from xeontune.train.prompts import ImagePrompts
 
-# name -> "module:Class", imported on use (LoRA needs peft, which a textual-inversion run never loads)
-REGISTRY: dict[str, str | type[Method]] = {
-    "textual_inversion": "xeontune.train.methods.textual_inversion:TextualInversion",
-    "lora": "xeontune.train.methods.lora:Lora",
-    "full": "xeontune.train.methods.full:FullFineTuning",
-}
 PARTS = ("unet", "text_encoder", "text_encoder_2")  # the pipeline parts a method may train (``trains``)
 
 
@@ -147,7 +150,7 @@ class Method:
 
 
 def create(opts: TrainOptions) -> Method:
-    entry = REGISTRY[opts.method]
+    entry = get(opts.method).implementation
     if isinstance(entry, str):
         module, _, name = entry.partition(":")
         entry = getattr(importlib.import_module(module), name)

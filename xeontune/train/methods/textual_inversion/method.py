@@ -16,9 +16,10 @@ from xeontune.errors import TrainingError, UserError
 from xeontune.train import tokens
 from xeontune.train.data import templates_for
 from xeontune.train.methods import Method
-from xeontune.train.outputs import METHOD_FILES, learned_file
+from xeontune.train.methods.textual_inversion import METHOD as DECLARED
+from xeontune.train.outputs import learned_file
 
-STEM = METHOD_FILES["textual_inversion"][0]
+STEM = DECLARED.files[0]
 
 
 class TextualInversion(Method):

@@ -32,10 +32,11 @@ from torch import nn
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_paths, disk_errors
 from xeontune.train.methods import Method
-from xeontune.train.methods.textual_inversion import TextualInversion
-from xeontune.train.outputs import METHOD_FILES, learned_file
+from xeontune.train.methods.lora import METHOD as DECLARED
+from xeontune.train.methods.textual_inversion.method import TextualInversion
+from xeontune.train.outputs import learned_file
 
-DIFFUSERS_STEM, KOHYA_STEM, TOKEN_STEM = METHOD_FILES["lora"]
+DIFFUSERS_STEM, KOHYA_STEM, TOKEN_STEM = DECLARED.files
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIP's attention, as diffusers' examples
 ENCODER_NAMES = ("text_encoder", "text_encoder_2")
 

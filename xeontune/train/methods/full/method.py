@@ -24,9 +24,10 @@ from torch import nn
 
 from xeontune.errors import TrainingError, UserError
 from xeontune.train.methods import Method
-from xeontune.train.outputs import METHOD_FILES, learned_file
+from xeontune.train.methods.full import METHOD as DECLARED
+from xeontune.train.outputs import learned_file
 
-STEM = METHOD_FILES["full"][0]
+STEM = DECLARED.files[0]
 ENCODERS = ("text_encoder", "text_encoder_2")
 
 

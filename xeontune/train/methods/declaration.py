@@ -1,0 +1,52 @@
+"""What the toolkit knows of a training method without importing it: its declaration (each method
+package's ``METHOD``), found by name. Torch-free: the options, `--help`, `fetch` and the bench read it
+(train/methods/__init__.py has the contract a method implements)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from xeontune.registry import Registry
+
+
+@dataclass(frozen=True)
+class Bench:
+    """A method's baseline in `xeontune bench`: the example script it is measured against and its targets."""
+
+    example: str  # the diffusers example script(s), for the report
+    # speedup_min (steps/s over the example's) and rss_ratio_max (peak RSS over its), each a number or
+    # {"bf16": ..., "fp32": ...}; "families": per-family overrides (SDXL's own targets)
+    targets: Mapping[str, Any]
+    # the trainer's options of each variant beyond the shared ones: (baseline?, bench args) -> options
+    options: Callable[[bool, Any], dict[str, Any]]
+    # the models the example casts to bf16 in a bf16 run, by family (the rest it keeps in fp32)
+    example_bf16: Callable[[str], tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What the toolkit knows of a method without importing it (its package's ``METHOD``)."""
+
+    name: str
+    summary: str  # what trains, for --method's help
+    implementation: str | type  # "module:Class" of its methods.Method (imported when a run makes it), or the class
+    group: str  # its options' group in --help: options.py's fields of this group are its own
+    files: tuple[str, ...]  # the stems of its learned files, its result first (outputs.py)
+    defaults: Mapping[str, Any]  # learning_rate, output_dir, random_flip: what differs by method
+    required: tuple[str, ...] = ()
+    own: tuple[str, ...] = ()  # its options filed in another group ("outputs")
+    borrows: tuple[str, ...] = ()  # options of another method's group that it takes too
+    prior_preservation: bool = False  # takes the shared "prior preservation" group (DreamBooth's class images)
+    bench: Bench | None = field(default=None, compare=False)
+
+
+_REGISTRY: Registry[Declaration] = Registry("method", "METHOD", Declaration)
+for _name in ("textual_inversion", "lora", "full"):
+    _REGISTRY.register(_name, f"xeontune.train.methods.{_name}")
+register, unregister, names, get = _REGISTRY.register, _REGISTRY.unregister, _REGISTRY.names, _REGISTRY.get
+
+
+def declarations() -> list[Declaration]:
+    return [get(name) for name in names()]

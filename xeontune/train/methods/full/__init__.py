@@ -1,0 +1,36 @@
+"""Full fine-tuning: every weight of the UNet trains, and the text encoders' with --train-text-encoder
+(diffusers' ``train_text_to_image.py`` on captioned images, ``train_dreambooth.py`` with an instance
+prompt and prior preservation). The method: ``method.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xeontune.train.methods.declaration import Bench, Declaration
+
+
+def _bench_options(baseline: bool, args: Any) -> dict[str, Any]:
+    return {"instance_prompt": "a photo of sks toy", "cache_text": not baseline}
+
+
+def _example_bf16(family: str) -> tuple[str, ...]:
+    # train_text_to_image.py trains its UNet in fp32 under autocast and casts the frozen models
+    return ("vae", "text_encoder", "text_encoder_2")
+
+
+METHOD = Declaration(
+    name="full",
+    summary="every weight of the UNet, and of the text encoders with --train-text-encoder",
+    implementation="xeontune.train.methods.full.method:FullFineTuning",
+    group="full fine-tuning",
+    # the original Stable Diffusion single file (the pipeline folder, pipeline/, is written beside it)
+    files=("model",),
+    # train_text_to_image.py's README runs 1e-5 (its default, 1e-4, is for a large batch); no flips by default
+    defaults={"learning_rate": 1e-5, "output_dir": "full_output", "random_flip": False},
+    borrows=("train_text_encoder",),
+    prior_preservation=True,
+    # Issue 47's: >= 1.4x the example's steps/s (bf16 at 512 px on AVX512-BF16 and AMX, fp32 at 256 px on
+    # AVX2), peak RSS <= 0.8x its own
+    bench=Bench(example="train_text_to_image.py", targets={"speedup_min": 1.4, "rss_ratio_max": 0.8},
+                options=_bench_options, example_bf16=_example_bf16),
+)
