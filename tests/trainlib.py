@@ -3,6 +3,10 @@ and the flags of a short LoRA run. Light to import: the trainer's modules load w
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 # The environment of a command that trains (a fresh process, or a cluster's ranks): no model hub.
@@ -35,3 +39,49 @@ def lora_args(model, data, out, *extra: str, prompt: str = "a photo of sks toy",
     return ["--method", "lora", "--instance-prompt", prompt, "--model", str(model), "--data-dir", str(data),
             "--resolution", str(resolution), "--mixed-precision", "fp32", "--learning-rate", "1e-3",
             "--save-steps", "0", "--adam-epsilon", "1e-5", "--output-dir", str(out), *extra]
+
+
+class ThreadRanks:
+    """``latent_cache.Spread`` for ranks that are threads of this process: a gather meets at a barrier."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.values: list[object] = [None] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+    def rank_view(self, rank: int):
+        ranks = self
+
+        class View:
+            def __init__(self) -> None:
+                self.rank, self.world = rank, ranks.world
+
+            def gather(self, value: object) -> list[object]:
+                ranks.values[rank] = value
+                ranks.barrier.wait()
+                values = list(ranks.values)
+                ranks.barrier.wait()  # nobody's next gather overwrites a value before every rank copied it
+                return values
+
+        return View()
+
+    def run(self, work: Callable[[int, Any], Any]) -> list[Any]:
+        """``work(rank, spread)`` on every rank at once; what each returned, or the first rank's error (the
+        cause, not a barrier the others then saw break)."""
+        results: list[Any] = [None] * self.world
+
+        def one(rank: int) -> None:
+            try:
+                results[rank] = work(rank, self.rank_view(rank))
+            except BaseException as exc:  # noqa: BLE001 (raised below, in the caller's thread)
+                results[rank] = exc
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise next((r for r in failed if not isinstance(r, threading.BrokenBarrierError)), failed[0])
+        return results

@@ -5,7 +5,6 @@ and the images behind it decoded when read (data.Pixels), with --random-crop's p
 from __future__ import annotations
 
 import os
-import threading
 import types
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.train.test_trainer import ThreadRanks
+from tests.trainlib import ThreadRanks
 from xeontune.errors import UserError
 from xeontune.train import latent_cache
 from xeontune.train.data import Pixels, crop_of, fit_square, preprocess, square_box
@@ -113,34 +112,23 @@ def test_ranks_without_a_shared_disk_encode_a_share_each_and_each_node_ends_with
     alone = [Latents(vae, p, cached=True, flip_p=0.5, encode_batch=2) for p in (square, oblong)]
     rows = 2 * len(photos)
     disks = [tmp_path / "node0", tmp_path / "node0", tmp_path / "node1"]
-    ranks, calls = ThreadRanks(3), [Counting(vae) for _ in range(3)]
-    results: list[object] = [None] * 3
+    calls = [Counting(vae) for _ in range(3)]
 
-    def run(rank: int) -> None:
-        try:
-            parts = [Latents(calls[rank], p, cached=True, flip_p=0.5, encode_batch=2, encode=False)
-                     for p in (_pixels(photos[:5]), _pixels(photos[5:], resolution=32))]
-            encode_latents(parts, ranks.rank_view(rank), root=disks[rank])
-            results[rank] = parts
-        except BaseException as exc:  # noqa: BLE001 (raised below, in the test's thread)
-            results[rank] = exc
+    def run(rank: int, spread) -> list[Latents]:
+        parts = [Latents(calls[rank], p, cached=True, flip_p=0.5, encode_batch=2, encode=False)
+                 for p in (_pixels(photos[:5]), _pixels(photos[5:], resolution=32))]
+        encode_latents(parts, spread, root=disks[rank])
+        return parts
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        raise next((r for r in failed if not isinstance(r, threading.BrokenBarrierError)), failed[0])
+    results = ThreadRanks(3).run(run)
     encoded = [c.encoded for c in calls]
     assert sum(encoded) == rows and max(encoded) - min(encoded) <= 1
     assert sorted(os.listdir(disks[0])) == sorted(os.listdir(disks[2])) and len(os.listdir(disks[0])) >= 3
     eps = torch.randn(3, 4, 8, 8, generator=generator)
-    for parts in results:
+    for rank, parts in enumerate(results):
         for part, reference in zip(parts, alone, strict=True):
             index = torch.tensor([0, 1, len(part.mean) - 1])
-            assert _mapped_from(part.mean.rows.blocks[0], disks[results.index(parts)])
+            assert _mapped_from(part.mean.rows.blocks[0], disks[rank])
             torch.testing.assert_close(part.mean[index], reference.mean[index], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(part.std[index], reference.std[index], rtol=1e-5, atol=1e-6)
             batch = types.SimpleNamespace(image_index=torch.tensor([0, 1]), flip=torch.tensor([False, True]),
@@ -241,3 +229,16 @@ def test_a_second_run_on_the_same_images_reads_the_latents_and_trains_the_same_v
     none = run("none", "none")
     assert " kept in" not in none and " read from" not in none and list(cache.iterdir()) == [key]
     assert_same_vectors(tmp_path / "none", tmp_path / "first", atol=0)
+
+
+def test_a_latent_cache_dir_that_cannot_be_written_is_one_line_before_any_model_loads(tiny_model, sample_images,
+                                                                                     tmp_path, capsys):
+    from tests.one_line import one_line_error
+
+    (tmp_path / "afile").write_text("")
+    args = ["train", "--model", str(tiny_model), "--data-dir", str(sample_images), "--placeholder-token", "<t>",
+            "--initializer-token", "toy", "--resolution", "32", "--output-dir", str(tmp_path / "out"),
+            "--latent-cache-dir", str(tmp_path / "afile" / "latents")]
+    message = one_line_error(capsys, args)
+    assert message.startswith(f"error: --latent-cache-dir {tmp_path / 'afile' / 'latents'} cannot be written (")
+    assert "give another folder, or none to keep the latents in memory" in message

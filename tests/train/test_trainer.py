@@ -9,7 +9,6 @@ its own, with tolerances derived from bf16's precision; bf16 on the tiny model r
 from __future__ import annotations
 
 import json
-import threading
 import types
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.checks import MOVED_MIN, run_moved_from_initializer
-from tests.trainlib import train
+from tests.trainlib import ThreadRanks, train
 from xeontune import hardware
 from xeontune.cli import main
 from xeontune.errors import TrainingError
@@ -397,29 +396,6 @@ def test_only_the_images_a_step_can_draw_are_encoded(tiny_model):
         torch.testing.assert_close(drawn(one_side, flip), drawn(both, flip), rtol=1e-5, atol=1e-6)
 
 
-class ThreadRanks:
-    """``latent_cache.Spread`` for ranks that are threads of this process: gather meets at a barrier."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.values: list[object] = [None] * world
-        self.barrier = threading.Barrier(world, timeout=60)
-
-    def rank_view(self, rank: int):
-        ranks = self
-
-        class View:
-            def __init__(self) -> None:
-                self.rank, self.world = rank, ranks.world
-
-            def gather(self, value: object) -> list[object]:
-                ranks.values[rank] = value
-                ranks.barrier.wait()
-                return list(ranks.values)
-
-        return View()
-
-
 @pytest.mark.parametrize(("sizes", "flip_p"), [((5, 1), 0.5), ((1,), 0.0)], ids=["two-buckets", "one-image"])
 def test_ranks_share_the_latent_encoding_and_all_get_every_latent(tiny_model, sizes, flip_p):
     """3 ranks share the encoding of all buckets' latents out evenly (two buckets of 5 and 1 images with
@@ -435,33 +411,21 @@ def test_ranks_share_the_latent_encoding_and_all_get_every_latent(tiny_model, si
     alone = [Latents(vae, p, cached=True, flip_p=flip_p, encode_batch=2) for p in pixels]
     rows = sum(sizes) * (2 if flip_p else 1)
     ranks, done, calls = ThreadRanks(3), [0, 0, 0], [0, 0, 0]
-    results: list[list[Latents] | BaseException | None] = [None] * 3
 
-    def run(rank: int) -> None:
+    def run(rank: int, spread) -> list[Latents]:
         def encode(batch: torch.Tensor):
             calls[rank] += len(batch)
             return vae.encode(batch)
 
-        try:
-            model = types.SimpleNamespace(encode=encode, dtype=vae.dtype, config=vae.config)
-            parts = [Latents(model, p, cached=True, flip_p=flip_p, encode_batch=2, encode=False) for p in pixels]
-            encode_latents(parts, ranks.rank_view(rank), lambda n: done.__setitem__(rank, done[rank] + n))
-            results[rank] = parts
-        except BaseException as exc:  # noqa: BLE001 (raised below, in the test's thread)
-            results[rank] = exc
+        model = types.SimpleNamespace(encode=encode, dtype=vae.dtype, config=vae.config)
+        parts = [Latents(model, p, cached=True, flip_p=flip_p, encode_batch=2, encode=False) for p in pixels]
+        encode_latents(parts, spread, lambda n: done.__setitem__(rank, done[rank] + n))
+        return parts
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:  # the cause first: the other ranks only saw the barrier break
-        raise next((r for r in failed if not isinstance(r, threading.BrokenBarrierError)), failed[0])
+    results = ranks.run(run)
     assert max(calls) - min(calls) <= 1 and sum(calls) == rows
     assert done[0] >= rows
     for parts in results:
-        assert isinstance(parts, list)
         for part, reference in zip(parts, alone, strict=True):
             torch.testing.assert_close(part.mean, reference.mean, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(part.std, reference.std, rtol=1e-5, atol=1e-6)

@@ -20,10 +20,12 @@ stay in memory and one gather gives every rank every row.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
+from xeontune.errors import UserError
 from xeontune.io import atomic_path
 from xeontune.train.data import Batch, Pixels
 
@@ -212,14 +215,14 @@ def encode_latents(parts: list[Latents], spread: Spread | None = None, progress:
     rank, world = (spread.rank, spread.world) if spread else (0, 1)
     counts = [len(part.images) * len(part.sides) for part in parts]
     stored = _listing(root, counts)
-    seen = _gather(spread, sorted(stored))
+    seen = _gather(spread, stored)
     covered = [torch.zeros(n, dtype=torch.bool) for n in counts]
     for names in seen:
         for name in names:
             block = Block.parse(name)
             covered[block.part][block.first:block.first + block.count] = True
     missing = [(p, k) for p, done in enumerate(covered) for k in (~done).nonzero().flatten().tolist()]
-    mine = missing[rank * len(missing) // world:(rank + 1) * len(missing) // world]
+    mine = missing[-(-rank * len(missing) // world):-(-(rank + 1) * len(missing) // world)]  # rank 0's the first
     made: dict[Block, torch.Tensor] = {}
     for block in _blocks(mine):
         part = parts[block.part]
@@ -277,15 +280,16 @@ def _blocks(rows: list[tuple[int, int]]) -> list[Block]:
     return blocks
 
 
-def _listing(root: Path | None, counts: list[int]) -> set[str]:
-    """The names of the whole blocks in ``root`` that fit these parts."""
+def _listing(root: Path | None, counts: list[int]) -> dict[str, int]:
+    """The whole blocks in ``root`` that fit these parts: name -> size in bytes."""
     if root is None or not root.is_dir():
-        return set()
-    found = set()
+        return {}
+    found = {}
     for path in root.iterdir():
         block = Block.parse(path.name)
         if block and block.part < len(counts) and block.count > 0 and block.first + block.count <= counts[block.part]:
-            found.add(path.name)
+            with contextlib.suppress(FileNotFoundError):
+                found[path.name] = path.stat().st_size
     return found
 
 
@@ -305,22 +309,22 @@ def _share_files(root: Path, counts: list[int], spread: Spread | None) -> dict[B
     """Every block in ``root`` on every rank's disk, then mapped. Ranks that share a disk see each other's
     files; a block no rank of a node wrote is sent there by the first rank that has it."""
     rank = spread.rank if spread else 0
-    seen = _gather(spread, sorted(_listing(root, counts)))  # after every rank wrote its blocks
-    wanted = sorted(set().union(*map(set, seen)))
+    seen = _gather(spread, _listing(root, counts))  # after every rank wrote its blocks; the same list on all
+    wanted = sorted(set().union(*seen))
     lacking = [name for name in wanted if not all(name in names for names in seen)]
-    while lacking:
+    while lacking:  # in batches of about SEND_BYTES, cut alike on every rank (from the gathered sizes)
         batch, size = [], 0
         while lacking and (not batch or size < SEND_BYTES):
             name = lacking.pop(0)
-            batch.append(name)
-            size += (root / name).stat().st_size if name in seen[rank] else 0
-        sender = {name: next(r for r, names in enumerate(seen) if name in names) for name in batch}
-        payload = {name: (root / name).read_bytes() for name in batch if sender[name] == rank}
+            sender = next(r for r, names in enumerate(seen) if name in names)
+            batch.append((name, sender))
+            size += seen[sender][name]
+        payload = {name: (root / name).read_bytes() for name, sender in batch if sender == rank}
         received = _gather(spread, payload)
-        for name in batch:
+        for name, sender in batch:
             if name not in seen[rank] and not (root / name).is_file():  # another rank of this node may have
                 with atomic_path(root / name) as tmp:
-                    tmp.write_bytes(received[sender[name]][name])
+                    tmp.write_bytes(received[sender][name])
     blocks = {}
     for name in wanted:
         try:
@@ -329,6 +333,18 @@ def _share_files(root: Path, counts: list[int], spread: Spread | None) -> dict[B
             raise RuntimeError(f"latent cache file {root / name} does not read ({exc}): delete {root} and "
                                "train again") from None
     return blocks
+
+
+def check_dir(path: Path) -> None:
+    """A one-line error unless the latents can be kept under ``path`` (made if missing): before any
+    model loads, not after minutes of loading."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        raise UserError(f"--latent-cache-dir {path} cannot be written ({exc.strerror or exc}): give another "
+                        "folder, or none to keep the latents in memory") from None
 
 
 def describe(root: Path) -> str:

@@ -400,6 +400,8 @@ def read_training_data(opts: TrainOptions) -> tuple[TrainingImages, list[torch.T
     error here, before a model loads (``check_training_data`` finds the same ones without decoding)."""
     if opts.with_prior_preservation:
         prior.check_class_dir(opts)
+    if opts.cache_latents and (base := latent_cache_base(opts)) is not None:
+        latent_cache.check_dir(base)
     images = load_training_images(opts)
     layout = [(part.size, part.members) for part in images.parts]
     masks, given, method = _masks_and_prompts(opts, images.paths, images.sizes, layout, images.bucketed)
@@ -726,12 +728,19 @@ def cache_latents(components: Components, images: TrainingImages, masks: list[to
     return BucketLatents(parts)
 
 
+def latent_cache_base(opts: TrainOptions) -> Path | None:
+    """--latent-cache-dir (default: the project's cache's latents/), None for none."""
+    if opts.latent_cache_dir is not None and opts.latent_cache_dir.strip().lower() == "none":
+        return None
+    return Path(opts.latent_cache_dir).expanduser() if opts.latent_cache_dir else cache_root() / "latents"
+
+
 def latent_cache_root(opts: TrainOptions, components: Components, parts: list[Latents]) -> Path | None:
     """The folder of these latents in --latent-cache-dir (None: in memory only), named by what decides
     them: the images and their crops (the parts'), the VAE's files and dtype, and how it runs."""
-    if opts.latent_cache_dir is not None and opts.latent_cache_dir.strip().lower() == "none":
+    base = latent_cache_base(opts)
+    if base is None:
         return None
-    base = Path(opts.latent_cache_dir).expanduser() if opts.latent_cache_dir else cache_root() / "latents"
     local = Path(opts.model).expanduser()
     model = str(local.resolve()) if local.exists() else opts.model
     files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
