@@ -149,6 +149,20 @@ NodeName=n[1-{nodes}] NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={cpus_per_n
     raise RuntimeError(f"Slurm did not come up: {slurm.log()}")
 
 
+def processes(*prefixes: str) -> str:
+    """Each process whose command line starts with one of ``prefixes``: pid, parent, state, command line."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if proc.name.isdigit() and cmd.startswith(prefixes):
+            found.append(f"{proc.name} ppid {stat[1]} {stat[0]} {cmd[:300]}")
+    return "\n".join(found)
+
+
 def start_controller(slurm: Slurm) -> None:
     """slurmctld, which recovers the jobs of an earlier one from the state dir."""
     subprocess.run(["slurmctld", "-f", str(slurm.root / "slurm.conf")], check=True, env=slurm.env, timeout=60)

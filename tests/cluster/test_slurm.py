@@ -286,12 +286,18 @@ def _start_long_job(name: str, tiny_model, sample_images, out, slurm, capsys) ->
                         "--cpus-per-task=1"]
     assert srun[6:9] == [sys.executable, "-m", "xeontune.train"] and "<toy-bot>" in srun  # quoted in the script
     assert main(["launch", "--detach", "--name", name, *_options(tiny_model, sample_images, out, steps=100000)]) == 0
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(rank_pids(str(out))) < 3:
+    return _wait_for_ranks(out, slurm)
+
+
+def _wait_for_ranks(out: Path, slurm, count: int = 3, timeout_s: float = 120) -> list[int]:
+    """The pids of the job's ``count`` ranks, once they all run; on a timeout, what ran instead."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(rank_pids(str(out))) < count:
         time.sleep(0.5)
     pids = rank_pids(str(out))
-    assert len(pids) == 3, (f"ranks {pids}; slurmstepds {_stepds('')}; steps "
-                            f"{slurm.run('squeue', '--steps', '-o', '%i %j %T %N').stdout}\n{slurm.log()}")
+    assert len(pids) == count, (
+        f"ranks {pids}; slurmstepds {_stepds('')}; steps {slurm.run('squeue', '--steps', '-o', '%i %j %T %N').stdout}"
+        f"; processes:\n{slurmlib.processes('slurmstepd', sys.executable)}\n{slurm.log()}")
     return pids
 
 
@@ -521,11 +527,8 @@ def test_the_env_file_of_a_cancelled_job_is_deleted_once_slurm_says_it_ended(on_
                  *_options(tiny_model, sample_images, out, 100000)]) == 0
     job = record.load_job("ev")
     env_file = Path(job.job_dir) / "env"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(rank_pids(str(out))) < 3:
-        time.sleep(0.5)
-    pids = rank_pids(str(out))
-    assert len(pids) == 3 and env_file.exists(), on_slurm.log()
+    pids = _wait_for_ranks(out, on_slurm)
+    assert env_file.exists(), on_slurm.log()
     environ, deadline = b"", time.monotonic() + 30
     while not environ and time.monotonic() < deadline:  # it reads empty while a rank execs itself anew (tcmalloc)
         environ = Path(f"/proc/{pids[0]}/environ").read_bytes()

@@ -673,7 +673,8 @@ def test_the_single_node_test_takes_lora(sample_images, tiny_model, tmp_path):
     """`make single-node-test METHOD=lora`: trains, then both files fuse into the same UNet in diffusers."""
     script = Path(__file__).parents[2] / "scripts" / "single_node_test.py"
     proc = subprocess.run([sys.executable, str(script), "--method", "lora", "--model", str(tiny_model), "--data",
-                           str(sample_images), "--steps", "2", "--output-dir", str(tmp_path / "out")],
+                           str(sample_images), "--steps", "2", "--resolution", "32", "--output-dir",
+                           str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "the two layouts fuse to the same UNet" in proc.stdout
