@@ -240,5 +240,6 @@ def test_a_latent_cache_dir_that_cannot_be_written_is_one_line_before_any_model_
             "--initializer-token", "toy", "--resolution", "32", "--output-dir", str(tmp_path / "out"),
             "--latent-cache-dir", str(tmp_path / "afile" / "latents")]
     message = one_line_error(capsys, args)
-    assert message.startswith(f"error: --latent-cache-dir {tmp_path / 'afile' / 'latents'} cannot be written (")
+    assert message.startswith(f"error: --latent-cache-dir {tmp_path / 'afile' / 'latents'} cannot be written "
+                              f"({tmp_path / 'afile'} is a file)")
     assert "give another folder, or none to keep the latents in memory" in message

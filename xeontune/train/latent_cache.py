@@ -24,8 +24,8 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -336,15 +336,17 @@ def _share_files(root: Path, counts: list[int], spread: Spread | None) -> dict[B
 
 
 def check_dir(path: Path) -> None:
-    """A one-line error unless the latents can be kept under ``path`` (made if missing): before any
-    model loads, not after minutes of loading."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
-            pass
-    except OSError as exc:
-        raise UserError(f"--latent-cache-dir {path} cannot be written ({exc.strerror or exc}): give another "
-                        "folder, or none to keep the latents in memory") from None
+    """A one-line error unless the latents can be kept under ``path``: before any model loads, not after
+    minutes of loading. Nothing is made here (the first block makes the folders)."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        why = f"{existing} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable"
+    else:
+        return
+    raise UserError(f"--latent-cache-dir {path} cannot be written ({why}): give another folder, or none to keep "
+                    "the latents in memory")
 
 
 def describe(root: Path) -> str:
