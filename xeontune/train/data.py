@@ -12,6 +12,7 @@ top-left corner among its ``time_ids``, and the latent cache keeps them beside e
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -394,8 +395,20 @@ def image_set_digest(paths: list[Path]) -> str:
     """``N images, <digest>`` of the images' names and bytes: equal on two nodes only for the same set."""
     digest = hashlib.sha256()
     for path in sorted(paths, key=lambda p: p.name):
-        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+        digest.update(path.name.encode() + b"\0" + file_digest(path))
     return f"{len(paths)} images, {digest.hexdigest()[:12]}"
+
+
+def file_digest(path: Path) -> bytes:
+    """The sha256 of a file's bytes, read once per run for as long as its size and time stay (the ranks'
+    image check and the latent cache's key both need every image's)."""
+    stat = Path(path).stat()
+    return _file_digest(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=65536)
+def _file_digest(path: str, size: int, mtime_ns: int) -> bytes:
+    return hashlib.sha256(Path(path).read_bytes()).digest()
 
 
 def preprocess(img: Image.Image, resolution: int, center_crop: bool, random_crop: int | None = None,

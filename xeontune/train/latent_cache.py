@@ -35,7 +35,7 @@ import torch
 
 from xeontune.errors import UserError
 from xeontune.io import atomic_path
-from xeontune.train.data import Batch, Pixels
+from xeontune.train.data import Batch, Pixels, file_digest
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def cache_key(parts: list[Latents], identity: dict[str, Any]) -> str:
     for part in parts:
         digest.update(json.dumps([list(part.images.shape), part.sides, part.crops.tolist()]).encode())
         for path in part.image_paths():
-            digest.update(hashlib.sha256(Path(path).read_bytes()).digest())
+            digest.update(file_digest(path))
     return digest.hexdigest()[:24]
 
 
