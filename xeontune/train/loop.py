@@ -27,7 +27,18 @@ import torch
 from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_write_json, atomic_write_text, cache_root, disk_errors, file_in_the_way
-from xeontune.train import checkpoint, latent_cache, lock, methods, preempt, prior, report, saving, validation
+from xeontune.train import (
+    checkpoint,
+    data_parallel,
+    latent_cache,
+    lock,
+    methods,
+    preempt,
+    prior,
+    report,
+    saving,
+    validation,
+)
 from xeontune.train.buckets import (
     BucketLatents,
     Parts,
@@ -62,7 +73,7 @@ from xeontune.train.latent_cache import Latents, encode_latents
 from xeontune.train.options import TrainOptions
 from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, VALIDATION_IMAGE_RE
 from xeontune.train.prompts import ImagePrompts, image_prompts, prompts_digest
-from xeontune.train.ranks import keeps_text_encoders
+from xeontune.train.ranks import keeps_text_encoders, rank_memory
 
 log = logging.getLogger("xeontune.train")
 
@@ -156,32 +167,6 @@ def pause_for_tests(where: str, rank: int) -> None:
             time.sleep(float(parts[2]))
 
 
-class AllReduceCounter:
-    """A DDP communication hook that counts the bytes it really hands to the process group."""
-
-    def __init__(self, phases: Phases) -> None:
-        self.bytes = 0
-        self.phases = phases
-
-    # No annotations: DDP inspects them and rejects the strings that `from __future__` makes.
-    def hook(self, _state, bucket):
-        buffer = bucket.buffer()
-        self.bytes += buffer.numel() * buffer.element_size()
-        start = time.perf_counter()
-        buffer.div_(torch.distributed.get_world_size())
-        future = torch.distributed.all_reduce(buffer, async_op=True).get_future()
-
-        def done(fut: torch.futures.Future) -> torch.Tensor:
-            self.phases.seconds["allreduce"] += time.perf_counter() - start
-            return fut.value()[0]
-
-        return future.then(done)
-
-    def take(self) -> int:
-        count, self.bytes = self.bytes, 0
-        return count
-
-
 class TextCache:
     """The frozen text encoders' outputs for each prompt of the sample plan, computed once: with the
     encoders frozen they depend on the prompt alone (``Run.encode_text`` then only looks them up)."""
@@ -219,7 +204,7 @@ class Run:
     output_dir: Path
     sync: Sync = field(default_factory=Sync)
     phases: Phases = field(default_factory=Phases)
-    counter: AllReduceCounter | None = None
+    exchange: data_parallel.GradientExchange | None = None  # with several ranks
     gradient_checked: bool = False
     backend_notes: list[str] = field(default_factory=list)  # what packing, IPEX, compile, checkpointing did
     text_cache: TextCache | None = None  # the frozen encoders' outputs per prompt
@@ -291,19 +276,10 @@ class Run:
         self.method.check_gradient()
 
     def reduce_gradients(self) -> None:
-        """Average the gradients DDP does not sync (a LoRA's) over the ranks: one flat all-reduce."""
+        """Average the gradients DDP does not sync (a LoRA's, a trained text encoder's) over the ranks."""
         grads = [p.grad for p in self.reduced if p.grad is not None]
-        if self.world <= 1 or not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.counter is not None:
-            self.counter.bytes += flat.numel() * flat.element_size()
-        torch.distributed.all_reduce(flat)
-        flat /= self.world
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        if self.exchange is not None and grads:
+            self.exchange.average_flat(grads)
 
 
 def precision_autocast(precision: str) -> contextlib.AbstractContextManager:
@@ -619,7 +595,11 @@ def _setup(
     global_batch = opts.train_batch_size * world * opts.gradient_accumulation_steps
     max_steps = opts.max_train_steps or math.ceil(opts.num_train_epochs * plan.epoch_len / global_batch)
     lr = opts.learning_rate * (global_batch if opts.scale_lr else 1)
-    optimizer = make_optimizer(opts, method.parameters(), lr, fused=bool(method.trains))
+    shard, why = data_parallel.shard_choice(opts.shard, world, *_shard_memory(opts, precision, world))
+    if main and opts.shard != "none":
+        log.info("optimizer state %s (%s)", "sharded over the ranks (ZeRO-1)" if shard == "optimizer" else "not sharded",
+                 why)
+    optimizer = make_optimizer(opts, method.parameters(), lr, fused=bool(method.trains), sharded=shard == "optimizer")
     lr_scheduler = get_scheduler(
         opts.lr_scheduler, optimizer=optimizer, num_warmup_steps=opts.lr_warmup_steps,
         num_training_steps=max_steps, num_cycles=opts.lr_num_cycles, power=opts.lr_power,
@@ -641,10 +621,10 @@ def _setup(
     if world > 1:
         # Only the method's small modules are wrapped (textual inversion: one DDP per encoder's rows,
         # each called once a forward), so DDP syncs just what trains; the rest is all-reduced flat.
-        run.counter = AllReduceCounter(run.phases)
+        run.exchange = data_parallel.GradientExchange(run.phases.seconds, opts.grad_compression)
         run.ddp_modules = [accelerator.prepare_model(module) for module in ddp_modules]
         for ddp in run.ddp_modules:
-            ddp.register_comm_hook(None, run.counter.hook)
+            ddp.register_comm_hook(None, run.exchange.hook)
         method.use_ddp(run.ddp_modules)
 
     state = None
@@ -675,20 +655,36 @@ def _setup(
 
 
 def make_optimizer(opts: TrainOptions, params: list[torch.nn.Parameter], lr: float,
-                   fused: bool = False) -> torch.optim.Optimizer:
+                   fused: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
     """``fused``: torch's fused CPU AdamW, one vectorized pass over each parameter: 13x the default
     per-tensor loop on 100 M parameters on a 2-core AVX2 EPYC (0.12 against 1.53 s; foreach was slower
     still), so for a method that trains a model's own weights, where the optimizer is seconds a step.
-    (For a token's rows or adapters it is milliseconds either way; they keep the loop the examples run.)"""
+    (For a token's rows or adapters it is milliseconds either way; they keep the loop the examples run.)
+    ``sharded``: each rank keeps the state of its share of ``params`` (data_parallel.sharded_optimizer)."""
+    optimizer_class: type
     if opts.optimizer == "adafactor":
         from transformers.optimization import Adafactor
 
         # a fixed learning rate (the schedule's), as kohya and the SDXL guides run it
-        return Adafactor(params, lr=lr, weight_decay=opts.adam_weight_decay, scale_parameter=False,
-                         relative_step=False, warmup_init=False)
-    return torch.optim.AdamW(params, lr=lr, betas=(opts.adam_beta1, opts.adam_beta2),
-                             weight_decay=opts.adam_weight_decay, eps=opts.adam_epsilon,
-                             **({"fused": True} if fused else {}))
+        optimizer_class, kwargs = Adafactor, {"lr": lr, "weight_decay": opts.adam_weight_decay,
+                                              "scale_parameter": False, "relative_step": False, "warmup_init": False}
+    else:
+        optimizer_class, kwargs = torch.optim.AdamW, {
+            "lr": lr, "betas": (opts.adam_beta1, opts.adam_beta2), "weight_decay": opts.adam_weight_decay,
+            "eps": opts.adam_epsilon, **({"fused": True} if fused else {})}
+    if sharded:
+        return data_parallel.sharded_optimizer(optimizer_class, params, **kwargs)
+    return optimizer_class(params, **kwargs)
+
+
+def _shard_memory(opts: TrainOptions, precision: str, world: int) -> tuple[int, int, int]:
+    """(an unsharded rank's bytes, this node's available bytes, its ranks) for --shard auto."""
+    if opts.shard != "auto" or world <= 1:
+        return 0, 0, 1
+    from xeontune import placement
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1)
+    return rank_memory(opts, precision), placement.available_memory_bytes(), local
 
 
 def check_checkpoint_method(state: checkpoint.TrainState, method: methods.Method, where: Path | str) -> None:
@@ -856,7 +852,9 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             if not run.method.finite():  # small; the loss shows it one step late
                 raise TrainingError(f"the {run.method.learns} became non-finite at step {step + 1}; "
                                     "lower --learning-rate")
-            sent = (run.counter.take() + loss.numel() * loss.element_size()) if run.counter else 0
+            # the gradients' bytes, a sharded optimizer's updated weights, and the loss
+            sent = (run.exchange.take() + data_parallel.weight_bytes_sent(run.optimizer)
+                    + loss.numel() * loss.element_size()) if run.exchange else 0
             phases = run.phases.take()
             done = step + 1
             if on_step:
@@ -877,11 +875,14 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                     log.info("step %d/%d  loss %.4f  %.2f s/step  %.1f images/s", done, run.max_steps,
                              loss_value, elapsed, global_batch / elapsed)
             if outputs_due(opts, done, run.max_steps):
+                if checkpoint_due(opts, done):
+                    data_parallel.consolidate(run.optimizer)  # every rank: its share of the state to rank 0
                 if main:
                     _between_steps(run, done, writer)
                 run.sync.wait()  # the others wait for rank 0 here, not in the next step's all-reduce
             # Slurm's notice, or a preemption's SIGTERM (train/preempt.py): checkpoint, then stop
             if done < run.max_steps and (signum := preempt.requested(run.world)):
+                data_parallel.consolidate(run.optimizer)
                 if main:
                     save_checkpoint(run, done)
                 run.sync.wait()
@@ -892,6 +893,8 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             elif line:
                 log.info("%s", line)
         preempt.defer_term(False)
+        if checkpoint_due(opts, run.max_steps):
+            data_parallel.consolidate(run.optimizer)
         result_path = _finish(run, writer) if main else None
     finally:
         preempt.defer_term(False)
@@ -913,6 +916,10 @@ def outputs_due(opts: TrainOptions, step: int, max_steps: int) -> bool:
         return False  # _finish writes the final outputs
     every = (opts.save_steps, opts.checkpointing_steps, opts.validation_steps if opts.validation_prompt else 0)
     return any(n and step % n == 0 for n in every)
+
+
+def checkpoint_due(opts: TrainOptions, step: int) -> bool:
+    return bool(opts.checkpointing_steps) and step % opts.checkpointing_steps == 0
 
 
 def _between_steps(run: Run, step: int, writer) -> None:

@@ -102,6 +102,14 @@ class TrainOptions:
     ema_decay: float = opt(0.9999, "the EMA's decay per step (--use-ema)", group="full fine-tuning")
     save_precision: str = opt("fp32", "the dtype of the single-file checkpoint (model.safetensors)",
                               choices=("fp32", "bf16"), group="full fine-tuning")
+    shard: str = opt("none", "across ranks: optimizer keeps 1/N of AdamW's state on each of N ranks (ZeRO-1, torch's "
+                     "ZeroRedundancyOptimizer; each rank then sends its share of the updated weights: one more "
+                     "model's bytes a step on the wire); auto shards only where the node's ranks would not fit "
+                     "unsharded; none: every rank holds all of it", choices=("none", "optimizer", "auto"),
+                     group="full fine-tuning")
+    grad_compression: str = opt("none", "across ranks: the gradients' dtype on the wire; bf16 sends half the bytes "
+                                "and adds them up in fp32 (docs/cluster.md)", choices=("none", "bf16"),
+                                group="full fine-tuning")
     repeats: int = opt(100, "times each image appears per epoch", group="model and data")
     resolution: int = opt(512, "training image side in pixels (a multiple of 8)", group="model and data")
     center_crop: bool = opt(False, "crop images to a centered square before resizing (without buckets)",

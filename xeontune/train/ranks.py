@@ -50,13 +50,14 @@ TRAINED_SIZE_FACTOR = {"adamw": 4, "adafactor": 2}
 
 def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str = "sd",
                         text_encoders: bool = True, trained: frozenset[str] = frozenset(), optimizer: str = "adamw",
-                        ema: bool = False) -> int:
+                        ema: bool = False, state_share: float = 1.0) -> int:
     """Bytes of weights one rank holds: a frozen UNet and the text encoders' Linear layers in the
     training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) a frozen UNet
     counts twice: its layers are held reordered for the forward and again for the input gradient, each
     rank its own, while the plain weights' pages are handed back once reordered. A part the method
     ``trained`` (methods.PARTS) is held in fp32 with its gradients and optimizer state, never packed.
-    ``text_encoders``: False where the run frees them once their outputs are cached (``keeps_text_encoders``)."""
+    ``text_encoders``: False where the run frees them once their outputs are cached (``keeps_text_encoders``).
+    ``state_share``: the share of the optimizer state a rank keeps (1/N with --shard optimizer on N ranks)."""
     root = Path(model).expanduser()
     if not root.is_dir():  # SD1.5's or SDXL-base's sizes (``family``: where the hub said which)
         stored = {"unet": (SDXL_UNET_PARAMS if family == "sdxl" else SD15_UNET_PARAMS) * 4,
@@ -67,7 +68,7 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
         # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
         if any((root / "unet").glob("*.safetensors")) and any((root / "unet").glob("*.bin")):
             stored["unet"] //= 2
-    factor = TRAINED_SIZE_FACTOR[optimizer]
+    factor = 2 + (TRAINED_SIZE_FACTOR[optimizer] - 2) * state_share  # weights and gradients whole
     if "unet" in trained:
         unet = stored["unet"] * (factor + (1 if ema else 0))
     else:
@@ -103,11 +104,12 @@ def _text_encoder_bytes(stored: float, precision: str, linear_share: float = TEX
     return stored * (1 - linear_share / 2) if precision == "bf16" else stored
 
 
-def rank_memory(opts: TrainOptions, precision: str, here: bool = True) -> int:
+def rank_memory(opts: TrainOptions, precision: str, here: bool = True, world: int = 1) -> int:
     """What one rank of this run holds (what `--nproc-per-node auto` and `launch --ppn auto` divide
     memory by): the model's frozen weights as the rank holds them and its activations, both by family
     (read from model_index.json: a local folder, or the hub's when reachable; else SD1.x is assumed).
-    ``here``: the ranks run on this machine's CPU (see packs())."""
+    ``here``: the ranks run on this machine's CPU (see packs()). ``world``: the job's ranks, which
+    --shard optimizer divides the optimizer state by (1, the safe side, where it is not known yet)."""
     from xeontune.train import methods
     from xeontune.train.components import pipeline_family
 
@@ -115,7 +117,8 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True) -> int:
     method = methods.create(opts)
     weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family,
                                   text_encoders=keeps_text_encoders(method, opts), trained=method.trains,
-                                  optimizer=opts.optimizer, ema=opts.use_ema)
+                                  optimizer=opts.optimizer, ema=opts.use_ema,
+                                  state_share=1 / world if opts.shard == "optimizer" and world > 1 else 1.0)
     return placement.rank_memory_bytes(weights, opts.resolution, opts.train_batch_size, family,
                                        opts.gradient_checkpointing, precision)
 

@@ -1,0 +1,145 @@
+"""Full fine-tuning's ranks beyond plain DDP (issue 49), on real processes over gloo: the optimizer state
+sharded over the ranks (--shard optimizer, ZeRO-1) trains what one process does, and its checkpoint
+resumes on another number of ranks, sharded or not; gradients sent as bf16 (--grad-compression bf16)
+halve the bytes and stay within a stated bound of fp32 over 100 steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainlib import train_in_process
+from xeontune.train import data_parallel
+
+REPO = Path(__file__).resolve().parents[2]
+# Measured on the tiny model, 2 ranks x batch 1, 100 steps at lr 1e-4 with the text encoder (AVX2 EPYC and
+# any CPU alike: fp32 kernels): bf16 on the wire left the weights 0.54 % of the distance they moved from
+# the fp32 run's (L2). The bound is 4x that.
+BF16_WIRE_BOUND = 0.02
+
+
+def full_args(model, data, out: Path, batch: int, steps: int, *extra: str) -> list[str]:
+    return ["--method", "full", "--model", str(model), "--data-dir", str(data), "--instance-prompt", "a photo of toy",
+            "--resolution", "32", "--train-batch-size", str(batch), "--max-train-steps", str(steps),
+            "--learning-rate", "1e-3", "--seed", "7", "--output-dir", str(out), "--checkpointing-steps", "0",
+            "--save-steps", "0", "--mixed-precision", "fp32", "--adam-epsilon", "1e-4", *extra]
+
+
+def ranks(count: int, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``count`` ranks under torch's launcher (`--nproc-per-node` allows one rank per physical core)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(count), "-m", "xeontune.train", *args], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def unet(out: Path) -> dict[str, torch.Tensor]:
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel.from_pretrained(str(out), subfolder="unet").state_dict()
+
+
+def text_encoder(model: Path) -> torch.nn.Module:
+    from transformers import CLIPTextModel
+
+    return CLIPTextModel.from_pretrained(str(model), subfolder="text_encoder")
+
+
+def flat(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([weights[k].reshape(-1).double() for k in sorted(weights)])
+
+
+def sent(out: Path) -> list[int]:
+    return [json.loads(line)["allreduce_bytes"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_sharded_optimizer_trains_what_one_process_does_and_resumes_on_other_rank_counts(
+        tiny_model, sample_images, tmp_path):
+    """2 ranks x batch 3 with --shard optimizer = one process x batch 6 (fp32, within 1e-5 of the weights'
+    scale, after they moved 100x that); its checkpoint-2, resumed on 3 ranks x batch 2 (sharded) and on one
+    process (unsharded), ends where the straight run did. Each sharded step also sends the weights once."""
+    args = lambda out, batch, *extra: full_args(tiny_model, sample_images, tmp_path / out, batch, 4,  # noqa: E731
+                                                "--checkpointing-steps", "2", *extra)
+    said = ranks(2, args("zero", 3, "--shard", "optimizer")).stderr
+    assert "optimizer state sharded over the ranks (ZeRO-1) (--shard optimizer)" in said, said[-2000:]
+    train_in_process(args("one", 6))
+    base, want = flat(unet(tiny_model)), flat(unet(tmp_path / "one" / "pipeline"))
+    scale, moved = float(want.abs().max()), float((want - base).abs().max())
+    assert moved >= 100 * 1e-5 * scale, (moved, scale)
+    diff = float((flat(unet(tmp_path / "zero" / "pipeline")) - want).abs().max())
+    assert diff <= 1e-5 * scale, (diff, scale)
+
+    checkpoint = tmp_path / "zero" / "checkpoint-2"
+    ranks(3, args("three", 2, "--shard", "optimizer", "--resume-from-checkpoint", str(checkpoint)))
+    train_in_process(args("plain", 6, "--resume-from-checkpoint", str(checkpoint)))
+    for got in ("three", "plain"):
+        diff = float((flat(unet(tmp_path / got / "pipeline")) - want).abs().max())
+        assert diff <= 1e-5 * scale, (got, diff, scale)
+
+    weight_bytes = sum(t.numel() * t.element_size() for t in unet(tiny_model).values())
+    # the gradients, the updated weights (each once, from the rank that owns it), the loss
+    assert sent(tmp_path / "zero") == [2 * weight_bytes + 4] * 4
+
+
+@pytest.mark.slow
+def test_bf16_gradients_on_the_wire_halve_the_bytes_and_stay_within_the_bound_over_100_steps(
+        tiny_model, sample_images, tmp_path):
+    """Two ranks, the UNet in DDP buckets and the text encoder's gradients exchanged flat: bf16 on the wire
+    ends within BF16_WIRE_BOUND of fp32 (L2, relative to how far the weights moved). The fp32 run: one
+    process with both ranks' batch, which 2 ranks in fp32 equal (the test above, test_full_cluster.py)."""
+    args = lambda out, batch, *extra: full_args(tiny_model, sample_images, tmp_path / out, batch, 100,  # noqa: E731
+                                                "--learning-rate", "1e-4", "--train-text-encoder", *extra)
+    train_in_process(args("fp32", 2))
+    ranks(2, args("bf16", 1, "--grad-compression", "bf16"))
+    base, fp32, bf16 = flat(unet(tiny_model)), flat(unet(tmp_path / "fp32" / "pipeline")), \
+        flat(unet(tmp_path / "bf16" / "pipeline"))
+    moved, apart = float((fp32 - base).norm()), float((bf16 - fp32).norm())
+    print(f"bf16 on the wire: {apart / moved:.3%} of the distance moved apart from fp32 after 100 steps")
+    assert apart > 0, "bf16 on the wire changed nothing: was it used?"
+    assert apart <= BF16_WIRE_BOUND * moved, (apart, moved)
+    # the UNet's and the text encoder's gradients, 2 bytes each, and the loss
+    trained = sum(t.numel() for t in unet(tiny_model).values()) + sum(
+        p.numel() for p in text_encoder(tiny_model).parameters())
+    assert sent(tmp_path / "bf16") == [2 * trained + 4] * 100
+
+
+def test_shard_auto_shards_only_where_the_ranks_would_not_fit():
+    gib = 2**30
+    assert data_parallel.shard_choice("auto", 4, 10 * gib, 100 * gib, 4)[0] == "none"
+    choice, why = data_parallel.shard_choice("auto", 4, 10 * gib, 30 * gib, 4)
+    assert choice == "optimizer" and "40.0 GiB" in why and "30.0 GiB" in why
+    assert data_parallel.shard_choice("optimizer", 1, 0, 0, 1)[0] == "none"  # one rank: nothing to shard
+    assert data_parallel.shard_choice("optimizer", 2, 0, 0, 1)[0] == "optimizer"
+
+
+def test_the_rank_plan_counts_a_sharded_optimizer_state_once_over_the_ranks(tiny_model):
+    from xeontune.train import ranks as plan
+
+    stored = sum(p.stat().st_size for p in (tiny_model / "unet").glob("*.safetensors"))
+    whole = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"unet"}))
+    quarter = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"unet"}), state_share=0.25)
+    assert whole - quarter == pytest.approx(stored * 2 * 0.75, abs=2)  # AdamW's two moments, 3/4 of them gone
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--method", "lora", "--instance-prompt", "a photo of toy", "--shard", "optimizer"],
+     "--shard is an option of --method full"),
+    (["--placeholder-token", "<t>", "--initializer-token", "toy", "--grad-compression", "bf16"],
+     "--grad-compression is an option of --method full"),
+])
+def test_sharding_and_compression_bad_input_is_one_line(capsys, tiny_model, sample_images, tmp_path, flags, said):
+    from tests.one_line import one_line_error
+
+    line = one_line_error(capsys, ["train", "--model", str(tiny_model), "--data-dir", str(sample_images),
+                                   "--output-dir", str(tmp_path / "out"), *flags])
+    assert said in line, line
+    assert not (tmp_path / "out").exists()
