@@ -26,6 +26,7 @@ def test_each_flag_is_offered_once_and_names_the_providers_that_read_it(capsys):
     ("localhost", ["--spot"], "--spot is an option of --provider aws, not of localhost"),
     ("azure", ["--subnet", "subnet-1"], "--subnet is an option of --provider aws, not of azure"),
     ("aws", ["--partition", "debug"], "--partition is an option of --provider slurm, not of aws"),
+    ("slurm", ["--link-rate", "10gbit"], "--link-rate is an option of --provider local, not of slurm"),
 ])
 def test_a_flag_of_another_provider_is_one_line(xeontune_home, capsys, command, provider, flags, says):
     argv = [*command, "--provider", provider, "-n", "1", "--name", "opts", *flags]

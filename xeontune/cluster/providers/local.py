@@ -16,6 +16,11 @@ so Hydra needs ``-iface eth0`` and gloo ``GLOO_SOCKET_IFNAME=eth0`` (else they d
 
 Teardown kills every process inside the cluster's namespaces (sshd, Hydra proxies, ranks), then
 deletes namespaces, veths and bridge; it finds them by name when the record is lost.
+
+``--link-rate RATE`` (and ``--link-delay``) shape each node's link with `tc`, so that a cluster on one
+machine has a real cluster's bandwidth and latency: the node's own end (its sending) gets a token
+bucket at RATE (netem's rate and delay with --link-delay: a packet's one-way delay), the bridge's end
+(what it receives) a token bucket at RATE. Its qdiscs go with the namespace and the veth.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,7 +38,7 @@ from pathlib import Path
 
 from xeontune.cluster import ssh, state
 from xeontune.cluster.files import config_value
-from xeontune.cluster.providers import ClusterSpec, NodeStatus, Provider, TeardownReport
+from xeontune.cluster.providers import ClusterSpec, NodeStatus, Provider, ProviderOption, TeardownReport
 from xeontune.cluster.state import ClusterRecord, Node
 from xeontune.errors import UserError
 from xeontune.io import atomic_write_text
@@ -40,6 +46,10 @@ from xeontune.io import atomic_write_text
 IFACE = "eth0"
 SUBNET_PREFIX = "10.231"
 MAX_NODES = 64
+RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}  # tc's, in bits per second
+RATE_RE = re.compile(r"(\d+(?:\.\d+)?)(" + "|".join(RATE_UNITS) + ")", re.IGNORECASE)
+DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+DELAY_RE = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s)")
 
 
 def _short(name: str) -> str:
@@ -174,6 +184,48 @@ def _refuse_leftovers(name: str) -> None:
                         f"with `xeontune teardown --name {name}`")
 
 
+def link_shape(spec: ClusterSpec) -> tuple[float | None, float | None]:
+    """(bits per second, one-way delay in seconds) of --link-rate and --link-delay; None where not given.
+    A mistake in either is a one-line error before anything is created."""
+    rate = delay = None
+    if (given := spec.option("link_rate")) is not None:
+        found = RATE_RE.fullmatch(given.strip())
+        if not found or float(found[1]) <= 0:
+            raise UserError(f"--link-rate {given!r}: give a rate as tc writes it, e.g. 10gbit, 25gbit, 500mbit")
+        rate = float(found[1]) * RATE_UNITS[found[2].lower()]
+    if (given := spec.option("link_delay")) is not None:
+        found = DELAY_RE.fullmatch(given.strip())
+        if not found:
+            raise UserError(f"--link-delay {given!r}: give a one-way delay as tc writes it, e.g. 100us, 1ms")
+        delay = float(found[1]) * DELAY_UNITS[found[2]]
+    return rate, delay
+
+
+def _shape_link(ns: str, veth: str, rate: float | None, delay: float | None) -> None:
+    """The node's link as ``link_shape`` says: its end in ``ns`` (what it sends), the bridge's (what it gets)."""
+    if rate is None and delay is None:
+        return
+    # Token buckets hold a millisecond at the rate (at least one 64 KiB GSO segment) and queue 50 ms.
+    burst = f"{max(int((rate or 0) / 8 / 1000), 65536)}b"
+    if delay is None:
+        _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFACE, "root", "tbf", "rate", f"{rate:.0f}bit",
+             "burst", burst, "latency", "50ms"])
+    else:
+        netem = ["delay", f"{delay * 1e6:.0f}us", *(["rate", f"{rate:.0f}bit"] if rate else [])]
+        # the queue: what the link holds in flight at its delay, and 1000 packets beside
+        limit = 1000 + int((rate or 10e9) * delay / 8 / 1500)
+        done = _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFACE, "root", "netem", *netem,
+                    "limit", str(limit)], check=False)
+        if done.returncode != 0:
+            if "unknown" in done.stderr.lower():
+                raise UserError("--link-delay needs the kernel's netem qdisc (sch_netem), which this kernel lacks: "
+                                "`modprobe sch_netem`, or leave --link-delay out (--link-rate needs only tbf)")
+            raise RuntimeError(f"`tc qdisc add ... netem` failed ({done.returncode}): {done.stderr.strip()}")
+    if rate is not None:
+        _sh(["tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", f"{rate:.0f}bit", "burst", burst,
+             "latency", "50ms"])
+
+
 def _create(spec: ClusterSpec) -> ClusterRecord:
     name = spec.name
     cdir = state.cluster_dir(name)
@@ -189,6 +241,10 @@ def _create(spec: ClusterSpec) -> ClusterRecord:
         iface=IFACE,
         cluster_id=state.new_cluster_id(),
     )
+    rate, delay = link_shape(spec)
+    for key in ("link_rate", "link_delay"):
+        if spec.option(key) is not None:
+            record.extra[key] = spec.option(key)
     login = ssh.generate_keypair(record.key_path, comment=f"xeontune-{name}")
     authorized = cdir / "authorized_keys"
     atomic_write_text(authorized, login + "\n", mode=0o600)
@@ -231,6 +287,7 @@ def _create(spec: ClusterSpec) -> ClusterRecord:
         _sh(["ip", "-n", ns, "link", "set", "lo", "alias", owner_tag(record.cluster_id)])
         _sh(["ip", "link", "set", veth, "master", br])
         _sh(["ip", "link", "set", veth, "up"])
+        _shape_link(ns, veth, rate, delay)
 
         host_key = run_dir / f"{node.name}_host_ed25519"
         host_line = ssh.generate_keypair(host_key, comment=node.name)
@@ -312,9 +369,15 @@ class Local(Provider):
     wait_timeout_s = 60.0
     default_iface = IFACE
     autostop_action = "teardown"  # the watcher in the head's namespace removes the whole cluster
+    options = (ProviderOption("--link-rate", "shape each node's link to RATE each way with tc (10gbit, 25gbit, "
+                              "500mbit): a real cluster's bandwidth on one machine"),
+               ProviderOption("--link-delay", "each node's one-way link delay (100us, 1ms; needs the kernel's netem)"))
 
     def up(self, spec: ClusterSpec) -> ClusterRecord:
+        shaped = link_shape(spec) != (None, None)
         check_requirements()
+        if shaped and not shutil.which("tc"):
+            raise UserError("--link-rate and --link-delay need the `tc` command (apt-get install iproute2)")
         if not 1 <= spec.num_nodes <= MAX_NODES:
             raise UserError(f"-n must be between 1 and {MAX_NODES} for the local provider")
         _refuse_leftovers(spec.name)
