@@ -32,6 +32,34 @@ def train_in_process(args: list[str]) -> None:
         assert main(["train", *args]) == 0
 
 
+def full_args(model, data, out, batch: int, steps: int, *extra: str) -> list[str]:
+    """The flags (after `xeontune train`) of a full fine-tuning of ``model`` on ``data`` into ``out``: fp32 at
+    32 px, lr 1e-3, no checkpoints or step copies. Adam's first steps are sign-like: its epsilon 1e-4 keeps a
+    near-zero gradient's rounding small. ``extra`` comes last (the last flag wins)."""
+    return ["--method", "full", "--model", str(model), "--data-dir", str(data), "--instance-prompt", "a photo of toy",
+            "--resolution", "32", "--train-batch-size", str(batch), "--max-train-steps", str(steps),
+            "--learning-rate", "1e-3", "--seed", "7", "--output-dir", str(out), "--checkpointing-steps", "0",
+            "--save-steps", "0", "--mixed-precision", "fp32", "--adam-epsilon", "1e-4", *extra]
+
+
+def unet_weights(folder) -> dict:
+    """The UNet's weights of a pipeline folder (a base model's, or a full fine-tuning's ``pipeline/``)."""
+    from diffusers import UNet2DConditionModel
+
+    return {k: v.detach().clone() for k, v in UNet2DConditionModel.from_pretrained(str(folder), subfolder="unet")
+            .state_dict().items()}
+
+
+def assert_same_unet(got, want, base, rel: float = 1e-5) -> None:
+    """``got``'s UNet equals ``want``'s within ``rel`` of the weights' largest value, and ``want``'s moved
+    from ``base``'s by 100x that at least (two runs that learned nothing agree too)."""
+    got, want, base = unet_weights(got), unet_weights(want), unet_weights(base)
+    scale = max(float(w.abs().max()) for w in want.values())
+    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+    moved = max(float((want[k] - base[k]).abs().max()) for k in want)
+    assert diff <= rel * scale and moved >= 100 * rel * scale, (diff, moved, scale)
+
+
 def lora_args(model, data, out, *extra: str, prompt: str = "a photo of sks toy", resolution: int = 64) -> list[str]:
     """The flags (after `xeontune train`) of a LoRA run of ``model`` on ``data`` into ``out``: fp32, lr 1e-3,
     no step copies, Adam's epsilon 1e-5 (its default 1e-8 magnifies the rounding of a near-zero gradient

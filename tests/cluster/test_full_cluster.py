@@ -12,25 +12,9 @@ import pytest
 import torch
 
 from tests.cluster.clusterlib import assert_nothing_left, cli
-from tests.trainlib import OFFLINE, train_in_process
+from tests.trainlib import OFFLINE, full_args, train_in_process, unet_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
-
-
-def full_args(model, data, out, batch: int, steps: int, *extra: str) -> list[str]:
-    return ["--method", "full", "--model", str(model), "--data-dir", str(data), "--instance-prompt", "a photo of toy",
-            "--resolution", "32", "--train-batch-size", str(batch), "--max-train-steps", str(steps),
-            "--learning-rate", "1e-3", "--seed", "7", "--output-dir", str(out), "--checkpointing-steps", "0",
-            "--save-steps", "0", "--mixed-precision", "fp32",
-            # Adam's first steps are sign-like: a larger epsilon keeps a near-zero gradient's rounding small
-            "--adam-epsilon", "1e-4", *extra]
-
-
-def unet_of(folder) -> dict[str, torch.Tensor]:
-    from diffusers import UNet2DConditionModel
-
-    return {k: v.detach().clone() for k, v in UNet2DConditionModel.from_pretrained(folder, subfolder="unet")
-            .state_dict().items()}
 
 
 def test_run_on_three_nodes_fetches_the_pipeline_and_the_single_file(root_home, cluster_name, tiny_model,
@@ -43,11 +27,11 @@ def test_run_on_three_nodes_fetches_the_pipeline_and_the_single_file(root_home, 
                *full_args(model, sample_images, out, 1, 3, "--checkpointing-steps", "3", "--scale-lr"), env=OFFLINE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "model.safetensors").is_file() and (out / "checkpoint-3").is_dir()
-    trained, base = unet_of(out / "pipeline"), unet_of(model)
+    trained, base = unet_weights(out / "pipeline"), unet_weights(model)
     assert max(float((trained[k] - base[k]).abs().max()) for k in base) > 1e-4
     # 3 ranks of batch 1 train what one process of batch 3 does (fp32)
     train_in_process(full_args(model, sample_images, tmp_path / "one", 3, 3, "--scale-lr"))
-    want = unet_of(tmp_path / "one" / "pipeline")
+    want = unet_weights(tmp_path / "one" / "pipeline")
     diff = max(float((trained[k] - want[k]).abs().max()) for k in want)
     moved = max(float((want[k] - base[k]).abs().max()) for k in want)
     scale = max(float(want[k].abs().max()) for k in want)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from tests.checks import EMBEDS, References, assert_same_vectors, lines, rank_pids, wait_for_lines
 from tests.cluster import slurmlib
+from tests.trainlib import assert_same_unet, full_args, train_in_process
 from xeontune.errors import UserError
 from xeontune.train import world
 
@@ -265,6 +266,25 @@ def test_run_provider_slurm_trains_three_ranks_and_leaves_no_job(on_slurm, tiny_
     assert list(load_file(str(out / EMBEDS))) == ["<toy-bot>"]
     assert_same_vectors(out, _straight(references, tiny_model, sample_images, 2))
     assert on_slurm.jobs() == [] and not state.exists("sl")
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_run_provider_slurm_fine_tunes_the_whole_unet_with_a_sharded_optimizer_as_one_process_does(
+        on_slurm, tiny_model, sample_images, tmp_path, capsys):
+    """Issue 49: `--method full --shard optimizer` through Slurm unchanged: 3 srun tasks of batch 1, each
+    keeping a third of AdamW's state, train the UNet one process with batch 3 trains (fp32)."""
+    from xeontune.cli import main
+
+    out = tmp_path / "out"
+    rc = main(["run", "--provider", "slurm", "-n", "3", "--name", "sl-full", "--time", "10:00", "--",
+               *full_args(tiny_model, sample_images, out, 1, 3, "--shard", "optimizer", "--scale-lr")])
+    text = capsys.readouterr()
+    assert rc == 0, text.out[-3000:] + text.err[-3000:] + on_slurm.log()
+    assert json.loads((out / "train_config.json").read_text())["world_size"] == 3
+    train_in_process(full_args(tiny_model, sample_images, tmp_path / "one", 3, 3, "--scale-lr"))
+    assert_same_unet(out / "pipeline", tmp_path / "one" / "pipeline", tiny_model)
+    assert on_slurm.jobs() == []
 
 
 def _start_long_job(name: str, tiny_model, sample_images, out, slurm, capsys) -> list[int]:

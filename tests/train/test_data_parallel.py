@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainlib import train_in_process
+from tests.trainlib import full_args, train_in_process
 from xeontune.train import data_parallel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,13 +22,6 @@ REPO = Path(__file__).resolve().parents[2]
 # any CPU alike: fp32 kernels): bf16 on the wire left the weights 0.54 % of the distance they moved from
 # the fp32 run's (L2). The bound is 4x that.
 BF16_WIRE_BOUND = 0.02
-
-
-def full_args(model, data, out: Path, batch: int, steps: int, *extra: str) -> list[str]:
-    return ["--method", "full", "--model", str(model), "--data-dir", str(data), "--instance-prompt", "a photo of toy",
-            "--resolution", "32", "--train-batch-size", str(batch), "--max-train-steps", str(steps),
-            "--learning-rate", "1e-3", "--seed", "7", "--output-dir", str(out), "--checkpointing-steps", "0",
-            "--save-steps", "0", "--mixed-precision", "fp32", "--adam-epsilon", "1e-4", *extra]
 
 
 def ranks(count: int, args: list[str]) -> subprocess.CompletedProcess[str]:
