@@ -173,6 +173,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the side-by-side steps, run `xeontune train --nproc-per-node R` for each R and "
                    "report the node's images/s, peak memory and MFU: comma-separated counts and/or auto, "
                    "'powers' (1, 2, 4, ... up to the physical cores, and auto's pick; the default) or none")
+    nodes = p.add_argument_group(
+        "scaling across nodes (--nodes; root: network-namespace hosts on this machine, docs/cluster.md)")
+    nodes.add_argument("--nodes", metavar="LIST", help="node counts to run, 1 first, e.g. 1,2: each a real `xeontune "
+                       "run --provider local` with one rank a node; prints images/s, scaling efficiency and the time "
+                       "each step waited beyond one node's, and fits a cost model to them")
+    nodes.add_argument("--link-rate", metavar="RATE", help="each node's link, shaped with tc (e.g. 320mbit)")
+    nodes.add_argument("--link-delay", metavar="DELAY", help="each node's one-way link delay (e.g. 100us; netem)")
+    nodes.add_argument("--check-rate", metavar="RATE", help="measure the largest count again at this link rate, "
+                       "which the cost model is not fitted to: its check")
+    nodes.add_argument("--threads-per-node", type=int, default=0, metavar="N",
+                       help="threads each node's rank runs (default: this machine's cores / the largest count)")
+    nodes.add_argument("--accumulation", type=int, default=1, metavar="N", help="--gradient-accumulation-steps")
+    nodes.add_argument("--grad-compression", default="none", choices=("none", "bf16"), help="--method full's")
+    nodes.add_argument("--shard", default="none", choices=("none", "optimizer", "auto"), help="--method full's")
+    nodes.add_argument("--optimizer", default="adamw", choices=("adamw", "adafactor"))
+    nodes.add_argument("--use-ema", action="store_true", help="--method full: keep an EMA of the UNet")
+    nodes.add_argument("--node-speedup", type=float, default=1.0, metavar="X",
+                       help="for the predictions: how many times faster a real node computes the step than a node here")
+    nodes.add_argument("--predict-rate", metavar="RATE", help="predict clusters whose links run at RATE (e.g. 25gbit)")
+    nodes.add_argument("--predict-nodes", default="8,16,32,64", metavar="LIST", help="their node counts (8,16,32,64)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
     p.add_argument("--matmul-size", type=int, default=2048, help=argparse.SUPPRESS)
@@ -192,6 +212,34 @@ def _check(args: argparse.Namespace) -> None:
     if args.resolution < 32 or args.resolution % 8:
         raise UserError(f"--resolution must be a multiple of 8 and at least 32, got {args.resolution}")
     rank_counts(args.ranks_per_node, physical_cores())  # fails now on a bad list, not after minutes of steps
+    _check_nodes(args)
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    """--nodes and its options: one line for a mistake, before any node starts."""
+    from xeontune import scaling
+
+    given = [flag for flag, value in (("--link-rate", args.link_rate), ("--link-delay", args.link_delay),
+                                      ("--check-rate", args.check_rate), ("--predict-rate", args.predict_rate))
+             if value]
+    if not args.nodes:
+        if given:
+            raise UserError(f"{given[0]} belongs to --nodes (scaling across nodes)")
+        return
+    scaling.parse_nodes(args.nodes)
+    if args.predict_rate:
+        scaling.parse_nodes("1," + args.predict_nodes)
+    if args.accumulation < 1 or args.threads_per_node < 0 or args.node_speedup <= 0:
+        raise UserError("--accumulation must be at least 1, --threads-per-node at least 0, --node-speedup above 0")
+    from xeontune.cluster.providers import ClusterSpec
+    from xeontune.cluster.providers.local import RATE_RE, link_shape
+
+    link_shape(ClusterSpec("check", 1, options={"link_rate": args.link_rate, "link_delay": args.link_delay}))
+    for flag, rate in (("--check-rate", args.check_rate), ("--predict-rate", args.predict_rate)):
+        if rate and not RATE_RE.fullmatch(rate):
+            raise UserError(f"{flag} {rate!r}: give a rate as tc writes it, e.g. 25gbit, 320mbit")
+    if args.method != "full" and (args.grad_compression != "none" or args.shard != "none"):
+        raise UserError("--grad-compression and --shard are --method full's")
 
 
 def rank_counts(spec: str, physical: int) -> list[int | str]:
@@ -910,7 +958,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rss_child(args)
     if args.baseline_worker:
         return baseline_worker(args)
-    hardware.reexec_with_allocator(["-m", "xeontune.bench", *argv], args.allocator)
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -924,6 +971,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pass
         except OSError as exc:
             raise UserError(f"--json-out {target}: cannot write there ({exc.strerror})") from None
+    if args.nodes:  # the nodes' ranks choose their allocator; this process only starts them (and sshd)
+        from xeontune import scaling
+
+        figures = scaling.sweep(args, log)
+        text = json.dumps(figures, indent=2)
+        _write_json_out(args, text)
+        print(text if args.json else scaling.render(figures))
+        return 0
+    hardware.reexec_with_allocator(["-m", "xeontune.bench", *argv], args.allocator)
+
     if args.class_images:
         figures = bench_class_images(args, log)
         text = json.dumps(figures, indent=2)

@@ -862,7 +862,7 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             if main:
                 record = {"step": done, "loss": loss_value, "lr": run.lr_scheduler.get_last_lr()[0],
                           "step_time_s": elapsed, "images_per_s": global_batch / elapsed,
-                          "allreduce_bytes": sent}
+                          "allreduce_bytes": sent, "allreduce_s": phases["allreduce"]}
                 with disk_errors(out / METRICS):
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
@@ -872,8 +872,9 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                 bar.set_postfix(loss=f"{loss_value:.4f}", s_per_step=f"{elapsed:.2f}")
                 bar.update(1)
                 if not interactive and (done % log_every == 0 or done == run.max_steps):
-                    log.info("step %d/%d  loss %.4f  %.2f s/step  %.1f images/s", done, run.max_steps,
-                             loss_value, elapsed, global_batch / elapsed)
+                    log.info("step %d/%d  loss %.4f  %.2f s/step  %.1f images/s%s", done, run.max_steps,
+                             loss_value, elapsed, global_batch / elapsed,
+                             f"  sent {sent / 1e6:.1f} MB in {phases['allreduce']:.2f} s" if sent else "")
             if outputs_due(opts, done, run.max_steps):
                 if checkpoint_due(opts, done):
                     data_parallel.consolidate(run.optimizer)  # every rank: its share of the state to rank 0

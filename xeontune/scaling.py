@@ -1,0 +1,200 @@
+"""`xeontune bench --nodes 1,2 --link-rate RATE`: data-parallel scaling measured on an emulated cluster,
+and a cost model fitted to it that carries the result to clusters this machine cannot hold (issue 49).
+
+Each count is a real `xeontune run --provider local -n COUNT` (network namespaces, one rank a node, its
+link shaped with tc): the same training options, the same threads a node, so that only the exchange
+differs between counts. From each run's metrics.jsonl (rank 0's steps after the warm-up): images/s,
+the step's time, and the time it waited beyond the one-node step (``wait``: the communication that the
+backward did not hide).
+
+The cost model: a step takes ``compute + max(0, ring(n) - hidden)``, where ``ring(n)`` is a ring
+all-reduce of the step's bytes on the wire, ``2 (n-1)/n x bytes / rate`` plus ``2 (n-1)`` link delays,
+and ``hidden`` the share of it that the backward overlaps (fitted: the one parameter). ``--check-rate``
+measures the largest count again at a second link rate, which the model did not see, to check it.
+Predictions for a real node divide the compute and the hidden time by ``--node-speedup`` (how many
+times faster a real node computes the step than a node here), at ``--predict-rate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from xeontune.errors import UserError
+
+
+@dataclass
+class Point:
+    """One measured (or modelled) count of nodes."""
+
+    nodes: int
+    link_bps: float | None  # None: the links were not shaped
+    s_per_step: float
+    images_per_s: float
+    bytes_per_step: int  # what rank 0 handed the process group a step
+    efficiency: float  # images/s per node over one node's
+    wait_s: float  # the step beyond the one-node step
+    measured: bool = True
+    fitted: bool = True  # a measured point the model was fitted to (False: kept to check it)
+
+
+@dataclass
+class CostModel:
+    compute_s: float  # one node's step
+    bytes_per_step: int
+    hidden_s: float  # the ring's time that the backward overlaps
+    delay_s: float = 0.0  # one-way link delay
+
+    def ring_s(self, nodes: int, link_bps: float) -> float:
+        if nodes <= 1:
+            return 0.0
+        return 2 * (nodes - 1) / nodes * self.bytes_per_step * 8 / link_bps + 2 * (nodes - 1) * self.delay_s
+
+    def step_s(self, nodes: int, link_bps: float, speedup: float = 1.0) -> float:
+        """A step on ``nodes`` nodes ``speedup`` times faster at computing than the measured ones."""
+        return self.compute_s / speedup + max(0.0, self.ring_s(nodes, link_bps) - self.hidden_s / speedup)
+
+    @classmethod
+    def fit(cls, one: Point, others: list[Point], delay_s: float = 0.0) -> CostModel:
+        """``hidden`` from the shaped multi-node points: the mean of what each says it is (never below 0)."""
+        model = cls(one.s_per_step, max(p.bytes_per_step for p in others), 0.0, delay_s)
+        said = [model.ring_s(p.nodes, p.link_bps) - p.wait_s for p in others if p.link_bps]
+        model.hidden_s = max(0.0, statistics.fmean(said)) if said else 0.0
+        return model
+
+
+def parse_nodes(spec: str) -> list[int]:
+    try:
+        counts = sorted({int(item) for item in spec.split(",")})
+    except ValueError:
+        raise UserError(f"--nodes {spec!r}: give node counts, e.g. 1,2") from None
+    if counts[0] < 1 or 1 not in counts or len(counts) < 2:
+        raise UserError(f"--nodes {spec!r}: give 1 (the reference) and at least one more count, e.g. 1,2")
+    return counts
+
+
+def train_argv(args: argparse.Namespace, model: Path, data: Path, out: Path) -> list[str]:
+    """The training options every count runs (`xeontune train`'s flags)."""
+    argv = ["--method", args.method, "--model", str(model), "--data-dir", str(data), "--output-dir", str(out),
+            "--resolution", str(args.resolution), "--train-batch-size", str(args.batch_size),
+            "--max-train-steps", str(args.warmup + args.steps), "--checkpointing-steps", "0", "--save-steps", "0",
+            "--mixed-precision", args.mixed_precision, "--gradient-accumulation-steps", str(args.accumulation),
+            "--report-to", "none"]
+    if args.method != "textual_inversion":
+        argv += ["--instance-prompt", "a photo of sks toy"]
+    else:
+        argv += ["--placeholder-token", "<bench>", "--initializer-token", "toy"]
+    if args.method == "full":
+        argv += ["--grad-compression", args.grad_compression, "--shard", args.shard, "--optimizer", args.optimizer]
+        if args.use_ema:
+            argv.append("--use-ema")
+    if args.gradient_checkpointing:
+        argv.append("--gradient-checkpointing")
+    return argv
+
+
+def measure(args: argparse.Namespace, model: Path, data: Path, tmp: Path, nodes: int, link: str | None,
+            threads: int, log) -> Point:
+    """One `run --provider local -n nodes` and what its metrics say (``wait`` filled in later)."""
+    from xeontune.cluster.providers.local import RATE_RE, RATE_UNITS
+
+    out = tmp / f"n{nodes}-{link or 'unshaped'}"
+    shape = [*(["--link-rate", link] if link else []), *(["--link-delay", args.link_delay] if args.link_delay else [])]
+    cmd = [sys.executable, "-m", "xeontune.cli", "run", "--provider", "local", "-n", str(nodes), "--ppn", "1",
+           "--name", f"bench{os.getpid() % 100000}", *shape, "--", *train_argv(args, model, data, out)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    log(f"{nodes} node(s), {threads} thread(s) each, link {link or 'unshaped'}: {args.warmup + args.steps} steps")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        log(done.stdout[-3000:] + done.stderr[-3000:])
+        raise UserError(f"the {nodes}-node run failed (exit {done.returncode}): "
+                        f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup:]
+    step = statistics.median(m["step_time_s"] for m in lines)
+    rate = None
+    if link and (found := RATE_RE.fullmatch(link)):
+        rate = float(found[1]) * RATE_UNITS[found[2].lower()]
+    images = args.batch_size * args.accumulation * nodes / step
+    sent = int(statistics.median(m["allreduce_bytes"] for m in lines))
+    return Point(nodes, rate, step, images, sent, efficiency=0.0, wait_s=0.0)
+
+
+def sweep(args: argparse.Namespace, log=print) -> dict[str, Any]:
+    """Measure each count (and --check-rate's point), fit the model, predict; the bench's JSON."""
+    from xeontune import models, placement
+    from xeontune.bench import resolve_model
+    from xeontune.cluster.providers.local import DELAY_RE, DELAY_UNITS
+
+    counts = parse_nodes(args.nodes)
+    threads = args.threads_per_node or max(1, len(placement.physical_cores()) // counts[-1])
+    model = resolve_model(args.model, args.models_dir)
+    delay = 0.0
+    if args.link_delay and (found := DELAY_RE.fullmatch(args.link_delay)):
+        delay = float(found[1]) * DELAY_UNITS[found[2]]
+    with tempfile.TemporaryDirectory(prefix="xeontune-nodes-") as name:
+        tmp = Path(name)
+        data = tmp / "data"
+        models.write_sample_data(data, count=max(4, args.batch_size * counts[-1]), size=args.resolution)
+        points = [measure(args, model, data, tmp, n, args.link_rate if n > 1 else None, threads, log) for n in counts]
+        check = [measure(args, model, data, tmp, counts[-1], args.check_rate, threads, log)] if args.check_rate else []
+    one = points[0]
+    for p in points + check:
+        p.efficiency = one.s_per_step / p.s_per_step
+        p.wait_s = p.s_per_step - one.s_per_step
+    for p in check:
+        p.fitted = False
+    cost = CostModel.fit(one, points[1:], delay)
+    checked = [{"nodes": p.nodes, "link_bps": p.link_bps, "measured_s": p.s_per_step,
+                "modelled_s": cost.step_s(p.nodes, p.link_bps or float("inf"))} for p in check]
+    predict_bps = None
+    predicted: list[Point] = []
+    if args.predict_rate:
+        from xeontune.cluster.providers.local import RATE_RE, RATE_UNITS
+
+        found = RATE_RE.fullmatch(args.predict_rate)
+        if not found:
+            raise UserError(f"--predict-rate {args.predict_rate!r}: give a rate as tc writes it, e.g. 25gbit")
+        predict_bps = float(found[1]) * RATE_UNITS[found[2].lower()]
+        base = cost.step_s(1, predict_bps, args.node_speedup)
+        for n in parse_nodes("1," + args.predict_nodes):
+            step = cost.step_s(n, predict_bps, args.node_speedup)
+            predicted.append(Point(n, predict_bps, step, args.batch_size * args.accumulation * n / step,
+                                   cost.bytes_per_step, base / step, step - base, measured=False, fitted=False))
+    return {"config": {"model": str(model), "method": args.method, "resolution": args.resolution,
+                       "batch_size": args.batch_size, "accumulation": args.accumulation, "threads_per_node": threads,
+                       "link_rate": args.link_rate, "link_delay": args.link_delay, "check_rate": args.check_rate,
+                       "grad_compression": args.grad_compression, "shard": args.shard, "optimizer": args.optimizer,
+                       "mixed_precision": args.mixed_precision, "node_speedup": args.node_speedup,
+                       "predict_rate": args.predict_rate},
+            "measured": [asdict(p) for p in points + check], "model": asdict(cost), "checked": checked,
+            "predicted": [asdict(p) for p in predicted]}
+
+
+def render(result: dict[str, Any]) -> str:
+    c = result["config"]
+    lines = [f"data-parallel scaling, --method {c['method']} at {c['resolution']} px, batch {c['batch_size']} x "
+             f"{c['accumulation']} accumulated a node, {c['threads_per_node']} thread(s) a node, gradients "
+             f"{'bf16' if c['grad_compression'] == 'bf16' else 'fp32'} on the wire",
+             "", "| nodes | link | images/s | efficiency | s/step | waited beyond one node | MB a step | |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in result["measured"] + result["predicted"]:
+        link = "unshaped" if not p["link_bps"] else f"{p['link_bps'] / 1e9:g} Gbit/s"
+        kind = ("measured" if p["fitted"] else "measured, not fitted (checks the model)") if p["measured"] \
+            else f"modelled (a node {c['node_speedup']:g}x faster)"
+        lines.append(f"| {p['nodes']} | {link} | {p['images_per_s']:.4f} | {p['efficiency']:.3f} | "
+                     f"{p['s_per_step']:.2f} | {p['wait_s']:.2f} s | {p['bytes_per_step'] / 1e6:.0f} | {kind} |")
+    m = result["model"]
+    lines += ["", f"cost model: step = {m['compute_s']:.2f} s + max(0, ring - {m['hidden_s']:.2f} s hidden by the "
+              f"backward); ring = 2(n-1)/n x {m['bytes_per_step'] / 1e6:.0f} MB / rate + 2(n-1) x {m['delay_s']:g} s"]
+    for c in result["checked"]:
+        lines.append(f"check: {c['nodes']} nodes at {c['link_bps'] / 1e9:g} Gbit/s measured {c['measured_s']:.2f} "
+                     f"s/step, modelled {c['modelled_s']:.2f} ({c['modelled_s'] / c['measured_s'] - 1:+.1%})")
+    return "\n".join(lines)
