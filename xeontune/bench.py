@@ -974,7 +974,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nodes:  # the nodes' ranks choose their allocator; this process only starts them (and sshd)
         from xeontune import scaling
 
-        figures = scaling.sweep(args, log)
+        figures = scaling.sweep(args, resolve_model(args.model, args.models_dir), log)
         text = json.dumps(figures, indent=2)
         _write_json_out(args, text)
         print(text if args.json else scaling.render(figures))

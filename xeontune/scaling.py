@@ -127,15 +127,13 @@ def measure(args: argparse.Namespace, model: Path, data: Path, tmp: Path, nodes:
     return Point(nodes, rate, step, images, sent, efficiency=0.0, wait_s=0.0)
 
 
-def sweep(args: argparse.Namespace, log=print) -> dict[str, Any]:
-    """Measure each count (and --check-rate's point), fit the model, predict; the bench's JSON."""
+def sweep(args: argparse.Namespace, model: Path, log=print) -> dict[str, Any]:
+    """Measure each count (and --check-rate's point) on ``model``, fit the model, predict; the bench's JSON."""
     from xeontune import models, placement
-    from xeontune.bench import resolve_model
     from xeontune.cluster.providers.local import DELAY_RE, DELAY_UNITS
 
     counts = parse_nodes(args.nodes)
     threads = args.threads_per_node or max(1, len(placement.physical_cores()) // counts[-1])
-    model = resolve_model(args.model, args.models_dir)
     delay = 0.0
     if args.link_delay and (found := DELAY_RE.fullmatch(args.link_delay)):
         delay = float(found[1]) * DELAY_UNITS[found[2]]
