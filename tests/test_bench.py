@@ -352,3 +352,34 @@ def test_rank_counts_read_lists_powers_and_none():
     assert bench.rank_counts("1,auto", 4) == [1, "auto"]
     assert bench.rank_counts("powers", 4) == [1, 2, 4, "auto"]
     assert bench.rank_counts("none", 4) == []
+
+
+def test_real_node_step_shapes_the_links_as_much_slower_as_a_node_here_is(monkeypatch, tmp_path):
+    """--real-node-step 2: a node here taking 8 s a step is 4x slower, so the 10gbit and 5gbit links are shaped
+    at 2.5 and 1.25 Gbit/s; the model is fitted on the first and predicts real nodes 4x faster at 10gbit."""
+    from xeontune import scaling
+
+    ran = []
+
+    def measure(args, model, data, tmp, nodes, link, threads, log):
+        ran.append((nodes, link))
+        bps = scaling.rate_bps(link) if link else None
+        wait = 0.0 if bps is None else max(0.0, 2 * (nodes - 1) / nodes * 1e9 * 8 / bps - 1.0)  # 1 s hidden
+        return scaling.Point(nodes, bps, 8.0 + wait, 4 * nodes / (8.0 + wait), 0 if nodes == 1 else 10**9, 0.0, 0.0)
+
+    monkeypatch.setattr(scaling, "measure", measure)
+    args = bench.build_parser().parse_args([
+        "--method", "full", "--nodes", "1,2", "--link-rate", "10gbit", "--check-rate", "5gbit", "--real-node-step",
+        "2", "--accumulation", "4", "--predict-rate", "10gbit", "--predict-nodes", "8"])
+    result = scaling.sweep(args, tmp_path)
+    assert ran == [(1, None), (2, "2500000kbit"), (2, "1250000kbit")]
+    assert result["config"]["node_speedup"] == pytest.approx(4.0)
+    model = result["model"]
+    assert model["compute_s"] == 8.0 and model["hidden_s"] == pytest.approx(1.0)  # the fitted 2-node point's
+    check = result["checked"][0]
+    assert check["modelled_s"] == pytest.approx(check["measured_s"])  # the same law: the check holds
+    one, eight = result["predicted"]
+    # a real node: 2 s of compute, 0.25 s of it hiding the ring; 8 nodes at 10 Gbit/s: 1.4 s of ring for 1 GB
+    assert one["s_per_step"] == pytest.approx(2.0)
+    assert eight["s_per_step"] == pytest.approx(2.0 + 2 * 7 / 8 * 8e9 / 10e9 - 0.25)
+    assert eight["efficiency"] == pytest.approx(2.0 / eight["s_per_step"])

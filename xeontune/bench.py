@@ -191,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--use-ema", action="store_true", help="--method full: keep an EMA of the UNet")
     nodes.add_argument("--node-speedup", type=float, default=1.0, metavar="X",
                        help="for the predictions: how many times faster a real node computes the step than a node here")
+    nodes.add_argument("--real-node-step", type=float, default=0.0, metavar="SECONDS",
+                       help="a real node's step (same options, its own resolution and precision): the node speedup "
+                       "is measured against it, and --link-rate/--check-rate are that real node's links, shaped "
+                       "here as much slower as a node here is (docs/cluster.md)")
     nodes.add_argument("--predict-rate", metavar="RATE", help="predict clusters whose links run at RATE (e.g. 25gbit)")
     nodes.add_argument("--predict-nodes", default="8,16,32,64", metavar="LIST", help="their node counts (8,16,32,64)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -229,8 +233,9 @@ def _check_nodes(args: argparse.Namespace) -> None:
     scaling.parse_nodes(args.nodes)
     if args.predict_rate:
         scaling.parse_nodes("1," + args.predict_nodes)
-    if args.accumulation < 1 or args.threads_per_node < 0 or args.node_speedup <= 0:
-        raise UserError("--accumulation must be at least 1, --threads-per-node at least 0, --node-speedup above 0")
+    if args.accumulation < 1 or args.threads_per_node < 0 or args.node_speedup <= 0 or args.real_node_step < 0:
+        raise UserError("--accumulation must be at least 1, --threads-per-node and --real-node-step at least 0, "
+                        "--node-speedup above 0")
     from xeontune.cluster.providers import ClusterSpec
     from xeontune.cluster.providers.local import RATE_RE, link_shape
 

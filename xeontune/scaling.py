@@ -12,7 +12,10 @@ all-reduce of the step's bytes on the wire, ``2 (n-1)/n x bytes / rate`` plus ``
 and ``hidden`` the share of it that the backward overlaps (fitted: the one parameter). ``--check-rate``
 measures the largest count again at a second link rate, which the model did not see, to check it.
 Predictions for a real node divide the compute and the hidden time by ``--node-speedup`` (how many
-times faster a real node computes the step than a node here), at ``--predict-rate``.
+times faster a real node computes the step than a node here), at ``--predict-rate``. With
+``--real-node-step SECONDS`` (a real node's step, where one is known) the speedup is measured (the
+one-node step here over it), and the shaped links are the given real rates slowed as much: the
+exchange keeps the share of the step it has on a real cluster.
 """
 
 from __future__ import annotations
@@ -71,6 +74,16 @@ class CostModel:
         return model
 
 
+def rate_bps(rate: str) -> float:
+    """A tc rate (10gbit, 320mbit) in bits per second."""
+    from xeontune.cluster.providers.local import RATE_RE, RATE_UNITS
+
+    found = RATE_RE.fullmatch(rate.strip())
+    if not found:
+        raise UserError(f"{rate!r}: give a rate as tc writes it, e.g. 25gbit, 320mbit")
+    return float(found[1]) * RATE_UNITS[found[2].lower()]
+
+
 def parse_nodes(spec: str) -> list[int]:
     try:
         counts = sorted({int(item) for item in spec.split(",")})
@@ -104,8 +117,6 @@ def train_argv(args: argparse.Namespace, model: Path, data: Path, out: Path) -> 
 def measure(args: argparse.Namespace, model: Path, data: Path, tmp: Path, nodes: int, link: str | None,
             threads: int, log) -> Point:
     """One `run --provider local -n nodes` and what its metrics say (``wait`` filled in later)."""
-    from xeontune.cluster.providers.local import RATE_RE, RATE_UNITS
-
     out = tmp / f"n{nodes}-{link or 'unshaped'}"
     shape = [*(["--link-rate", link] if link else []), *(["--link-delay", args.link_delay] if args.link_delay else [])]
     cmd = [sys.executable, "-m", "xeontune.cli", "run", "--provider", "local", "-n", str(nodes), "--ppn", "1",
@@ -119,9 +130,7 @@ def measure(args: argparse.Namespace, model: Path, data: Path, tmp: Path, nodes:
                         f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup:]
     step = statistics.median(m["step_time_s"] for m in lines)
-    rate = None
-    if link and (found := RATE_RE.fullmatch(link)):
-        rate = float(found[1]) * RATE_UNITS[found[2].lower()]
+    rate = rate_bps(link) if link else None
     images = args.batch_size * args.accumulation * nodes / step
     sent = int(statistics.median(m["allreduce_bytes"] for m in lines))
     return Point(nodes, rate, step, images, sent, efficiency=0.0, wait_s=0.0)
@@ -141,9 +150,18 @@ def sweep(args: argparse.Namespace, model: Path, log=print) -> dict[str, Any]:
         tmp = Path(name)
         data = tmp / "data"
         models.write_sample_data(data, count=max(4, args.batch_size * counts[-1]), size=args.resolution)
-        points = [measure(args, model, data, tmp, n, args.link_rate if n > 1 else None, threads, log) for n in counts]
-        check = [measure(args, model, data, tmp, counts[-1], args.check_rate, threads, log)] if args.check_rate else []
-    one = points[0]
+        one = measure(args, model, data, tmp, 1, None, threads, log)
+        # --real-node-step: the links are the real ones slowed as much as a node here is slower than a real
+        # node at the step, so that the exchange keeps its share of the step
+        scale = args.real_node_step / one.s_per_step if args.real_node_step else 1.0
+        speedup = 1 / scale if args.real_node_step else args.node_speedup
+        link, check_link = (None if r is None else f"{rate_bps(r) * scale / 1e3:.0f}kbit"
+                            for r in (args.link_rate, args.check_rate))
+        if args.real_node_step:
+            log(f"one node here: {one.s_per_step:.2f} s a step, {speedup:.2f}x a real node's {args.real_node_step:g} s: "
+                f"links {args.link_rate} -> {link}" + (f", {args.check_rate} -> {check_link}" if check_link else ""))
+        points = [one] + [measure(args, model, data, tmp, n, link, threads, log) for n in counts[1:]]
+        check = [measure(args, model, data, tmp, counts[-1], check_link, threads, log)] if check_link else []
     for p in points + check:
         p.efficiency = one.s_per_step / p.s_per_step
         p.wait_s = p.s_per_step - one.s_per_step
@@ -155,22 +173,18 @@ def sweep(args: argparse.Namespace, model: Path, log=print) -> dict[str, Any]:
     predict_bps = None
     predicted: list[Point] = []
     if args.predict_rate:
-        from xeontune.cluster.providers.local import RATE_RE, RATE_UNITS
-
-        found = RATE_RE.fullmatch(args.predict_rate)
-        if not found:
-            raise UserError(f"--predict-rate {args.predict_rate!r}: give a rate as tc writes it, e.g. 25gbit")
-        predict_bps = float(found[1]) * RATE_UNITS[found[2].lower()]
-        base = cost.step_s(1, predict_bps, args.node_speedup)
+        predict_bps = rate_bps(args.predict_rate)
+        base = cost.step_s(1, predict_bps, speedup)
         for n in parse_nodes("1," + args.predict_nodes):
-            step = cost.step_s(n, predict_bps, args.node_speedup)
+            step = cost.step_s(n, predict_bps, speedup)
             predicted.append(Point(n, predict_bps, step, args.batch_size * args.accumulation * n / step,
                                    cost.bytes_per_step, base / step, step - base, measured=False, fitted=False))
     return {"config": {"model": str(model), "method": args.method, "resolution": args.resolution,
                        "batch_size": args.batch_size, "accumulation": args.accumulation, "threads_per_node": threads,
                        "link_rate": args.link_rate, "link_delay": args.link_delay, "check_rate": args.check_rate,
                        "grad_compression": args.grad_compression, "shard": args.shard, "optimizer": args.optimizer,
-                       "mixed_precision": args.mixed_precision, "node_speedup": args.node_speedup,
+                       "mixed_precision": args.mixed_precision, "node_speedup": speedup,
+                       "real_node_step_s": args.real_node_step, "links_here": [link, check_link],
                        "predict_rate": args.predict_rate},
             "measured": [asdict(p) for p in points + check], "model": asdict(cost), "checked": checked,
             "predicted": [asdict(p) for p in predicted]}
@@ -181,6 +195,9 @@ def render(result: dict[str, Any]) -> str:
     lines = [f"data-parallel scaling, --method {c['method']} at {c['resolution']} px, batch {c['batch_size']} x "
              f"{c['accumulation']} accumulated a node, {c['threads_per_node']} thread(s) a node, gradients "
              f"{'bf16' if c['grad_compression'] == 'bf16' else 'fp32'} on the wire",
+             *([f"a node here takes {result['measured'][0]['s_per_step']:.2f} s a step, {c['node_speedup']:.2f}x a real "
+                f"node's {c['real_node_step_s']:g} s: the real links ({c['link_rate']}, check {c['check_rate']}) are "
+                f"shaped here as {', '.join(str(x) for x in c['links_here'] if x)}"] if c["real_node_step_s"] else []),
              "", "| nodes | link | images/s | efficiency | s/step | waited beyond one node | MB a step | |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in result["measured"] + result["predicted"]:
