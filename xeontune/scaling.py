@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -129,6 +130,7 @@ def measure(args: argparse.Namespace, model: Path, data: Path, tmp: Path, nodes:
         raise UserError(f"the {nodes}-node run failed (exit {done.returncode}): "
                         f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup:]
+    shutil.rmtree(out, ignore_errors=True)  # a full fine-tuning's outputs are gigabytes a count
     step = statistics.median(m["step_time_s"] for m in lines)
     rate = rate_bps(link) if link else None
     images = args.batch_size * args.accumulation * nodes / step
