@@ -120,15 +120,22 @@ def measure(args: argparse.Namespace, model: Path, data: Path, tmp: Path, nodes:
     """One `run --provider local -n nodes` and what its metrics say (``wait`` filled in later)."""
     out = tmp / f"n{nodes}-{link or 'unshaped'}"
     shape = [*(["--link-rate", link] if link else []), *(["--link-delay", args.link_delay] if args.link_delay else [])]
-    cmd = [sys.executable, "-m", "xeontune.cli", "run", "--provider", "local", "-n", str(nodes), "--ppn", "1",
-           "--name", f"bench{os.getpid() % 100000}", *shape, "--", *train_argv(args, model, data, out)]
+    name = f"bench{os.getpid() % 100000}"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    cli = [sys.executable, "-m", "xeontune.cli"]
     log(f"{nodes} node(s), {threads} thread(s) each, link {link or 'unshaped'}: {args.warmup + args.steps} steps")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        log(done.stdout[-3000:] + done.stderr[-3000:])
-        raise UserError(f"the {nodes}-node run failed (exit {done.returncode}): "
-                        f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    # `cluster up` and `launch`, not `run`: the nodes share this disk, and `run` would copy the outputs (a full
+    # fine-tuning's gigabytes) back over SSH before the next count
+    steps = [[*cli, "cluster", "up", "--provider", "local", "-n", str(nodes), "--name", name, *shape],
+             [*cli, "launch", "--name", name, "--ppn", "1", "--", *train_argv(args, model, data, out)]]
+    try:
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if done.returncode != 0:
+                raise UserError(f"the {nodes}-node run failed at `{cmd[3]}` (exit {done.returncode}): "
+                                f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    finally:
+        subprocess.run([*cli, "teardown", "--name", name], capture_output=True, text=True, env=env)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup:]
     shutil.rmtree(out, ignore_errors=True)  # a full fine-tuning's outputs are gigabytes a count
     step = statistics.median(m["step_time_s"] for m in lines)
