@@ -363,8 +363,10 @@ def make_accelerator(opts: TrainOptions):
         gradient_accumulation_steps=opts.gradient_accumulation_steps,
         kwargs_handlers=[
             InitProcessGroupKwargs(timeout=timeout),
-            # The splice keeps the frozen table out of DDP's sight; buffers never change either.
-            DistributedDataParallelKwargs(broadcast_buffers=False),
+            # The splice keeps the frozen table out of DDP's sight; buffers never change either. The
+            # gradients are views of DDP's buckets, not a second copy beside them: 3.4 GB a rank for a
+            # trained SD1.5 UNet (two such ranks ran out of 24 GB without it).
+            DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True),
         ],
     )
 
