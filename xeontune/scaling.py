@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from xeontune.cluster.providers.local import rate_bps
 from xeontune.errors import UserError
 
 
@@ -73,16 +74,6 @@ class CostModel:
         said = [model.ring_s(p.nodes, p.link_bps) - p.wait_s for p in others if p.link_bps]
         model.hidden_s = max(0.0, statistics.fmean(said)) if said else 0.0
         return model
-
-
-def rate_bps(rate: str) -> float:
-    """A tc rate (10gbit, 320mbit) in bits per second."""
-    from xeontune.cluster.providers.local import RATE_RE, RATE_UNITS
-
-    found = RATE_RE.fullmatch(rate.strip())
-    if not found:
-        raise UserError(f"{rate!r}: give a rate as tc writes it, e.g. 25gbit, 320mbit")
-    return float(found[1]) * RATE_UNITS[found[2].lower()]
 
 
 def parse_nodes(spec: str) -> list[int]:

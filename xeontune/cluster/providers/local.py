@@ -184,15 +184,23 @@ def _refuse_leftovers(name: str) -> None:
                         f"with `xeontune teardown --name {name}`")
 
 
+def rate_bps(rate: str) -> float:
+    """A tc rate (10gbit, 320mbit) in bits per second; a one-line error for anything else."""
+    found = RATE_RE.fullmatch(rate.strip())
+    if not found or float(found[1]) <= 0:
+        raise UserError(f"{rate!r}: give a rate as tc writes it, e.g. 10gbit, 25gbit, 500mbit")
+    return float(found[1]) * RATE_UNITS[found[2].lower()]
+
+
 def link_shape(spec: ClusterSpec) -> tuple[float | None, float | None]:
     """(bits per second, one-way delay in seconds) of --link-rate and --link-delay; None where not given.
     A mistake in either is a one-line error before anything is created."""
     rate = delay = None
     if (given := spec.option("link_rate")) is not None:
-        found = RATE_RE.fullmatch(given.strip())
-        if not found or float(found[1]) <= 0:
-            raise UserError(f"--link-rate {given!r}: give a rate as tc writes it, e.g. 10gbit, 25gbit, 500mbit")
-        rate = float(found[1]) * RATE_UNITS[found[2].lower()]
+        try:
+            rate = rate_bps(given)
+        except UserError as exc:
+            raise UserError(f"--link-rate {exc}") from None
     if (given := spec.option("link_delay")) is not None:
         found = DELAY_RE.fullmatch(given.strip())
         if not found:
