@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="threads each node's rank runs (default: this machine's cores / the largest count)")
     nodes.add_argument("--accumulation", type=int, default=1, metavar="N", help="--gradient-accumulation-steps")
     nodes.add_argument("--grad-compression", default="none", choices=("none", "bf16"), help="--method full's")
-    nodes.add_argument("--shard", default="none", choices=("none", "optimizer", "auto"), help="--method full's")
+    nodes.add_argument("--shard", default="none", choices=("none", "optimizer", "gradients", "full", "auto"), help="--method full's")
     nodes.add_argument("--optimizer", default="adamw", choices=("adamw", "adafactor"))
     nodes.add_argument("--use-ema", action="store_true", help="--method full: keep an EMA of the UNet")
     nodes.add_argument("--node-speedup", type=float, default=1.0, metavar="X",

@@ -1,6 +1,6 @@
-"""Full fine-tuning's ranks beyond plain DDP (issue 49), on real processes over gloo: the optimizer state
-sharded over the ranks (--shard optimizer, ZeRO-1) trains what one process does, and its checkpoint
-resumes on another number of ranks, sharded or not; gradients sent as bf16 (--grad-compression bf16)
+"""Full fine-tuning's ranks beyond plain DDP (issue 49), on real processes over gloo: the training state
+sharded over the ranks (--shard optimizer: ZeRO-1; gradients and full: FSDP) trains what one process does,
+and each level's checkpoint resumes on another number of ranks at another level, or unsharded; gradients sent as bf16 (--grad-compression bf16)
 halve the bytes and stay within a stated bound of fp32 over 100 steps."""
 
 from __future__ import annotations
@@ -54,33 +54,46 @@ def sent(out: Path) -> list[int]:
     return [json.loads(line)["allreduce_bytes"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def trained(out: Path) -> torch.Tensor:
+    """The UNet's and the text encoder's weights of a pipeline folder (or a base model), flat."""
+    return torch.cat([flat(unet(out)), flat(text_encoder(out).state_dict())])
+
+
 @pytest.mark.slow
-def test_a_sharded_optimizer_trains_what_one_process_does_and_resumes_on_other_rank_counts(
+def test_each_shard_level_trains_what_one_process_does_and_its_checkpoints_resume_at_any_level(
         tiny_model, sample_images, tmp_path):
-    """2 ranks x batch 3 with --shard optimizer = one process x batch 6 (fp32, within 1e-5 of the weights'
-    scale, after they moved 100x that); its checkpoint-2, resumed on 3 ranks x batch 2 (sharded) and on one
-    process (unsharded), ends where the straight run did. Each sharded step also sends the weights once."""
+    """The UNet and the text encoder, 2 micro-steps a step, the gradients clipped: 2 ranks x batch 3 with
+    --shard optimizer (ZeRO-1) and with --shard gradients (FSDP) each = one process x batch 6 (fp32, within
+    1e-5 of the weights' scale, after they moved 100x that). ZeRO-1's checkpoint-2 resumed on 3 ranks x
+    batch 2 with --shard full (FSDP, ZeRO-3), and FSDP's on one unsharded process, end where the straight
+    run did: a checkpoint holds a plain optimizer's state, whatever wrote it."""
     args = lambda out, batch, *extra: full_args(tiny_model, sample_images, tmp_path / out, batch, 4,  # noqa: E731
-                                                "--checkpointing-steps", "2", *extra)
+                                                "--checkpointing-steps", "2", "--train-text-encoder",
+                                                "--max-grad-norm", "0.05", "--gradient-accumulation-steps", "2",
+                                                *extra)
     said = ranks(2, args("zero", 3, "--shard", "optimizer")).stderr
     assert "optimizer state sharded over the ranks (ZeRO-1) (--shard optimizer)" in said, said[-2000:]
+    said = ranks(2, args("fsdp", 3, "--shard", "gradients")).stderr
+    assert "gradients and optimizer state sharded over the ranks (FSDP, ZeRO-2) (--shard gradients)" in said, \
+        said[-2000:]
     train_in_process(args("one", 6))
-    base, want = flat(unet(tiny_model)), flat(unet(tmp_path / "one" / "pipeline"))
+    base, want = trained(tiny_model), trained(tmp_path / "one" / "pipeline")
     scale, moved = float(want.abs().max()), float((want - base).abs().max())
     assert moved >= 100 * 1e-5 * scale, (moved, scale)
-    diff = float((flat(unet(tmp_path / "zero" / "pipeline")) - want).abs().max())
-    assert diff <= 1e-5 * scale, (diff, scale)
 
-    checkpoint = tmp_path / "zero" / "checkpoint-2"
-    ranks(3, args("three", 2, "--shard", "optimizer", "--resume-from-checkpoint", str(checkpoint)))
-    train_in_process(args("plain", 6, "--resume-from-checkpoint", str(checkpoint)))
-    for got in ("three", "plain"):
-        diff = float((flat(unet(tmp_path / got / "pipeline")) - want).abs().max())
+    said = ranks(3, args("three", 2, "--shard", "full", "--resume-from-checkpoint",
+                         str(tmp_path / "zero" / "checkpoint-2"))).stderr
+    assert "weights, gradients and optimizer state sharded over the ranks (FSDP, ZeRO-3)" in said, said[-2000:]
+    train_in_process(args("plain", 6, "--resume-from-checkpoint", str(tmp_path / "fsdp" / "checkpoint-2")))
+    for got in ("zero", "fsdp", "three", "plain"):
+        diff = float((trained(tmp_path / got / "pipeline") - want).abs().max())
         assert diff <= 1e-5 * scale, (got, diff, scale)
 
-    weight_bytes = sum(t.numel() * t.element_size() for t in unet(tiny_model).values())
-    # the gradients, the updated weights (each once, from the rank that owns it), the loss
-    assert sent(tmp_path / "zero") == [2 * weight_bytes + 4] * 4
+    weights = 4 * len(base)
+    # ZeRO-1: the gradients and the updated weights (each once, from the rank that owns it), and the loss;
+    # FSDP --shard gradients: the gradients once and the weights once a micro-step
+    assert sent(tmp_path / "zero") == [2 * weights + 4] * 4
+    assert sent(tmp_path / "fsdp") == [3 * weights + 4] * 4
 
 
 @pytest.mark.slow
@@ -105,13 +118,20 @@ def test_bf16_gradients_on_the_wire_halve_the_bytes_and_stay_within_the_bound_ov
     assert sent(tmp_path / "bf16") == [2 * trained + 4] * 100
 
 
-def test_shard_auto_shards_only_where_the_ranks_would_not_fit():
+def test_shard_auto_takes_the_first_level_at_which_the_ranks_fit():
     gib = 2**30
-    assert data_parallel.shard_choice("auto", 4, 10 * gib, 100 * gib, 4)[0] == "none"
-    choice, why = data_parallel.shard_choice("auto", 4, 10 * gib, 30 * gib, 4)
-    assert choice == "optimizer" and "40.0 GiB" in why and "30.0 GiB" in why
-    assert data_parallel.shard_choice("optimizer", 1, 0, 0, 1)[0] == "none"  # one rank: nothing to shard
-    assert data_parallel.shard_choice("optimizer", 2, 0, 0, 1)[0] == "optimizer"
+    need = {"none": 10 * gib, "optimizer": 7 * gib, "gradients": 4 * gib, "full": 3 * gib}
+    assert data_parallel.shard_choice("auto", 4, need, 100 * gib, 4)[0] == "none"
+    choice, why = data_parallel.shard_choice("auto", 4, need, 30 * gib, 4)
+    assert choice == "optimizer" and "28.0 GiB" in why and "30.0 GiB free" in why
+    assert data_parallel.shard_choice("auto", 4, need, 20 * gib, 4)[0] == "gradients"
+    assert data_parallel.shard_choice("auto", 4, need, 13 * gib, 4)[0] == "full"
+    choice, why = data_parallel.shard_choice("auto", 4, need, 10 * gib, 4)
+    assert choice == "full" and "even at full" in why  # the least it can hold, said
+    # a run FSDP cannot take (--use-ema, say) stops at ZeRO-1
+    assert data_parallel.shard_choice("auto", 4, need, 13 * gib, 4, ceiling="optimizer")[0] == "optimizer"
+    assert data_parallel.shard_choice("full", 1, {}, 0, 1)[0] == "none"  # one rank: nothing to shard
+    assert data_parallel.shard_choice("gradients", 2, {}, 0, 1)[0] == "gradients"
 
 
 def test_the_rank_plan_counts_a_sharded_optimizer_state_once_over_the_ranks(tiny_model):
@@ -119,8 +139,10 @@ def test_the_rank_plan_counts_a_sharded_optimizer_state_once_over_the_ranks(tiny
 
     stored = sum(p.stat().st_size for p in (tiny_model / "unet").glob("*.safetensors"))
     whole = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"unet"}))
-    quarter = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"unet"}), state_share=0.25)
+    quarter = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"unet"}), shares=(1.0, 1.0, 0.25))
     assert whole - quarter == pytest.approx(stored * 2 * 0.75, abs=2)  # AdamW's two moments, 3/4 of them gone
+    fsdp = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"unet"}), shares=(0.25, 0.25, 0.25))
+    assert whole - fsdp == pytest.approx(stored * 4 * 0.75, abs=2)  # the weights and gradients too
 
 
 @pytest.mark.parametrize(("flags", "said"), [
@@ -128,6 +150,12 @@ def test_the_rank_plan_counts_a_sharded_optimizer_state_once_over_the_ranks(tiny
      "--shard is an option of --method full"),
     (["--placeholder-token", "<t>", "--initializer-token", "toy", "--grad-compression", "bf16"],
      "--grad-compression is an option of --method full"),
+    (["--method", "full", "--instance-prompt", "a photo of toy", "--shard", "full", "--use-ema"],
+     "--shard full (FSDP) does not take --use-ema; --shard optimizer does"),
+    (["--method", "full", "--instance-prompt", "a photo of toy", "--shard", "gradients", "--optimizer", "adafactor"],
+     "--shard gradients (FSDP) does not take --optimizer adafactor"),
+    (["--method", "full", "--instance-prompt", "a photo of toy", "--shard", "full", "--grad-compression", "bf16"],
+     "--shard full (FSDP) does not take --grad-compression bf16"),
 ])
 def test_sharding_and_compression_bad_input_is_one_line(capsys, tiny_model, sample_images, tmp_path, flags, said):
     from tests.one_line import one_line_error

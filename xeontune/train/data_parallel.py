@@ -1,25 +1,39 @@
 """What the data-parallel ranks send each other beyond DDP's defaults (issue 49): the gradients on the
-wire (``--grad-compression``) and the optimizer state sharded over the ranks (``--shard``).
+wire (``--grad-compression``) and the training state sharded over the ranks (``--shard``).
 
 Gradients: DDP hands each bucket to ``GradientExchange.hook`` as soon as the backward has filled it, so
 the exchange overlaps the rest of the backward; the gradients DDP does not wrap (a trained text encoder's,
-a LoRA's) go through the same exchange, flat, after the backward. Sharding: torch's
-``ZeroRedundancyOptimizer`` (ZeRO-1): each rank keeps and updates the optimizer state of its share of
-the weights, then sends that share of the updated weights to the others.
+a LoRA's) go through the same exchange, flat, after the backward.
+
+Sharding, each level holding less on a rank than the one before (``SHARD_LEVELS``):
+- ``optimizer``: torch's ``ZeroRedundancyOptimizer`` (ZeRO-1): each rank keeps and updates the optimizer
+  state of its share of the weights, then sends that share of the updated weights to the others;
+- ``gradients`` and ``full``: torch's FSDP2 (``fully_shard``) in place of DDP: each rank holds 1/N of the
+  weights, their gradients (reduce-scattered block by block while the backward runs) and AdamW's state;
+  every block's weights are gathered for its forward, and ``full`` frees them after it and gathers them
+  again for the backward (ZeRO-3), where ``gradients`` keeps them to the end of the backward.
+Rank 0 writes its files from plain copies of the whole weights (``full_weights``) and a checkpoint
+holds a plain optimizer's state (``consolidate``), so a checkpoint resumes at any level, on any number of
+ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 log = logging.getLogger("xeontune.train")
 
 WIRE_DTYPE = {"none": torch.float32, "bf16": torch.bfloat16}
+SHARD_LEVELS = ("none", "optimizer", "gradients", "full")  # what a rank keeps a share of: less and less
+FSDP_LEVELS = ("gradients", "full")
 
 
 class GradientExchange:
@@ -104,19 +118,116 @@ class GradientExchange:
         return count
 
 
-def shard_choice(shard: str, world: int, unsharded_bytes: int, available_bytes: int, local_ranks: int) -> tuple[str, str]:
-    """(none|optimizer, why) for ``--shard``. ``auto`` shards the optimizer only where the node's ranks would
-    not fit unsharded: ZeRO-1 sends each step's updated weights once more, which costs time on Ethernet."""
+def shard_choice(shard: str, world: int, need: dict[str, int], available_bytes: int, local_ranks: int,
+                 ceiling: str = "full") -> tuple[str, str]:
+    """(level of SHARD_LEVELS, why) for ``--shard``. ``auto`` takes the first level up to ``ceiling`` at
+    which the node's ranks fit (``need``: one rank's bytes at each level): each level shards more, and
+    sends more (ZeRO-1 the updated weights once a step, FSDP the weights once or twice each micro-step)."""
     if world <= 1:
         return "none", "one rank: nothing to shard"
     if shard != "auto":
         return shard, f"--shard {shard}"
-    need = unsharded_bytes * local_ranks
-    if need > available_bytes:
-        return "optimizer", (f"--shard auto: {local_ranks} unsharded rank(s) would hold {need / 2**30:.1f} GiB, "
-                             f"this node has {available_bytes / 2**30:.1f} GiB free")
-    return "none", (f"--shard auto: {local_ranks} unsharded rank(s) fit ({need / 2**30:.1f} of "
-                    f"{available_bytes / 2**30:.1f} GiB free)")
+    levels = SHARD_LEVELS[: SHARD_LEVELS.index(ceiling) + 1]
+    free = f"this node has {available_bytes / 2**30:.1f} GiB free"
+    for level in levels:
+        if need[level] * local_ranks <= available_bytes:
+            return level, (f"--shard auto: {local_ranks} rank(s) fit at {level} "
+                           f"({need[level] * local_ranks / 2**30:.1f} GiB; {free})")
+    return levels[-1], (f"--shard auto: {local_ranks} rank(s) would hold "
+                        f"{need[levels[-1]] * local_ranks / 2**30:.1f} GiB even at {levels[-1]}; {free}")
+
+
+def fully_shard_modules(modules: list[nn.Module], level: str) -> None:
+    """FSDP2 on each module, in place: every block of its top-level ModuleLists (a UNet's down and up
+    blocks) a unit of its own, gathered for its forward and backward only; the rest with the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in modules:
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                for block in child:
+                    fully_shard(block, reshard_after_forward=level == "full")
+        fully_shard(module, reshard_after_forward=level == "full")
+        _keep_output_capture(module)
+
+
+def _keep_output_capture(module: nn.Module) -> None:
+    """transformers finds the outputs a model may record (SDXL's penultimate hidden states) by the name of
+    the model's class, which fully_shard changes: register them under the new one too."""
+    flags = getattr(module, "_can_record_outputs", None)
+    if flags is None:
+        return
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # a transformers that reads them from the model itself
+        return
+    _CAN_RECORD_REGISTRY[module] = flags
+
+
+def sharded_modules(modules: list[nn.Module]) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in modules if isinstance(m, FSDPModule)]
+
+
+def sync_gradients(modules: list[nn.Module], final_micro_step: bool) -> None:
+    """FSDP's no_sync: the micro-steps before the last keep whole gradients, which the last one reduce-scatters."""
+    for module in modules:
+        module.set_requires_gradient_sync(final_micro_step)
+
+
+@contextlib.contextmanager
+def full_weights(modules: list[nn.Module], main: bool, everywhere: bool = False,
+                 write_back: bool = False) -> Iterator[list[nn.Module] | None]:
+    """Every rank: plain copies of the sharded ``modules`` holding their whole weights, on rank 0 (or on
+    every rank, ``everywhere``), None elsewhere. ``write_back``: what the copies hold when the block ends
+    becomes each rank's share (a resume loads into them). One module at a time is gathered."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import distribute_tensor
+
+    copies = []
+    for module in modules:
+        whole = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=not everywhere))
+        if not (main or everywhere):
+            continue
+        plain_class = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+        with torch.device("meta"):  # diffusers' models, transformers' (the text encoders)
+            plain = getattr(plain_class, "from_config", None) or plain_class._from_config
+            plain = plain(module.config)
+        plain.load_state_dict(whole, assign=True)
+        for name, buffer in list(plain.named_buffers()):  # those a state dict leaves out (CLIP's position ids)
+            if buffer.is_meta:
+                owner, _, leaf = name.rpartition(".")
+                plain.get_submodule(owner).register_buffer(leaf, module.get_buffer(name).clone(), persistent=False)
+        plain.train(module.training)
+        if hasattr(module, "attn_processors"):  # the processors the run chose (backends.py), not the defaults
+            plain.set_attn_processor(dict(module.attn_processors))
+        copies.append(plain)
+    yield copies if copies else None
+    if write_back:
+        with torch.no_grad():
+            for module, plain in zip(modules, copies, strict=True):
+                whole = dict(plain.named_parameters())
+                for name, p in module.named_parameters():
+                    p.copy_(distribute_tensor(whole[name].detach(), p.device_mesh, p.placements, src_data_rank=None))
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> None:
+    """torch's clip_grad_norm_ over sharded (DTensor) and plain gradients together (FSDP's UNet and a
+    trained text encoder), which it cannot mix: one total norm over both, every grad scaled as torch does."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = []
+    for group in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
+        if group:
+            norm = torch.nn.utils.get_total_norm(group)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    for g in grads:
+        g.mul_(coef)
 
 
 def sharded_optimizer(optimizer_class: type, params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
@@ -136,16 +247,58 @@ def is_sharded(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
-def consolidate(optimizer: torch.optim.Optimizer) -> None:
-    """Before rank 0 writes a checkpoint: every rank sends its share of the optimizer state to rank 0
-    (a collective: every rank calls it). Nothing to do unsharded."""
+def consolidate(optimizer: torch.optim.Optimizer, main: bool) -> dict[str, Any] | None:
+    """Before rank 0 writes a checkpoint (every rank calls it: a collective): the optimizer's state as a
+    plain optimizer's, on rank 0 (None elsewhere). ZeRO-1 sends each rank's share to rank 0; under FSDP
+    each sharded state tensor is gathered whole, one at a time."""
+    from torch.distributed.tensor import DTensor
+
     if is_sharded(optimizer):
         optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if main else None
+    state = optimizer.state_dict()
+    if not any(isinstance(v, DTensor) for s in state["state"].values() for v in s.values()):
+        return state if main else None
+    whole = {}
+    for index, entry in state["state"].items():  # in the same order on every rank
+        gathered = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in entry.items()}
+        if main:
+            whole[index] = gathered
+    return {"state": whole, "param_groups": state["param_groups"]} if main else None
+
+
+def localize(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A plain optimizer's state (a checkpoint's) for an optimizer over FSDP's sharded weights: each
+    state tensor of a weight's shape cut to this rank's share, as the weight is. Unchanged otherwise."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(isinstance(p, DTensor) for p in params):
+        return state
+    position = {index: i for i, index in enumerate(i for group in state["param_groups"] for i in group["params"])}
+
+    def local(p: torch.Tensor, value: Any) -> Any:
+        if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.shape == p.shape:
+            return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+        return value
+
+    return {"state": {index: {k: local(params[position[index]], v) for k, v in s.items()}
+                      for index, s in state["state"].items()},
+            "param_groups": state["param_groups"]}
 
 
 def weight_bytes_sent(optimizer: torch.optim.Optimizer) -> int:
-    """The bytes of updated weights a sharded step hands the process group (every weight once, from the
-    rank that owns it); 0 unsharded."""
+    """The bytes of updated weights a ZeRO-1 step hands the process group (every weight once, from the
+    rank that owns it); 0 otherwise."""
     if not is_sharded(optimizer):
         return 0
     return sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"])
+
+
+def fsdp_bytes_sent(modules: list[nn.Module], level: str, micro_steps: int) -> int:
+    """The bytes FSDP hands the process group in a step, counted as the other exchanges are: the
+    gradients once (reduce-scattered on the last micro-step), and the weights once per gather, every
+    weight from the rank that holds it: one gather a micro-step (``gradients``), two (``full``).
+    (Counted from the plan: FSDP's collectives are its own.)"""
+    weights = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+    return weights + weights * micro_steps * (2 if level == "full" else 1) if modules else 0

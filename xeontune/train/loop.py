@@ -70,7 +70,7 @@ from xeontune.train.data import (
 )
 from xeontune.train.forecast import Forecast
 from xeontune.train.latent_cache import Latents, encode_latents
-from xeontune.train.options import TrainOptions
+from xeontune.train.options import TrainOptions, fsdp_refusal
 from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, VALIDATION_IMAGE_RE
 from xeontune.train.prompts import ImagePrompts, image_prompts, prompts_digest
 from xeontune.train.ranks import keeps_text_encoders, rank_memory
@@ -205,6 +205,9 @@ class Run:
     sync: Sync = field(default_factory=Sync)
     phases: Phases = field(default_factory=Phases)
     exchange: data_parallel.GradientExchange | None = None  # with several ranks
+    shard: str = "none"  # data_parallel.SHARD_LEVELS: what each rank keeps a share of
+    sharded: list[torch.nn.Module] = field(default_factory=list)  # the method's modules under FSDP (--shard gradients|full)
+    optimizer_state: dict[str, Any] | None = None  # rank 0, while it writes a checkpoint: the whole state (``outputs``)
     gradient_checked: bool = False
     backend_notes: list[str] = field(default_factory=list)  # what packing, IPEX, compile, checkpointing did
     text_cache: TextCache | None = None  # the frozen encoders' outputs per prompt
@@ -275,6 +278,23 @@ class Run:
         self.gradient_checked = True
         self.method.check_gradient()
 
+    @contextlib.contextmanager
+    def outputs(self, checkpoint_due: bool) -> Iterator[None]:
+        """Every rank, around what rank 0 writes: for a checkpoint, a sharded optimizer's state gathered
+        whole to rank 0; under FSDP, plain copies of the whole weights standing in for the sharded modules
+        on rank 0 (the method saves, samples and checkpoints from them)."""
+        main = self.rank == 0
+        self.optimizer_state = data_parallel.consolidate(self.optimizer, main) if checkpoint_due else None
+        try:
+            if not self.sharded:
+                yield
+                return
+            with data_parallel.full_weights(self.sharded, main) as copies, \
+                    self.method.stand_in(copies) if copies else contextlib.nullcontext():
+                yield
+        finally:
+            self.optimizer_state = None
+
     def reduce_gradients(self) -> None:
         """Average the gradients DDP does not sync (a LoRA's, a trained text encoder's) over the ranks."""
         grads = [p.grad for p in self.reduced if p.grad is not None]
@@ -295,6 +315,7 @@ def train_step(run: Run, step: int) -> torch.Tensor:
     phase, unet = run.phases, run.components.unet
     losses = []
     for micro in range(run.opts.gradient_accumulation_steps):
+        data_parallel.sync_gradients(run.sharded, micro == run.opts.gradient_accumulation_steps - 1)
         with run.accelerator.accumulate(*run.ddp_modules):
             with phase("data"):
                 batch = run.plan.batch(run.positions(step, micro))
@@ -322,7 +343,9 @@ def train_step(run: Run, step: int) -> torch.Tensor:
     with phase("optimizer"):
         run.check_gradient_once()
         run.method.before_update(step, run.max_steps)
-        if run.opts.max_grad_norm:
+        if run.opts.max_grad_norm and run.sharded:
+            data_parallel.clip_grad_norm(run.method.parameters(), run.opts.max_grad_norm)
+        elif run.opts.max_grad_norm:
             run.accelerator.clip_grad_norm_(run.method.parameters(), run.opts.max_grad_norm)
         run.optimizer.step()
         run.lr_scheduler.step()
@@ -599,21 +622,23 @@ def _setup(
     lr = opts.learning_rate * (global_batch if opts.scale_lr else 1)
     shard, why = data_parallel.shard_choice(opts.shard, world, *_shard_memory(opts, precision, world))
     if main and opts.shard != "none":
-        log.info("optimizer state %s (%s)", "sharded over the ranks (ZeRO-1)" if shard == "optimizer" else "not sharded",
-                 why)
+        log.info("%s (%s)", SHARDED_SAYS[shard], why)
+    if shard in data_parallel.FSDP_LEVELS:  # before the optimizer takes the weights: they become shards
+        data_parallel.fully_shard_modules(method.sharded_modules(), shard)
     optimizer = make_optimizer(opts, method.parameters(), lr, fused=bool(method.trains), sharded=shard == "optimizer")
     lr_scheduler = get_scheduler(
         opts.lr_scheduler, optimizer=optimizer, num_warmup_steps=opts.lr_warmup_steps,
         num_training_steps=max_steps, num_cycles=opts.lr_num_cycles, power=opts.lr_power,
     )
 
-    ddp_modules = method.ddp_modules()
-    under_ddp = {id(p) for m in ddp_modules for p in m.parameters()}
+    ddp_modules, sharded = method.ddp_modules(), data_parallel.sharded_modules(method.sharded_modules())
+    under_ddp = {id(p) for m in (sharded or ddp_modules) for p in m.parameters()}
     run = Run(
         opts=opts, accelerator=accelerator, components=components, method=method, ddp_modules=ddp_modules,
         plan=plan, latents=latents, optimizer=optimizer, lr_scheduler=lr_scheduler, precision=precision,
         max_steps=max_steps, output_dir=output_dir, sync=sync, backend_notes=notes, model_identity=identity,
-        reduced=[p for p in method.parameters() if id(p) not in under_ddp],
+        reduced=[p for p in method.parameters() if id(p) not in under_ddp], shard=shard,
+        sharded=sharded,
     )
     if not method.trains_text_encoders and opts.cache_text:
         run.text_cache = TextCache(run)
@@ -624,10 +649,13 @@ def _setup(
         # Only the method's small modules are wrapped (textual inversion: one DDP per encoder's rows,
         # each called once a forward), so DDP syncs just what trains; the rest is all-reduced flat.
         run.exchange = data_parallel.GradientExchange(run.phases.seconds, opts.grad_compression)
-        run.ddp_modules = [accelerator.prepare_model(module) for module in ddp_modules]
-        for ddp in run.ddp_modules:
-            ddp.register_comm_hook(None, run.exchange.hook)
-        method.use_ddp(run.ddp_modules)
+        if run.sharded:  # FSDP reduce-scatters their gradients itself
+            run.ddp_modules = []
+        else:
+            run.ddp_modules = [accelerator.prepare_model(module) for module in ddp_modules]
+            for ddp in run.ddp_modules:
+                ddp.register_comm_hook(None, run.exchange.hook)
+            method.use_ddp(run.ddp_modules)
 
     state = None
     if opts.resume_from_checkpoint:
@@ -641,8 +669,13 @@ def _setup(
                 finally:
                     received.unlink()  # its pages stay mapped while the state is in use
         check_checkpoint_method(state, method, where)
-        method.load_state(state, str(where))
-        optimizer.load_state_dict(state.optimizer)
+        if run.sharded:  # into whole copies on every rank, each then taking its share
+            with data_parallel.full_weights(run.sharded, main, everywhere=True, write_back=True) as copies, \
+                    method.stand_in(copies):
+                method.load_state(state, str(where))
+        else:
+            method.load_state(state, str(where))
+        optimizer.load_state_dict(data_parallel.localize(optimizer, state.optimizer))
         lr_scheduler.load_state_dict(state.lr_scheduler)
         checkpoint.restore_rng(state.rng)
         run.checkpoint_on_disk = resume_path
@@ -679,14 +712,22 @@ def make_optimizer(opts: TrainOptions, params: list[torch.nn.Parameter], lr: flo
     return optimizer_class(params, **kwargs)
 
 
-def _shard_memory(opts: TrainOptions, precision: str, world: int) -> tuple[int, int, int]:
-    """(an unsharded rank's bytes, this node's available bytes, its ranks) for --shard auto."""
+SHARDED_SAYS = {"none": "training state not sharded", "optimizer": "optimizer state sharded over the ranks (ZeRO-1)",
+                "gradients": "gradients and optimizer state sharded over the ranks (FSDP, ZeRO-2)",
+                "full": "weights, gradients and optimizer state sharded over the ranks (FSDP, ZeRO-3)"}
+
+
+def _shard_memory(opts: TrainOptions, precision: str, world: int) -> tuple[dict[str, int], int, int, str]:
+    """(a rank's bytes at each shard level, this node's available bytes, its ranks, the highest level
+    the run can take) for --shard auto."""
+    ceiling = "optimizer" if fsdp_refusal(opts) else "full"
     if opts.shard != "auto" or world <= 1:
-        return 0, 0, 1
+        return {}, 0, 1, ceiling
     from xeontune import placement
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1)
-    return rank_memory(opts, precision), placement.available_memory_bytes(), local
+    need = {level: rank_memory(opts, precision, world=world, shard=level) for level in data_parallel.SHARD_LEVELS}
+    return need, placement.available_memory_bytes(), local, ceiling
 
 
 def check_checkpoint_method(state: checkpoint.TrainState, method: methods.Method, where: Path | str) -> None:
@@ -856,6 +897,7 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                                     "lower --learning-rate")
             # the gradients' bytes, a sharded optimizer's updated weights, and the loss
             sent = (run.exchange.take() + data_parallel.weight_bytes_sent(run.optimizer)
+                    + data_parallel.fsdp_bytes_sent(run.sharded, run.shard, opts.gradient_accumulation_steps)
                     + loss.numel() * loss.element_size()) if run.exchange else 0
             phases = run.phases.take()
             done = step + 1
@@ -864,7 +906,9 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             if main:
                 record = {"step": done, "loss": loss_value, "lr": run.lr_scheduler.get_last_lr()[0],
                           "step_time_s": elapsed, "images_per_s": global_batch / elapsed,
-                          "allreduce_bytes": sent, "allreduce_s": phases["allreduce"]}
+                          "allreduce_bytes": sent,
+                          # FSDP's exchanges run inside the forward and backward: not timed apart
+                          "allreduce_s": None if run.sharded else phases["allreduce"]}
                 with disk_errors(out / METRICS):
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
@@ -876,18 +920,18 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                 if not interactive and (done % log_every == 0 or done == run.max_steps):
                     log.info("step %d/%d  loss %.4f  %.2f s/step  %.1f images/s%s", done, run.max_steps,
                              loss_value, elapsed, global_batch / elapsed,
-                             f"  sent {sent / 1e6:.1f} MB in {phases['allreduce']:.2f} s" if sent else "")
+                             f"  sent {sent / 1e6:.1f} MB" + ("" if run.sharded else f" in {phases['allreduce']:.2f} s")
+                             if sent else "")
             if outputs_due(opts, done, run.max_steps):
-                if checkpoint_due(opts, done):
-                    data_parallel.consolidate(run.optimizer)  # every rank: its share of the state to rank 0
-                if main:
-                    _between_steps(run, done, writer)
+                with run.outputs(checkpoint_due(opts, done)):  # every rank: its shares to rank 0
+                    if main:
+                        _between_steps(run, done, writer)
                 run.sync.wait()  # the others wait for rank 0 here, not in the next step's all-reduce
             # Slurm's notice, or a preemption's SIGTERM (train/preempt.py): checkpoint, then stop
             if done < run.max_steps and (signum := preempt.requested(run.world)):
-                data_parallel.consolidate(run.optimizer)
-                if main:
-                    save_checkpoint(run, done)
+                with run.outputs(checkpoint_due=True):
+                    if main:
+                        save_checkpoint(run, done)
                 run.sync.wait()
                 raise preempt.Preempted(done, signum)
             line = forecast.update(done, time.perf_counter()) if forecast else None
@@ -896,9 +940,8 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             elif line:
                 log.info("%s", line)
         preempt.defer_term(False)
-        if checkpoint_due(opts, run.max_steps):
-            data_parallel.consolidate(run.optimizer)
-        result_path = _finish(run, writer) if main else None
+        with run.outputs(checkpoint_due(opts, run.max_steps)):
+            result_path = _finish(run, writer) if main else None
     finally:
         preempt.defer_term(False)
         if bar:
@@ -945,7 +988,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
     if run.checkpoint_on_disk is not None and run.checkpoint_on_disk.resolve() == target.resolve():
         return target
     state = checkpoint.TrainState(
-        step=step, optimizer=run.optimizer.state_dict(), lr_scheduler=run.lr_scheduler.state_dict(),
+        step=step, optimizer=run.optimizer_state or run.optimizer.state_dict(), lr_scheduler=run.lr_scheduler.state_dict(),
         rng=checkpoint.rng_state(), method=run.method.name, samples_per_step=run.samples_per_step,
         model=run.model_identity,
         **run.method.state(),

@@ -102,10 +102,13 @@ class TrainOptions:
     ema_decay: float = opt(0.9999, "the EMA's decay per step (--use-ema)", group="full fine-tuning")
     save_precision: str = opt("fp32", "the dtype of the single-file checkpoint (model.safetensors)",
                               choices=("fp32", "bf16"), group="full fine-tuning")
-    shard: str = opt("none", "across ranks: optimizer keeps 1/N of AdamW's state on each of N ranks (ZeRO-1, torch's "
-                     "ZeroRedundancyOptimizer; each rank then sends its share of the updated weights: one more "
-                     "model's bytes a step on the wire); auto shards only where the node's ranks would not fit "
-                     "unsharded; none: every rank holds all of it", choices=("none", "optimizer", "auto"),
+    shard: str = opt("none", "across ranks: optimizer keeps 1/N of the optimizer state on each of N ranks (ZeRO-1, "
+                     "torch's ZeroRedundancyOptimizer; each rank then sends its share of the updated weights: one "
+                     "more model's bytes a step on the wire); gradients also 1/N of the weights and gradients "
+                     "between steps (torch's FSDP2; each block's weights gathered for its forward and backward); "
+                     "full also frees them after the forward and gathers them again for the backward (least "
+                     "memory, most traffic); auto takes the first of these that fits the node's ranks; none: every "
+                     "rank holds all of it", choices=("none", "optimizer", "gradients", "full", "auto"),
                      group="full fine-tuning")
     grad_compression: str = opt("none", "across ranks: the gradients' dtype on the wire; bf16 sends half the bytes "
                                 "and adds them up in fp32 (docs/cluster.md)", choices=("none", "bf16"),
@@ -567,6 +570,8 @@ def validate(o: TrainOptions) -> TrainOptions:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    if o.shard in ("gradients", "full") and (blocker := fsdp_refusal(o)):
+        raise UserError(f"--shard {o.shard} (FSDP) does not take {blocker}; --shard optimizer does")
     # An option that would change nothing is a mistake to say, not to ignore (a user believes it acts).
     adam_only = [_flag(n) for n in ("adam_beta1", "adam_beta2", "adam_epsilon")
                  if o.optimizer != "adamw" and getattr(o, n) != getattr(TrainOptions, n)]
@@ -583,6 +588,16 @@ def validate(o: TrainOptions) -> TrainOptions:
     if not o.random_flip:
         o.flip_p = 0.0
     return o
+
+
+def fsdp_refusal(o: TrainOptions) -> str | None:
+    """What keeps a run from FSDP's sharded weights (--shard gradients|full), or None. Its EMA and bf16
+    exchange hold or send whole tensors; transformers' Adafactor cannot step sharded (DTensor) weights."""
+    for blocker, present in (("--use-ema", o.use_ema), ("--grad-compression bf16", o.grad_compression != "none"),
+                             ("--optimizer adafactor", o.optimizer == "adafactor"), ("--compile", o.compile)):
+        if present:
+            return blocker
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover - handy for checking a config file

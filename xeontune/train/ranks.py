@@ -50,14 +50,15 @@ TRAINED_SIZE_FACTOR = {"adamw": 4, "adafactor": 2}
 
 def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str = "sd",
                         text_encoders: bool = True, trained: frozenset[str] = frozenset(), optimizer: str = "adamw",
-                        ema: bool = False, state_share: float = 1.0) -> int:
+                        ema: bool = False, shares: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> int:
     """Bytes of weights one rank holds: a frozen UNet and the text encoders' Linear layers in the
     training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) a frozen UNet
     counts twice: its layers are held reordered for the forward and again for the input gradient, each
     rank its own, while the plain weights' pages are handed back once reordered. A part the method
     ``trained`` (methods.PARTS) is held in fp32 with its gradients and optimizer state, never packed.
     ``text_encoders``: False where the run frees them once their outputs are cached (``keeps_text_encoders``).
-    ``state_share``: the share of the optimizer state a rank keeps (1/N with --shard optimizer on N ranks)."""
+    ``shares``: of a trained part's (weights, gradients, optimizer state), what a rank keeps
+    (``shares``: 1/N of the state with --shard optimizer on N ranks, of all three with FSDP)."""
     root = Path(model).expanduser()
     if not root.is_dir():  # SD1.5's or SDXL-base's sizes (``family``: where the hub said which)
         stored = {"unet": (SDXL_UNET_PARAMS if family == "sdxl" else SD15_UNET_PARAMS) * 4,
@@ -68,7 +69,8 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
         # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
         if any((root / "unet").glob("*.safetensors")) and any((root / "unet").glob("*.bin")):
             stored["unet"] //= 2
-    factor = 2 + (TRAINED_SIZE_FACTOR[optimizer] - 2) * state_share  # weights and gradients whole
+    weight_share, grad_share, state_share = shares
+    factor = weight_share + grad_share + (TRAINED_SIZE_FACTOR[optimizer] - 2) * state_share
     if "unet" in trained:
         unet = stored["unet"] * (factor + (1 if ema else 0))
     else:
@@ -82,6 +84,14 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
         elif text_encoders:
             encoders += _text_encoder_bytes(stored[part], precision, share)
     return int(unet + stored["vae"] + encoders)
+
+
+def shares(level: str, world: int) -> tuple[float, float, float]:
+    """The shares of a trained part's (weights, gradients, optimizer state) that one rank holds between
+    steps at ``level`` on ``world`` ranks."""
+    part = 1 / world if world > 1 else 1.0
+    return {"none": (1.0, 1.0, 1.0), "optimizer": (1.0, 1.0, part), "gradients": (part, part, part),
+            "full": (part, part, part)}[level if world > 1 else "none"]
 
 
 def packs(pack_weights: str, precision: str, family: str, here: bool = True) -> bool:
@@ -104,21 +114,24 @@ def _text_encoder_bytes(stored: float, precision: str, linear_share: float = TEX
     return stored * (1 - linear_share / 2) if precision == "bf16" else stored
 
 
-def rank_memory(opts: TrainOptions, precision: str, here: bool = True, world: int = 1) -> int:
+def rank_memory(opts: TrainOptions, precision: str, here: bool = True, world: int = 1,
+                shard: str | None = None) -> int:
     """What one rank of this run holds (what `--nproc-per-node auto` and `launch --ppn auto` divide
     memory by): the model's frozen weights as the rank holds them and its activations, both by family
     (read from model_index.json: a local folder, or the hub's when reachable; else SD1.x is assumed).
     ``here``: the ranks run on this machine's CPU (see packs()). ``world``: the job's ranks, which
-    --shard optimizer divides the optimizer state by (1, the safe side, where it is not known yet)."""
+    --shard divides the training state by (1, the safe side, where it is not known yet); ``shard``: the
+    level to count at (--shard's own where it is not auto)."""
     from xeontune.train import methods
     from xeontune.train.components import pipeline_family
 
     family = pipeline_family(str(opts.model), opts.revision)
     method = methods.create(opts)
+    level = shard or opts.shard
     weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family,
                                   text_encoders=keeps_text_encoders(method, opts), trained=method.trains,
                                   optimizer=opts.optimizer, ema=opts.use_ema,
-                                  state_share=1 / world if opts.shard == "optimizer" and world > 1 else 1.0)
+                                  shares=shares(level if level != "auto" else "none", world))
     return placement.rank_memory_bytes(weights, opts.resolution, opts.train_batch_size, family,
                                        opts.gradient_checkpointing, precision)
 

@@ -24,7 +24,7 @@ A method is made from the options (``create``) and then, in this order, asked to
 into the loaded models (having checked the images' prompts with ``check_prompts`` before anything
 loaded), for the ``prompts`` the samples draw from, for its trainable ``parameters``
 (the optimizer's) and the modules DDP wraps (``ddp_modules`` / ``use_ddp``; parameters outside them
-are all-reduced by the loop), once for ``check_gradient`` after the first backward, before every
+are all-reduced by the loop; ``sharded_modules`` / ``stand_in`` where it shards them), once for ``check_gradient`` after the first backward, before every
 optimizer step (``before_update``) and after it (``after_step``, ``finite``), for its checkpoint ``state`` /
 ``load_state`` (and, resuming, ``check_state`` before any model loads), to
 ``save`` its learned files, to apply itself for sample images (``inference``) and to merge itself into
@@ -100,6 +100,16 @@ class Method:
 
     def use_ddp(self, wrapped: list[nn.Module]) -> None:
         """Put the DDP wrappers of ``ddp_modules()`` (same order) where the models call them."""
+
+    def sharded_modules(self) -> list[nn.Module]:
+        """The modules the loop shards over the ranks in place of DDP (FSDP, ``--shard gradients|full``)."""
+        return self.ddp_modules()
+
+    def stand_in(self, copies: list[nn.Module]) -> contextlib.AbstractContextManager[None]:
+        """Plain modules holding the whole weights of ``sharded_modules()`` (same order) take their places
+        while rank 0 writes outputs or a resume loads into them: the loop shards only for a method that
+        implements this."""
+        raise NotImplementedError(f"--method {self.name} cannot have its modules sharded")
 
     def check_gradient(self) -> None:
         """After the first backward: raise TrainingError unless every trainable part got a usable gradient."""

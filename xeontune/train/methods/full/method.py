@@ -83,6 +83,23 @@ class FullFineTuning(Method):
     def use_ddp(self, wrapped: list[nn.Module]) -> None:
         self.components.unet = wrapped[0]  # what the step calls; unet_for_inference stays the bare module
 
+    def sharded_modules(self) -> list[nn.Module]:
+        return list(self.models.values())  # sharded, the text encoders' gradients are FSDP's too
+
+    @contextlib.contextmanager
+    def stand_in(self, copies: list[nn.Module]) -> Iterator[None]:
+        c = self.components
+        before = dict(self.models), c.unet_for_inference, c.text_encoder, c.text_encoder_2
+        self.models = dict(zip(self.models, copies, strict=True))
+        c.unet_for_inference = self.models["unet"]
+        for name in ENCODERS:
+            if name in self.models:
+                setattr(c, name, self.models[name])
+        try:
+            yield
+        finally:
+            self.models, c.unet_for_inference, c.text_encoder, c.text_encoder_2 = before
+
     def check_gradient(self) -> None:
         """Every trained model got a finite gradient, not zero throughout."""
         for model_name, model in self.models.items():
@@ -137,7 +154,8 @@ class FullFineTuning(Method):
     def check_state(self, state: Any, where: str) -> None:
         learned = state.learned or {}
         saved = list(learned.get("models", ()))
-        if sorted(saved) != sorted(self.trains):
+        # ``trains`` names both encoders whatever the family holds; the checkpoint, the models it had
+        if any(m in ENCODERS for m in saved) != self.opts.train_text_encoder:
             said = "with" if any(m in ENCODERS for m in saved) else "without"
             raise UserError(f"checkpoint {where} was trained {said} --train-text-encoder; this run must be too")
         if (learned.get("ema") is not None) != self.opts.use_ema:
