@@ -625,6 +625,7 @@ def _setup(
         log.info("%s (%s)", SHARDED_SAYS[shard], why)
     if shard in data_parallel.FSDP_LEVELS:  # before the optimizer takes the weights: they become shards
         data_parallel.fully_shard_modules(method.sharded_modules(), shard)
+        hardware.release_freed_memory()  # the whole weights each rank loaded: all but its shares are gone
     optimizer = make_optimizer(opts, method.parameters(), lr, fused=bool(method.trains), sharded=shard == "optimizer")
     lr_scheduler = get_scheduler(
         opts.lr_scheduler, optimizer=optimizer, num_warmup_steps=opts.lr_warmup_steps,
