@@ -137,18 +137,45 @@ def shard_choice(shard: str, world: int, need: dict[str, int], available_bytes: 
                         f"{need[levels[-1]] * local_ranks / 2**30:.1f} GiB even at {levels[-1]}; {free}")
 
 
-def fully_shard_modules(modules: list[nn.Module], level: str) -> None:
+def fully_shard_modules(modules: list[nn.Module], level: str, compression: str = "none") -> None:
     """FSDP2 on each module, in place: every block of its top-level ModuleLists (a UNet's down and up
-    blocks) a unit of its own, gathered for its forward and backward only; the rest with the root."""
+    blocks) a unit of its own, gathered for its forward and backward only; the rest with the root.
+    ``compression`` bf16: each unit's gradients reduce-scattered as bf16, summed in fp32."""
     from torch.distributed.fsdp import fully_shard
 
+    units = []
     for module in modules:
         for child in module.children():
             if isinstance(child, nn.ModuleList):
-                for block in child:
-                    fully_shard(block, reshard_after_forward=level == "full")
-        fully_shard(module, reshard_after_forward=level == "full")
+                units += [fully_shard(block, reshard_after_forward=level == "full") for block in child]
+        units.append(fully_shard(module, reshard_after_forward=level == "full"))
         _keep_output_capture(module)
+    if WIRE_DTYPE[compression] != torch.float32:
+        for unit in units:
+            unit.set_custom_reduce_scatter(_wire_reduce_scatter(WIRE_DTYPE[compression]))
+
+
+def _wire_reduce_scatter(wire: torch.dtype) -> Any:
+    """FSDP's reduce-scatter with ``wire`` on the wire and fp32 sums, as ``GradientExchange`` sends DDP's
+    buckets: an all-to-all hands each rank every rank's copy of its share, which it adds up in fp32
+    (gloo's own reduce-scatter would add in the wire's dtype)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class WireReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            world = group.size()
+            sent = input_tensor.to(wire)
+            received = torch.empty_like(sent)
+            torch.distributed.all_to_all_single(received, sent, group=group)
+            torch.sum(received.view(world, -1).float(), dim=0, out=output_tensor)
+            if op == torch.distributed.ReduceOp.AVG:
+                output_tensor.div_(world)
+            return None
+
+    return WireReduceScatter()
 
 
 def _keep_output_capture(module: nn.Module) -> None:
@@ -295,10 +322,11 @@ def weight_bytes_sent(optimizer: torch.optim.Optimizer) -> int:
     return sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"])
 
 
-def fsdp_bytes_sent(modules: list[nn.Module], level: str, micro_steps: int) -> int:
+def fsdp_bytes_sent(modules: list[nn.Module], level: str, micro_steps: int, compression: str = "none") -> int:
     """The bytes FSDP hands the process group in a step, counted as the other exchanges are: the
-    gradients once (reduce-scattered on the last micro-step), and the weights once per gather, every
-    weight from the rank that holds it: one gather a micro-step (``gradients``), two (``full``).
-    (Counted from the plan: FSDP's collectives are its own.)"""
+    gradients once (reduce-scattered on the last micro-step, in the wire's dtype), and the weights once
+    per gather, every weight from the rank that holds it: one gather a micro-step (``gradients``), two
+    (``full``). (Counted from the plan: FSDP's collectives are its own.)"""
     weights = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-    return weights + weights * micro_steps * (2 if level == "full" else 1) if modules else 0
+    gradients = weights * WIRE_DTYPE[compression].itemsize // 4
+    return gradients + weights * micro_steps * (2 if level == "full" else 1) if modules else 0

@@ -624,7 +624,7 @@ def _setup(
     if main and opts.shard != "none":
         log.info("%s (%s)", SHARDED_SAYS[shard], why)
     if shard in data_parallel.FSDP_LEVELS:  # before the optimizer takes the weights: they become shards
-        data_parallel.fully_shard_modules(method.sharded_modules(), shard)
+        data_parallel.fully_shard_modules(method.sharded_modules(), shard, opts.grad_compression)
         hardware.release_freed_memory()  # the whole weights each rank loaded: all but its shares are gone
     optimizer = make_optimizer(opts, method.parameters(), lr, fused=bool(method.trains), sharded=shard == "optimizer")
     lr_scheduler = get_scheduler(
@@ -898,7 +898,8 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
                                     "lower --learning-rate")
             # the gradients' bytes, a sharded optimizer's updated weights, and the loss
             sent = (run.exchange.take() + data_parallel.weight_bytes_sent(run.optimizer)
-                    + data_parallel.fsdp_bytes_sent(run.sharded, run.shard, opts.gradient_accumulation_steps)
+                    + data_parallel.fsdp_bytes_sent(run.sharded, run.shard, opts.gradient_accumulation_steps,
+                                                    opts.grad_compression)
                     + loss.numel() * loss.element_size()) if run.exchange else 0
             phases = run.phases.take()
             done = step + 1

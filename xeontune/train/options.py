@@ -591,10 +591,10 @@ def validate(o: TrainOptions) -> TrainOptions:
 
 
 def fsdp_refusal(o: TrainOptions) -> str | None:
-    """What keeps a run from FSDP's sharded weights (--shard gradients|full), or None. Its EMA and bf16
-    exchange hold or send whole tensors; transformers' Adafactor cannot step sharded (DTensor) weights."""
-    for blocker, present in (("--use-ema", o.use_ema), ("--grad-compression bf16", o.grad_compression != "none"),
-                             ("--optimizer adafactor", o.optimizer == "adafactor"), ("--compile", o.compile)):
+    """What keeps a run from FSDP's sharded weights (--shard gradients|full), or None. Its EMA holds
+    whole tensors; transformers' Adafactor cannot step sharded (DTensor) weights."""
+    for blocker, present in (("--use-ema", o.use_ema), ("--optimizer adafactor", o.optimizer == "adafactor"),
+                             ("--compile", o.compile)):
         if present:
             return blocker
     return None
