@@ -152,30 +152,30 @@ def fully_shard_modules(modules: list[nn.Module], level: str, compression: str =
         _keep_output_capture(module)
     if WIRE_DTYPE[compression] != torch.float32:
         for unit in units:
-            unit.set_custom_reduce_scatter(_wire_reduce_scatter(WIRE_DTYPE[compression]))
+            unit.set_custom_reduce_scatter(WireReduceScatter(WIRE_DTYPE[compression]))
 
 
-def _wire_reduce_scatter(wire: torch.dtype) -> Any:
-    """FSDP's reduce-scatter with ``wire`` on the wire and fp32 sums, as ``GradientExchange`` sends DDP's
-    buckets: an all-to-all hands each rank every rank's copy of its share, which it adds up in fp32
-    (gloo's own reduce-scatter would add in the wire's dtype)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+class WireReduceScatter:
+    """FSDP's reduce-scatter (``set_custom_reduce_scatter``: its ``allocate`` and call) with ``wire`` on the
+    wire and fp32 sums, as ``GradientExchange`` sends DDP's buckets: an all-to-all hands each rank every
+    rank's copy of its share, which it adds up in fp32 (gloo's own reduce-scatter would add in the wire's
+    dtype)."""
 
-    class WireReduceScatter(ReduceScatter):
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
+    def __init__(self, wire: torch.dtype) -> None:
+        self.wire = wire
 
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            world = group.size()
-            sent = input_tensor.to(wire)
-            received = torch.empty_like(sent)
-            torch.distributed.all_to_all_single(received, sent, group=group)
-            torch.sum(received.view(world, -1).float(), dim=0, out=output_tensor)
-            if op == torch.distributed.ReduceOp.AVG:
-                output_tensor.div_(world)
-            return None
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
-    return WireReduceScatter()
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        world = group.size()
+        sent = input_tensor.to(self.wire)
+        received = torch.empty_like(sent)
+        torch.distributed.all_to_all_single(received, sent, group=group)
+        torch.sum(received.view(world, -1).float(), dim=0, out=output_tensor)
+        if op == torch.distributed.ReduceOp.AVG:
+            output_tensor.div_(world)
 
 
 def _keep_output_capture(module: nn.Module) -> None:
@@ -238,23 +238,6 @@ def full_weights(modules: list[nn.Module], main: bool, everywhere: bool = False,
                 whole = dict(plain.named_parameters())
                 for name, p in module.named_parameters():
                     p.copy_(distribute_tensor(whole[name].detach(), p.device_mesh, p.placements, src_data_rank=None))
-
-
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> None:
-    """torch's clip_grad_norm_ over sharded (DTensor) and plain gradients together (FSDP's UNet and a
-    trained text encoder), which it cannot mix: one total norm over both, every grad scaled as torch does."""
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in params if p.grad is not None]
-    norms = []
-    for group in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
-        if group:
-            norm = torch.nn.utils.get_total_norm(group)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    for g in grads:
-        g.mul_(coef)
 
 
 def sharded_optimizer(optimizer_class: type, params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:

@@ -343,9 +343,7 @@ def train_step(run: Run, step: int) -> torch.Tensor:
     with phase("optimizer"):
         run.check_gradient_once()
         run.method.before_update(step, run.max_steps)
-        if run.opts.max_grad_norm and run.sharded:
-            data_parallel.clip_grad_norm(run.method.parameters(), run.opts.max_grad_norm)
-        elif run.opts.max_grad_norm:
+        if run.opts.max_grad_norm:  # torch's, over FSDP's sharded gradients as well
             run.accelerator.clip_grad_norm_(run.method.parameters(), run.opts.max_grad_norm)
         run.optimizer.step()
         run.lr_scheduler.step()
