@@ -98,6 +98,29 @@ def test_each_shard_level_trains_what_one_process_does_and_its_checkpoints_resum
 
 
 @pytest.mark.slow
+def test_fsdp_trains_sdxl_with_both_text_encoders_as_one_process_does(sdxl_model, sample_images, tmp_path):
+    """SDXL under FSDP (--shard full): the UNet and both text encoders sharded (the second one's penultimate
+    hidden states still recorded: transformers looks them up by the model's class, which fully_shard
+    changes), a step copy written from rank 0's whole copies, and 2 ranks x batch 1 = one process x batch 2."""
+    from transformers import CLIPTextModelWithProjection
+
+    args = lambda out, batch, *extra: full_args(sdxl_model, sample_images, tmp_path / out, batch, 2,  # noqa: E731
+                                                "--train-text-encoder", *extra)
+    ranks(2, args("fsdp", 1, "--shard", "full", "--save-steps", "1"))
+    train_in_process(args("one", 2))
+    assert (tmp_path / "fsdp" / "model-steps-1.safetensors").is_file()
+
+    def weights(out: Path) -> torch.Tensor:
+        second = CLIPTextModelWithProjection.from_pretrained(str(out), subfolder="text_encoder_2").state_dict()
+        return torch.cat([trained(out), flat(second)])
+
+    base, want, got = weights(sdxl_model), weights(tmp_path / "one" / "pipeline"), weights(tmp_path / "fsdp" / "pipeline")
+    scale, moved = float(want.abs().max()), float((want - base).abs().max())
+    assert moved >= 100 * 1e-5 * scale, (moved, scale)
+    assert float((got - want).abs().max()) <= 1e-5 * scale
+
+
+@pytest.mark.slow
 def test_bf16_gradients_on_the_wire_halve_the_bytes_and_stay_within_the_bound_over_100_steps(
         tiny_model, sample_images, tmp_path):
     """Two ranks, the UNet in DDP buckets and the text encoder's gradients exchanged flat, and two ranks
