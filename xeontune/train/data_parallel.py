@@ -266,9 +266,9 @@ def consolidate(optimizer: torch.optim.Optimizer, main: bool) -> dict[str, Any] 
     if is_sharded(optimizer):
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if main else None
+    if not _over_shards(optimizer):  # a plain optimizer's state: rank 0 reads its own, the others nothing
+        return optimizer.state_dict() if main else None
     state = optimizer.state_dict()
-    if not any(isinstance(v, DTensor) for s in state["state"].values() for v in s.values()):
-        return state if main else None
     whole = {}
     for index, entry in state["state"].items():  # in the same order on every rank
         gathered = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in entry.items()}
@@ -277,14 +277,21 @@ def consolidate(optimizer: torch.optim.Optimizer, main: bool) -> dict[str, Any] 
     return {"state": whole, "param_groups": state["param_groups"]} if main else None
 
 
+def _over_shards(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer steps FSDP's sharded (DTensor) weights."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
+
+
 def localize(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
     """A plain optimizer's state (a checkpoint's) for an optimizer over FSDP's sharded weights: each
     state tensor of a weight's shape cut to this rank's share, as the weight is. Unchanged otherwise."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not any(isinstance(p, DTensor) for p in params):
+    if not _over_shards(optimizer):
         return state
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     position = {index: i for i, index in enumerate(i for group in state["param_groups"] for i in group["params"])}
 
     def local(p: torch.Tensor, value: Any) -> Any:
