@@ -10,6 +10,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from xeontune.train.families import Family
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -58,23 +62,20 @@ def main() -> int:
         return load_full(args.model, family, Path(args.output_dir))
 
     import diffusers
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     diffusers.utils.logging.disable_progress_bar()
     embeds = Path(args.output_dir) / "learned_embeds.safetensors"
-    if family == "sdxl":  # one vector set per text encoder, loaded into each (docs/training.md)
+    pipe = family.pipeline_type().from_pretrained(args.model, **family.pipeline_options)
+    before = len(pipe.tokenizer)
+    if len(family.encoders) > 1:  # one vector set per text encoder, loaded into each (docs/training.md)
         from safetensors.torch import load_file
 
-        pipe = StableDiffusionXLPipeline.from_pretrained(args.model, add_watermarker=False)
         vectors = load_file(embeds)
-        before = len(pipe.tokenizer)
-        pipe.load_textual_inversion(vectors["clip_l"], token=args.token, text_encoder=pipe.text_encoder,
-                                    tokenizer=pipe.tokenizer)
-        pipe.load_textual_inversion(vectors["clip_g"], token=args.token, text_encoder=pipe.text_encoder_2,
-                                    tokenizer=pipe.tokenizer_2)
+        for encoder in family.encoders:
+            pipe.load_textual_inversion(vectors[encoder.embedding_key], token=args.token,
+                                        text_encoder=getattr(pipe, encoder.folder),
+                                        tokenizer=getattr(pipe, encoder.tokenizer))
     else:
-        pipe = StableDiffusionPipeline.from_pretrained(args.model, safety_checker=None, requires_safety_checker=False)
-        before = len(pipe.tokenizer)
         pipe.load_textual_inversion(str(embeds))
     added = [t for t in pipe.tokenizer.get_vocab() if t.startswith(args.token)]
     print(f"loaded {embeds} with diffusers' load_textual_inversion: added token(s) {added} "
@@ -82,13 +83,12 @@ def main() -> int:
     return 0 if added else 1
 
 
-def load_full(model: str, family: str, out: Path) -> int:
+def load_full(model: str, family: Family, out: Path) -> int:
     """The pipeline folder and the single file, each loaded by diffusers: the same UNet, not the base's."""
     import diffusers
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     diffusers.utils.logging.disable_progress_bar()
-    cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    cls = family.pipeline_type()
     base = cls.from_pretrained(model).unet.state_dict()
     folder = cls.from_pretrained(str(out / "pipeline")).unet.state_dict()
     single = cls.from_single_file(str(out / "model.safetensors"), config=model, local_files_only=True).unet.state_dict()
@@ -99,16 +99,14 @@ def load_full(model: str, family: str, out: Path) -> int:
     return 0 if moved > 0 and same == 0 else 1
 
 
-def load_lora(model: str, family: str, out: Path) -> int:
+def load_lora(model: str, family: Family, out: Path) -> int:
     """Both LoRA files fused into the model's UNet by diffusers' own loader: the same weights, not the base's."""
     import diffusers
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     diffusers.utils.logging.disable_progress_bar()
-    cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
     fused = {}
     for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"):
-        pipe = cls.from_pretrained(model, **({} if family == "sdxl" else {"safety_checker": None}))
+        pipe = family.pipeline_type().from_pretrained(model, **family.pipeline_options)
         base = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
         pipe.load_lora_weights(str(out), weight_name=name)
         pipe.fuse_lora()

@@ -60,14 +60,15 @@ def prior_flag(args: argparse.Namespace) -> list[str]:
 
 
 def targets_for(family: str, precision: str, method: str = "textual_inversion") -> dict[str, float]:
-    """The targets this run is judged against: the shared ones and the method's, its family's where it
-    declares its own (SDXL's for textual inversion), each for this precision where it differs by it."""
+    """The targets this run is judged against: the shared ones and the method's, the model family's where it
+    declares its own for the method (``Family.bench_targets``), each for this precision where it differs by it."""
     import xeontune.train.methods.declaration as methods
+    from xeontune.train import families
 
     declared = methods.get(method).bench
     assert declared is not None, f"--method {method} declares no bench baseline"
-    chosen = {k: v for k, v in declared.targets.items() if k != "families"}
-    chosen.update(declared.targets.get("families", {}).get(family, {}))
+    chosen = dict(declared.targets)
+    chosen.update(families.get(family).bench_targets.get(method, {}))
     return {**SHARED_TARGETS, **{k: float(v[precision] if isinstance(v, dict) else v) for k, v in chosen.items()}}
 
 
@@ -365,7 +366,7 @@ def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace
 
 
 def example_components(model: Path, precision: str, method: str = "textual_inversion"):
-    """The models as the method's example script holds them (its declaration's ``example_bf16``): in a bf16
+    """The models as the method's example script holds them (its family's ``example_bf16``): in a bf16
     run, the parts it casts to bf16 once (then run every step in bf16), the rest in fp32. The textual
     inversion scripts keep the text encoder they train in fp32 (SDXL's casts its second encoder whole,
     after handing its token table to the optimizer: that table then trains in bf16, as ``tokens.install``
@@ -374,14 +375,11 @@ def example_components(model: Path, precision: str, method: str = "textual_inver
     encodes each step's images in fp32. train_text_to_image.py trains its UNet in fp32 under autocast."""
     import torch
 
-    import xeontune.train.methods.declaration as methods
     from xeontune.train.components import load
 
     components = load(str(model))  # as its files hold it, then cast: not from the trainer's bf16 copy
-    declared = methods.get(method).bench
-    assert declared is not None, f"--method {method} declares no bench baseline"
     if precision == "bf16":
-        for name in declared.example_bf16(components.family):
+        for name in components.family.example_bf16(method):
             part = getattr(components, name)
             if part is not None:
                 part.to(torch.bfloat16)
@@ -721,7 +719,7 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
         with worker or contextlib.nullcontext():
             accelerator = loop.make_accelerator(opts)
             run, _ = loop.setup(opts, accelerator)  # the trainer as `xeontune train` runs it
-            precision, family = run.precision, run.components.family
+            precision, family = run.precision, run.components.family.name
             notes = list(run.backend_notes)
             if worker:
                 notes.append("baseline: " + worker.ready["note"])

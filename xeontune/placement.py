@@ -111,15 +111,6 @@ def pin_this_rank(env: Mapping[str, str] | None = None) -> list[int] | None:
 
 # --- how many ranks: the `auto` rule -----------------------------------------------------------
 
-# Memory one rank holds while it steps, at 256 px and batch 1, beside its frozen weights: the
-# activations kept for the backward pass plus torch's own. Measured as the peak RSS of a step on
-# the SD1.5-architecture model minus its weights (docs/performance.md); it grows with pixels.
-ACTIVATION_BYTES_256PX = 1.0e9
-# SDXL, measured (docs/performance.md, "SDXL"): the peak RSS of a training step less the frozen
-# weights, batch 1, bf16, was about 1.0 GB at 512 px and 5.1 GB at 1024 px (2-core AMD EPYC with
-# avx512_bf16, 2026-11-24). The estimate grows the 1024 px figure, with some margin, by the pixels
-# (so 512 px is over-counted, never under), and doubles it for fp32's 4-byte activations.
-SDXL_ACTIVATION_BYTES_1024PX = {"bf16": 5.5e9, "fp32": 11.0e9}
 # `--gradient-checkpointing`: the share of the estimate a rank still holds. The same count kept
 # 0.05-0.14x of the bytes (SD1.5 and SDXL, 256-1024 px) and the tiny models 0.22-0.25x at 64 px;
 # the block being recomputed, the text encoders and torch's own do not shrink, hence more.
@@ -144,15 +135,12 @@ def threads_per_rank_rule(physical: int) -> int:
     return 2 if physical >= 4 else 1
 
 
-def rank_memory_bytes(weight_bytes: int, resolution: int, batch_size: int, family: str = "sd",
-                      checkpointing: bool = False, precision: str = "fp32") -> int:
+def rank_memory_bytes(weight_bytes: int, per_image_bytes: float, batch_size: int,
+                      checkpointing: bool = False) -> int:
     """What one rank holds: its frozen weights in the training dtype plus the step's activations
-    (SD1.5's and SDXL's measured figures, grown with the pixels; less under gradient checkpointing)."""
-    if family == "sdxl":
-        per_image = SDXL_ACTIVATION_BYTES_1024PX["bf16" if precision == "bf16" else "fp32"] * (resolution / 1024) ** 2
-    else:
-        per_image = ACTIVATION_BYTES_256PX * (resolution / 256) ** 2
-    activations = per_image * batch_size
+    (``per_image_bytes``: the model family's measured figure at the run's resolution and precision, less
+    under gradient checkpointing)."""
+    activations = per_image_bytes * batch_size
     activations *= CHECKPOINTED_ACTIVATION_SHARE if checkpointing else 1.0
     return int(weight_bytes + activations)
 

@@ -294,7 +294,10 @@ def test_ppn_auto_follows_the_ranks_per_node_rule(xeontune_home, capsys, tiny_mo
     assert resolve_ppn(rec, "3", args) == 3
     rec.cores_per_node = 16
     # A node whose RAM holds fewer ranks than its cores would: memory decides.
-    per_rank = placement.rank_memory_bytes(frozen_weight_bytes(str(tiny_model), "fp32"), 512, 1)  # auto: sized as fp32
+    from xeontune.train import families
+
+    per_rank = placement.rank_memory_bytes(frozen_weight_bytes(str(tiny_model), "fp32"),  # auto: sized as fp32
+                                           families.get("sd").activation_bytes(512, "fp32"), 1)
     rec.memory_per_node = int(3.5 * per_rank / (1 - placement.RESERVED_FRACTION))
     assert resolve_ppn(rec, "auto", args) == 3
     rec.memory_per_node = 64 * 2**30

@@ -116,7 +116,7 @@ def test_every_attention_of_the_trainers_unet_matches_fp64(kind, precision, tmp_
     shapes a 64 px step gives it."""
     model = models.build_pipeline(kind, tmp_path / kind)
     loaded = components_mod.load(str(model), unet_dtype=components_mod.unet_dtype(precision))
-    unet, _, _ = prepare_frozen_models(loaded.unet, loaded.vae, precision=precision, family=loaded.family)
+    unet, _, _ = prepare_frozen_models(loaded.unet, loaded.vae, precision=precision, family=loaded.family.name)
     shapes: dict[str, tuple] = {}
 
     def capture(name):
@@ -129,7 +129,7 @@ def test_every_attention_of_the_trainers_unet_matches_fp64(kind, precision, tmp_
     handles = [m.register_forward_pre_hook(capture(name), with_kwargs=True) for name, m in attentions.items()]
     config = unet.config
     added = None
-    if loaded.family == "sdxl":
+    if loaded.family.conditions(None, None):  # SDXL's pooled text and size/crop conditions
         text_embeds = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
         added = {"text_embeds": torch.randn(1, text_embeds), "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]])}
     with torch.no_grad(), precision_autocast(precision):

@@ -463,6 +463,8 @@ def test_the_trainer_asks_for_room_for_its_step(base_args, monkeypatch):
     text_encoder = CLIPTextModel.from_pretrained(opts.model, subfolder="text_encoder")
     beside = backends.module_bytes(text_encoder) + backends.module_bytes(vae)
     assert seen["unet"] == backends.module_bytes(run.components.unet) > 0
-    counted = seen["rest"] - placement.rank_memory_bytes(0, opts.resolution, 1)  # less the step's activations
+    # less the step's activations
+    counted = seen["rest"] - placement.rank_memory_bytes(0, run.components.family.activation_bytes(opts.resolution,
+                                                                                                   run.precision), 1)
     # counted after the token was added: its row, at most a padded block of 64 rows (resize_token_embeddings)
     assert 0 <= counted - beside <= 64 * 4 * text_encoder.config.hidden_size

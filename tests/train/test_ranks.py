@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 from tests.checks import moved_from_initializer
 from tests.trainlib import train_in_process
 from xeontune import placement
+from xeontune.train.families import get as get_family
 from xeontune.train.options import parse_args
-from xeontune.train.ranks import TEXT_ENCODER_LINEAR_SHARE, frozen_weight_bytes, packs, plan_ranks
+from xeontune.train.ranks import frozen_weight_bytes, packs, plan_ranks
 
 GB = 10**9
 
@@ -100,9 +101,14 @@ def test_available_memory_is_what_is_left_under_a_cgroup_limit(tmp_path):
 
 
 def test_rank_memory_grows_with_pixels_and_batch():
-    at_256 = placement.rank_memory_bytes(2 * GB, 256, 1)
-    assert placement.rank_memory_bytes(2 * GB, 512, 1) - 2 * GB == pytest.approx(4 * (at_256 - 2 * GB))
-    assert placement.rank_memory_bytes(2 * GB, 256, 2) - 2 * GB == pytest.approx(2 * (at_256 - 2 * GB))
+    from xeontune.train import families
+
+    sd = families.get("sd")
+    at_256 = placement.rank_memory_bytes(2 * GB, sd.activation_bytes(256, "fp32"), 1)
+    assert placement.rank_memory_bytes(2 * GB, sd.activation_bytes(512, "fp32"), 1) - 2 * GB \
+        == pytest.approx(4 * (at_256 - 2 * GB))
+    assert placement.rank_memory_bytes(2 * GB, sd.activation_bytes(256, "fp32"), 2) - 2 * GB \
+        == pytest.approx(2 * (at_256 - 2 * GB))
 
 
 def test_frozen_weight_bytes_of_a_local_model(tiny_model):
@@ -110,7 +116,7 @@ def test_frozen_weight_bytes_of_a_local_model(tiny_model):
     unet = sum(p.stat().st_size for p in (Path(tiny_model) / "unet").glob("*.safetensors"))
     text = sum(p.stat().st_size for p in (Path(tiny_model) / "text_encoder").glob("*.safetensors"))
     # the UNet and the text encoder's Linear layers are held in bf16, the rest as stored
-    assert abs((fp32 - bf16) - (unet // 2 + text * TEXT_ENCODER_LINEAR_SHARE / 2)) <= 1
+    assert abs((fp32 - bf16) - (unet // 2 + text * get_family("sd").encoders[0].linear_share / 2)) <= 1
     # packed weights: the UNet once more, reordered for the input gradient
     assert frozen_weight_bytes(str(tiny_model), "bf16", packed=True) - bf16 == unet // 2
     assert frozen_weight_bytes(str(tiny_model), "fp32", packed=True) - fp32 == unet

@@ -58,10 +58,10 @@ def moved_per_encoder(model, clip_l: torch.Tensor, clip_g: torch.Tensor) -> dict
 
 
 def test_the_family_comes_from_model_index(sdxl_model, tiny_model, tmp_path):
-    assert components.pipeline_family(str(sdxl_model)) == "sdxl"
-    assert components.pipeline_family(str(tiny_model)) == "sd"
+    assert components.pipeline_family(str(sdxl_model)).name == "sdxl"
+    assert components.pipeline_family(str(tiny_model)).name == "sd"
     loaded = components.load(str(sdxl_model))
-    assert loaded.family == "sdxl" and len(loaded.text_encoders) == 2 and len(loaded.tokenizers) == 2
+    assert loaded.family.name == "sdxl" and len(loaded.text_encoders) == 2 and len(loaded.tokenizers) == 2
     assert not any(p.requires_grad for e in loaded.text_encoders for p in e.parameters())
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -114,15 +114,16 @@ def test_time_ids_record_the_crop_that_was_taken(tmp_path):
 def test_rank_memory_counts_the_second_text_encoder(sdxl_model):
     """`--nproc-per-node auto` sizes a rank by its frozen weights: SDXL's include text_encoder_2, whose
     Linear layers are held in bf16 under bf16 (so it counts a little over half)."""
-    from xeontune.train import ranks
+    from xeontune.train import families, ranks
 
+    first, second = families.get("sdxl").encoders
     stored = {part: ranks._folder_bytes(sdxl_model / part) for part in ("unet", "text_encoder", "text_encoder_2", "vae")}
     assert stored["text_encoder_2"] > 0
-    assert ranks.frozen_weight_bytes(str(sdxl_model), "fp32") == sum(stored.values())
-    without_2 = ranks.frozen_weight_bytes(str(sdxl_model), "bf16") - ranks._text_encoder_bytes(
-        stored["text_encoder_2"], "bf16", ranks.TEXT_ENCODER_2_LINEAR_SHARE)
-    assert abs(without_2 - (stored["unet"] // 2 + ranks._text_encoder_bytes(stored["text_encoder"], "bf16")
-                            + stored["vae"])) <= 1
+    assert ranks.frozen_weight_bytes(str(sdxl_model), "fp32", family="sdxl") == sum(stored.values())
+    without_2 = ranks.frozen_weight_bytes(str(sdxl_model), "bf16", family="sdxl") - ranks._text_encoder_bytes(
+        stored["text_encoder_2"], "bf16", second.linear_share)
+    assert abs(without_2 - (stored["unet"] // 2 + ranks._text_encoder_bytes(stored["text_encoder"], "bf16",
+                                                                           first.linear_share) + stored["vae"])) <= 1
 
 
 def test_ranks_per_node_count_sdxl_activations_and_checkpointing(sdxl_model, tiny_model, xeontune_home):
@@ -132,30 +133,32 @@ def test_ranks_per_node_count_sdxl_activations_and_checkpointing(sdxl_model, tin
     from xeontune import placement
     from xeontune.cluster.state import ClusterRecord, Node
     from xeontune.job import spec
-    from xeontune.train import ranks
+    from xeontune.train import families, ranks
 
     GB = 10**9
-    assert placement.rank_memory_bytes(GB, 1024, 1, "sdxl") - GB == pytest.approx(11 * GB)  # fp32
-    assert placement.rank_memory_bytes(GB, 1024, 1, "sdxl", precision="bf16") - GB == pytest.approx(5.5 * GB)
-    assert placement.rank_memory_bytes(GB, 512, 2, "sdxl", precision="bf16") - GB == pytest.approx(2 * 5.5 / 4 * GB)
-    assert placement.rank_memory_bytes(GB, 1024, 1, "sdxl", checkpointing=True) - GB == pytest.approx(0.3 * 11 * GB)
-    assert placement.rank_memory_bytes(GB, 1024, 1) - GB == pytest.approx(16 * GB)
+    xl, sd = families.get("sdxl"), families.get("sd")
+    assert placement.rank_memory_bytes(GB, xl.activation_bytes(1024, "fp32"), 1) - GB == pytest.approx(11 * GB)
+    assert placement.rank_memory_bytes(GB, xl.activation_bytes(1024, "bf16"), 1) - GB == pytest.approx(5.5 * GB)
+    assert placement.rank_memory_bytes(GB, xl.activation_bytes(512, "bf16"), 2) - GB == pytest.approx(2 * 5.5 / 4 * GB)
+    assert placement.rank_memory_bytes(GB, xl.activation_bytes(1024, "fp32"), 1, checkpointing=True) - GB \
+        == pytest.approx(0.3 * 11 * GB)
+    assert placement.rank_memory_bytes(GB, sd.activation_bytes(1024, "fp32"), 1) - GB == pytest.approx(16 * GB)
     # a hub id that is not on this disk: SDXL-base's sizes once the family is known
     assert ranks.frozen_weight_bytes("org/xl", "fp32", family="sdxl") - ranks.frozen_weight_bytes("org/xl", "fp32") \
         == pytest.approx((2567e6 - 860e6) * 4 + 2780e6)
 
     common = ["--data-dir", ".", "--placeholder-token", "<t>", "--initializer-token", "toy", "--resolution", "1024",
               "--mixed-precision", "fp32", "--pack-weights", "off"]
-    xl = parse_args(["--model", str(sdxl_model), *common])
-    weights = ranks.frozen_weight_bytes(str(sdxl_model), "fp32")
-    assert ranks.rank_memory(xl, "fp32") == placement.rank_memory_bytes(weights, 1024, 1, "sdxl")
+    xl_opts = parse_args(["--model", str(sdxl_model), *common])
+    weights = ranks.frozen_weight_bytes(str(sdxl_model), "fp32", family="sdxl")
+    assert ranks.rank_memory(xl_opts, "fp32") == placement.rank_memory_bytes(weights, xl.activation_bytes(1024, "fp32"), 1)
     # the second text encoder is in them: every folder's weights at their stored size (fp32, not packed)
     folders = {part: ranks._folder_bytes(sdxl_model / part) for part in ("unet", "text_encoder", "text_encoder_2", "vae")}
     assert folders["text_encoder_2"] > 0 and weights == sum(folders.values())
 
     record = ClusterRecord(name="sky", provider="aws", key_path="/k/id", known_hosts_path="/k/kh", work_dir="/w",
                            iface="ens5", venv="/v", cores_per_node=16, nodes=[Node("node0", "head", "10.0.0.1")])
-    record.memory_per_node = int(2.5 * ranks.rank_memory(xl, "fp32") / (1 - placement.RESERVED_FRACTION))
+    record.memory_per_node = int(2.5 * ranks.rank_memory(xl_opts, "fp32") / (1 - placement.RESERVED_FRACTION))
 
     def ppn(model, *extra) -> int:
         return spec.resolve_ppn(record, spec.read_request(["--model", str(model), *common, *extra], "auto",

@@ -19,11 +19,11 @@ from xeontune import hardware
 from xeontune.errors import UserError
 from xeontune.io import CACHE_ENV, cache_root, fsync_path
 from xeontune.quiet import quiet_progress_bars
+from xeontune.train import families
+from xeontune.train.families import Family
 
 log = logging.getLogger(__name__)
 
-REQUIRED_PARTS = ("tokenizer", "text_encoder", "vae", "unet", "scheduler")
-SDXL_PARTS = ("tokenizer_2", "text_encoder_2")  # what an SDXL pipeline has besides
 
 
 @dataclass
@@ -38,22 +38,27 @@ class Components:
     # so a saved full pipeline reloads it as its files hold it (loop.save_pipeline)
     unet_cast: bool = False
     text_encoder_cast: bool = False
-    family: str = "sd"  # "sd" (SD1.x/SD2) or "sdxl", from model_index.json
-    tokenizer_2: Any = None  # SDXL: the second tokenizer and text encoder (with projection)
+    family: Family = None  # type: ignore[assignment]  # from model_index.json (train/families/); sd if None
+    tokenizer_2: Any = None  # a family's second tokenizer and text encoder (SDXL's, with projection)
     text_encoder_2: Any = None
     text_encoder_2_cast: bool = False
 
+    def __post_init__(self) -> None:
+        if self.family is None:
+            self.family = families.get("sd")
+
     @property
     def text_encoders(self) -> list[Any]:
-        return [self.text_encoder] + ([self.text_encoder_2] if self.family == "sdxl" else [])
+        """The family's text encoders, in its order."""
+        return [getattr(self, e.folder) for e in self.family.encoders]
 
     @property
     def tokenizers(self) -> list[Any]:
-        return [self.tokenizer] + ([self.tokenizer_2] if self.family == "sdxl" else [])
+        return [getattr(self, e.tokenizer) for e in self.family.encoders]
 
 
-def _check_local(path: Path) -> str:
-    """The pipeline's family ("sd" or "sdxl"), or a one-line error for a folder that is not one."""
+def _check_local(path: Path) -> Family:
+    """The pipeline's family, or a one-line error for a folder that is not a pipeline of one."""
     index = path / "model_index.json"
     if not index.is_file():
         raise UserError(f"{path} is not a Stable Diffusion pipeline (no model_index.json)")
@@ -61,9 +66,8 @@ def _check_local(path: Path) -> str:
         parts = json.loads(index.read_text())
     except json.JSONDecodeError:
         raise UserError(f"{index} is not valid JSON") from None
-    family = family_of(parts)
-    missing = [p for p in REQUIRED_PARTS + (SDXL_PARTS if family == "sdxl" else ())
-               if p not in parts or not (path / p).is_dir()]
+    family = families.of_index(parts, str(path))
+    missing = [p for p in family.parts if p not in parts or not (path / p).is_dir()]
     if missing:
         raise UserError(f"{path} is not a Stable Diffusion pipeline (missing: {', '.join(missing)})")
     return family
@@ -83,14 +87,9 @@ def check_text_to_image(model: str, revision: str | None) -> None:
                         "text-to-image pipelines (SD1.x, SD2.x, SDXL), whose embeddings these models load too")
 
 
-def family_of(model_index: dict) -> str:
-    """"sdxl" for an SDXL pipeline (StableDiffusionXLPipeline, or its two text encoders), else "sd"."""
-    name = str(model_index.get("_class_name", ""))
-    return "sdxl" if "XL" in name or "text_encoder_2" in model_index else "sd"
-
-
-def pipeline_family(model: str, revision: str | None = None) -> str:
-    """The family of a local pipeline or a hub id, from its model_index.json (no new flag needed)."""
+def pipeline_family(model: str, revision: str | None = None) -> Family:
+    """The family of a local pipeline or a hub id, from its model_index.json (no new flag needed); a hub
+    id whose index cannot be read is taken for SD (loading its parts then says why in one line)."""
     local = Path(model).expanduser()
     if local.exists():
         return _check_local(local)
@@ -98,9 +97,10 @@ def pipeline_family(model: str, revision: str | None = None) -> str:
 
     try:
         index = hf_hub_download(model, "model_index.json", revision=revision)
-        return family_of(json.loads(Path(index).read_text()))
+        parts = json.loads(Path(index).read_text())
     except Exception:  # unreachable or not found: loading the parts below gives the one-line error
-        return "sd"
+        return families.get("sd")
+    return families.of_index(parts, model)
 
 
 # The configs that say which model a checkpoint trained on: what differs between SD1 and SD2 (text encoder
@@ -115,8 +115,8 @@ def model_identity(model: str, revision: str | None = None) -> dict[str, str] | 
     configs, read without loading a weight; None when the configs are not on this disk (the load will
     say why)."""
     local = Path(model).expanduser()
-    configs = {}
-    for name in _IDENTITY_CONFIGS:
+    configs: dict[str, Any] = {}
+    for name in ("model_index.json", *_IDENTITY_CONFIGS):
         try:
             if local.exists():
                 path = local / name
@@ -132,10 +132,14 @@ def model_identity(model: str, revision: str | None = None) -> dict[str, str] | 
             return None
         if isinstance(config, dict):
             configs[name] = {k: v for k, v in config.items() if not k.startswith("_") and k not in _INCIDENTAL_KEYS}
+    index = configs.pop("model_index.json", None)
     if "unet/config.json" not in configs:
         return None
     digest = hashlib.sha256(json.dumps(configs, sort_keys=True).encode()).hexdigest()[:16]
-    family = "sdxl" if "text_encoder_2/config.json" in configs else "sd"
+    try:
+        family = families.of_index(index, model).name if index else families.get("sd").name
+    except UserError:
+        return None  # a family not trained here: the load says so in one line
     return {"model": model, "family": family, "config": digest}
 
 
@@ -148,8 +152,8 @@ def load(
     than kept in fp32 and cast again by autocast at every step; that made its forward and backward
     1.24x faster at 256 px on a 2-core AMX Xeon (docs/performance.md) and halves its memory. The VAE
     stays in its files' dtype: it encodes the latent cache outside autocast."""
+    import transformers
     from diffusers import AutoencoderKL, DDPMScheduler
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     quiet_progress_bars()
 
@@ -161,15 +165,15 @@ def load(
         raise UserError(f"model path {model} does not exist")
     family = pipeline_family(model, revision)
     common = {"revision": revision}
-    tokenizer_2 = text_encoder_2 = None
+    text: dict[str, Any] = {}  # the family's tokenizers and text encoders, by folder
     try:
-        tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", **common)
-        check_text_to_image(model, revision)  # before any weights load
-        text_encoder = CLIPTextModel.from_pretrained(model, subfolder="text_encoder", variant=variant, **common)
-        if family == "sdxl":
-            tokenizer_2 = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer_2", **common)
-            text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(
-                model, subfolder="text_encoder_2", variant=variant, **common)
+        for i, encoder in enumerate(family.encoders):
+            text[encoder.tokenizer] = transformers.CLIPTokenizer.from_pretrained(
+                model, subfolder=encoder.tokenizer, **common)
+            if i == 0:
+                check_text_to_image(model, revision)  # before any weights load
+            text[encoder.folder] = getattr(transformers, encoder.model_class).from_pretrained(
+                model, subfolder=encoder.folder, variant=variant, **common)
         vae = AutoencoderKL.from_pretrained(model, subfolder="vae", variant=variant, **common)
         unet = _load_unet_in(unet_dtype, model, revision, variant)
         noise_scheduler = DDPMScheduler.from_pretrained(model, subfolder="scheduler", **common)
@@ -188,17 +192,15 @@ def load(
         variants = sorted({f.name.split(".")[1].split("-")[0] for f in local.glob("*/*.*.safetensors")}) if local.is_dir() else []
         hint = f" (its weights are a variant: add --variant {variants[0]})" if variants and not variant else ""
         raise UserError(f"cannot load a Stable Diffusion pipeline from {model!r}: {first}{hint}") from None
-    for module in (text_encoder, text_encoder_2, vae, unet):
-        if module is not None:
-            module.requires_grad_(False)
-            module.eval()
+    encoders = {e.folder: text[e.folder] for e in family.encoders}
+    for module in (*encoders.values(), vae, unet):
+        module.requires_grad_(False)
+        module.eval()
     upcast = {name: _in_fp32(module) for name, module in
-              (("unet", unet if unet_dtype is None else None), ("text_encoder", text_encoder),
-               ("text_encoder_2", text_encoder_2), ("vae", vae))}
-    return Components(tokenizer, text_encoder, vae, unet, noise_scheduler, unet_for_inference=unet,
-                      unet_cast=unet_dtype is not None or upcast["unet"], family=family, tokenizer_2=tokenizer_2,
-                      text_encoder_2=text_encoder_2, text_encoder_cast=upcast["text_encoder"],
-                      text_encoder_2_cast=upcast["text_encoder_2"])
+              (("unet", unet if unet_dtype is None else None), *encoders.items(), ("vae", vae))}
+    return Components(vae=vae, unet=unet, noise_scheduler=noise_scheduler, unet_for_inference=unet,
+                      unet_cast=unet_dtype is not None or upcast["unet"], family=family, **text,
+                      **{f"{name}_cast": upcast[name] for name in encoders})
 
 
 def unsafe_pickle_message(model: str, exc: BaseException) -> str:
@@ -477,8 +479,7 @@ def ensure_bf16_copies(model: str, revision: str = "", variant: str = "") -> Non
     copy, tried = _unet_copy(model, revision_, variant_)
     if copy is None and not tried:  # files not read tensor by tensor: convert in memory and write
         _load_unet_in(torch.bfloat16, model, revision_, variant_)
-    parts = ("text_encoder", "text_encoder_2") if pipeline_family(model, revision_) == "sdxl" else ("text_encoder",)
-    for part in parts:
+    for part in pipeline_family(model, revision_).encoder_names:
         copy = bf16_copy_dir(model, revision_, variant_, part)
         if copy is None or not (copy / TEXT_LINEARS_FILE).is_file():
             encoder = load_text_encoder(model, revision_, variant_, part)
@@ -604,10 +605,11 @@ def _map_linears(linears: dict[str, Any], path: Path) -> bool:
 def load_text_encoder(model: str, revision: str | None = None, variant: str | None = None,
                       part: str = "text_encoder") -> Any:
     """A text encoder as its files hold it (to save a full pipeline without the training dtype's rounding)."""
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+    import transformers
 
     local = Path(model).expanduser()
-    cls = CLIPTextModelWithProjection if part == "text_encoder_2" else CLIPTextModel
+    family = pipeline_family(str(local) if local.exists() else model, revision)
+    cls = getattr(transformers, next(e.model_class for e in family.encoders if e.folder == part))
     return cls.from_pretrained(
         str(local) if local.exists() else model, subfolder=part, variant=variant, revision=revision)
 

@@ -242,34 +242,25 @@ class Run:
         return precision_autocast(self.precision)
 
     def encode_text(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        """The UNet's text conditioning: (encoder_hidden_states, added_cond_kwargs).
-
-        SD1.x/SD2: the text encoder's last hidden states (SD2's config already drops its last layer).
-        SDXL: both encoders' penultimate hidden states side by side (768 + 1280), the second's pooled
-        projection as text_embeds, and the six size/crop time_ids of each sample's image."""
+        """The denoiser's text conditioning, as the model's family makes it: (encoder_hidden_states,
+        added_cond_kwargs or None); the added conditions from the pooled embedding and each sample's
+        size and crop (SDXL's text_embeds and time_ids)."""
         if self.text_cache is not None:
             hidden, pooled = self.text_cache.lookup(batch)
         else:
             hidden, pooled = self.encode_prompts(batch.input_ids, batch.input_ids_2)
         if pooled is None:
             return hidden, None
-        return hidden, {"text_embeds": pooled, "time_ids": self.latents.time_ids(batch)}
+        return hidden, self.components.family.conditions(pooled, self.latents.time_ids(batch))
 
     def encode_prompts(self, input_ids: torch.Tensor,
                        input_ids_2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden states, SDXL's pooled projection or None) of tokenized prompts."""
+        """(hidden states, a pooled embedding or None) of tokenized prompts."""
         c = self.components
-        if c.family != "sdxl":
-            return c.text_encoder(input_ids)[0], None
-        first = c.text_encoder(input_ids, output_hidden_states=True).hidden_states[-2]
-        second = c.text_encoder_2(input_ids_2, output_hidden_states=True)
-        return torch.cat([first, second.hidden_states[-2].to(first.dtype)], dim=-1), second.text_embeds
+        return c.family.encode(c.text_encoders, [input_ids, input_ids_2][: len(c.text_encoders)])
 
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-        kind = self.components.noise_scheduler.config.prediction_type
-        if kind == "v_prediction":
-            return self.components.noise_scheduler.get_velocity(latents, noise, timesteps)
-        return noise
+        return self.components.family.target(self.components.noise_scheduler, latents, noise, timesteps)
 
     def check_gradient_once(self) -> None:
         """Stop at the first step if the method's trainable parts got no usable gradient."""
@@ -325,10 +316,10 @@ def train_step(run: Run, step: int) -> torch.Tensor:
                 noise = batch.noise
                 if run.opts.noise_offset:
                     noise = noise + run.opts.noise_offset * offset_noise(batch, noise.shape[1], run.opts.seed)
-                noisy = run.components.noise_scheduler.add_noise(latents, noise, batch.timesteps)
+                noisy = run.components.family.noisy(run.components.noise_scheduler, latents, noise, batch.timesteps)
             with run.autocast():
                 with phase("text_encoder_forward"):
-                    hidden, added = run.encode_text(batch)  # SDXL: both encoders, text_embeds, time_ids
+                    hidden, added = run.encode_text(batch)
                 with phase("unet_forward"):
                     pred = unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
             weights = None if run.opts.snr_gamma is None else min_snr_weights(
@@ -553,7 +544,7 @@ def _setup(
         trained = method.trains
         components = load(opts.model, opts.revision, opts.variant,
                           unet_dtype=None if "unet" in trained else unet_dtype(precision))
-        for part in ("text_encoder", "text_encoder_2")[: len(components.text_encoders)]:
+        for part in components.family.encoder_names:
             if part not in trained:
                 cast_text_encoder_linears(components, unet_dtype(precision), opts.model, opts.revision,
                                           opts.variant, part)
@@ -570,9 +561,10 @@ def _setup(
         components.unet, components.vae, notes = prepare_frozen_models(
             components.unet, components.vae, precision=precision, ipex=ipex, compile=opts.compile,
             pack=opts.pack_weights, checkpointing=opts.gradient_checkpointing,
-            step_bytes=placement.rank_memory_bytes(beside_unet, opts.resolution, opts.train_batch_size,
-                                                   components.family, opts.gradient_checkpointing, precision),
-            family=components.family, agree=sync.all_true, ipex_off_because=ipex_off_because,
+            step_bytes=placement.rank_memory_bytes(
+                beside_unet, components.family.activation_bytes(opts.resolution, precision), opts.train_batch_size,
+                opts.gradient_checkpointing),
+            family=components.family.name, agree=sync.all_true, ipex_off_because=ipex_off_because,
         )
     method.on_ipex = ipex_applied(notes)  # a broken gradient path then names IPEX as the likely cause
     if main:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xeontune import hardware
+from xeontune.train import families
 
 PACK_CHOICES = ("auto", "on", "off")
 
@@ -49,18 +50,17 @@ def auto_choice(precision: str, family: str = "sd", threads: int | None = None) 
     notes and `doctor`). The rule: pack in both precisions wherever oneDNN runs the packed kernels in
     the precision's dtype, since it won wherever it was measured with few threads a rank
     (docs/performance.md, "Packed weights"): bf16 1.6x on an AMX Xeon and 1.29x on an AVX512-BF16 EPYC,
-    fp32 1.18x on the same Xeon and 1.21x on an AVX2-only EPYC; except SDXL in bf16 without AMX,
-    measured no faster packed (its large layers amortize oneDNN's per-call reorder) for one UNet more in
-    memory (5.1 GB), and bf16 on AMX with more than AMX_BF16_MAX_PACKED_THREADS threads a rank, where
+    fp32 1.18x on the same Xeon and 1.21x on an AVX2-only EPYC; except where the model's family
+    measured it no faster (``Family.packing_refusal``: SDXL in bf16 without AMX), and bf16 on AMX with more than AMX_BF16_MAX_PACKED_THREADS threads a rank, where
     stock torch's forward was faster. ``threads``: the rank's (default: this process's torch threads).
     Its price is memory: each rank holds the reordered copies (``frozen_weight_bytes`` counts them)."""
     ok, why = available(torch.bfloat16 if precision == "bf16" else torch.float32)
     if not ok:
         return False, f"not used ({why})"
     amx = "amx_bf16" in hardware.cpu_flags()
-    if family == "sdxl" and precision == "bf16" and not amx:
-        return False, ("not used (SDXL in bf16 without AMX was no faster packed: 10.10 against 10.11 s/step at "
-                       "512 px, for 5.1 GB more; --pack-weights on forces it)")
+    refused = families.get(family).packing_refusal(precision, amx)
+    if refused:
+        return False, f"not used ({refused}; --pack-weights on forces it)"
     threads = torch.get_num_threads() if threads is None else threads
     if precision == "bf16" and amx and threads > AMX_BF16_MAX_PACKED_THREADS:
         return False, (f"not used ({threads} threads a rank: in bf16 on AMX stock torch was faster above "

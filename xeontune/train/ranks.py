@@ -18,18 +18,11 @@ from typing import Any
 
 from xeontune import placement
 from xeontune.errors import UserError
+from xeontune.train import families
 from xeontune.train.options import TrainOptions
 
 log = logging.getLogger(__name__)
 
-# SD1.5's frozen weights when the model is not a local folder we can measure: UNet 860 M params,
-# text encoder 123 M (its Linear layers, 85 M, in bf16 under bf16), VAE 84 M (fp32; its encoder is
-# freed once latents are cached).
-SD15_UNET_PARAMS, SD15_TEXT_ENCODER_BYTES, SD15_VAE_BYTES = 860e6, 492e6, 335e6
-# SDXL-base's, for a hub id not on this disk: UNet 2,567 M params, second text encoder 695 M (fp32).
-SDXL_UNET_PARAMS, SDXL_TEXT_ENCODER_2_BYTES = 2567e6, 2780e6
-TEXT_ENCODER_LINEAR_SHARE = 85 / 123
-TEXT_ENCODER_2_LINEAR_SHARE = 631 / 695  # SDXL's second encoder: its token table (63 M) and norms stay fp32
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
@@ -59,13 +52,12 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     ``text_encoders``: False where the run frees them once their outputs are cached (``keeps_text_encoders``).
     ``shares``: of a trained part's (weights, gradients, optimizer state), what a rank keeps
     (``shares``: 1/N of the state with --shard optimizer on N ranks, of all three with FSDP)."""
+    kind = families.get(family)
     root = Path(model).expanduser()
-    if not root.is_dir():  # SD1.5's or SDXL-base's sizes (``family``: where the hub said which)
-        stored = {"unet": (SDXL_UNET_PARAMS if family == "sdxl" else SD15_UNET_PARAMS) * 4,
-                  "text_encoder": SD15_TEXT_ENCODER_BYTES,
-                  "text_encoder_2": SDXL_TEXT_ENCODER_2_BYTES if family == "sdxl" else 0, "vae": SD15_VAE_BYTES}
+    if not root.is_dir():  # the family's reference model's sizes (``family``: where the hub said which)
+        stored = kind.default_bytes()
     else:
-        stored = {part: _folder_bytes(root / part) for part in ("unet", "text_encoder", "text_encoder_2", "vae")}
+        stored = {part: _folder_bytes(root / part) for part in ("unet", "vae", *kind.encoder_names)}
         # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
         if any((root / "unet").glob("*.safetensors")) and any((root / "unet").glob("*.bin")):
             stored["unet"] //= 2
@@ -77,12 +69,11 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
         # a bf16 run casts it once at load (stored in fp32 in the common pipelines)
         unet = (stored["unet"] // 2 if precision == "bf16" else stored["unet"]) * (2 if packed else 1)
     encoders = 0.0
-    # SDXL's second text encoder (695 M parameters): nearly all Linear layers, held like the first's
-    for part, share in (("text_encoder", TEXT_ENCODER_LINEAR_SHARE), ("text_encoder_2", TEXT_ENCODER_2_LINEAR_SHARE)):
-        if part in trained:
-            encoders += stored[part] * factor
+    for encoder in kind.encoders:  # each held as its Linear layers' share says under bf16
+        if encoder.folder in trained:
+            encoders += stored[encoder.folder] * factor
         elif text_encoders:
-            encoders += _text_encoder_bytes(stored[part], precision, share)
+            encoders += _text_encoder_bytes(stored[encoder.folder], precision, encoder.linear_share)
     return int(unet + stored["vae"] + encoders)
 
 
@@ -109,7 +100,7 @@ def packs(pack_weights: str, precision: str, family: str, here: bool = True) -> 
     return auto_choice(precision, family, threads=1)[0]
 
 
-def _text_encoder_bytes(stored: float, precision: str, linear_share: float = TEXT_ENCODER_LINEAR_SHARE) -> float:
+def _text_encoder_bytes(stored: float, precision: str, linear_share: float) -> float:
     """Under bf16 its Linear layers are held in bf16 (components.cast_text_encoder_linears)."""
     return stored * (1 - linear_share / 2) if precision == "bf16" else stored
 
@@ -125,15 +116,16 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True, world: in
     from xeontune.train import methods
     from xeontune.train.components import pipeline_family
 
-    family = pipeline_family(str(opts.model), opts.revision)
+    kind = pipeline_family(str(opts.model), opts.revision)
+    family = kind.name
     method = methods.create(opts)
     level = shard or opts.shard
     weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family,
                                   text_encoders=keeps_text_encoders(method, opts), trained=method.trains,
                                   optimizer=opts.optimizer, ema=opts.use_ema,
                                   shares=shares(level if level != "auto" else "none", world))
-    return placement.rank_memory_bytes(weights, opts.resolution, opts.train_batch_size, family,
-                                       opts.gradient_checkpointing, precision)
+    return placement.rank_memory_bytes(weights, kind.activation_bytes(opts.resolution, precision),
+                                       opts.train_batch_size, opts.gradient_checkpointing)
 
 
 def keeps_text_encoders(method: Any, opts: TrainOptions) -> bool:

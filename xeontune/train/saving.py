@@ -14,12 +14,8 @@ from typing import Any
 from xeontune.io import atomic_dir
 from xeontune.train.components import Components, files_dtype, load_as_stored, load_text_encoder
 
-ENCODERS = ("text_encoder", "text_encoder_2")
-
 
 def assemble_pipeline(components: Components, opts: Any, method: Any) -> Any:
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-
     trained, modified = method.trains, method.modified_parts
 
     def as_stored(part: str, module: Any, cast: bool) -> Any:
@@ -36,17 +32,14 @@ def assemble_pipeline(components: Components, opts: Any, method: Any) -> Any:
     vae = components.vae
     vae = as_stored("vae", None if vae is None or vae.encoder is None else vae, False)
     encoders = {}
-    for name in ENCODERS[: len(components.text_encoders)]:
+    for name in components.family.encoder_names:
         encoder = getattr(components, name)
         if name not in trained and (encoder is None or getattr(components, f"{name}_cast") or name in modified):
             encoder = load_text_encoder(opts.model, opts.revision, opts.variant, name)  # likewise its Linear layers
         encoders[name] = encoder
-    common = {"vae": vae, "unet": unet, "scheduler": components.noise_scheduler,
-              "tokenizer": components.tokenizer, **encoders}
-    if components.family == "sdxl":
-        return StableDiffusionXLPipeline(**common, tokenizer_2=components.tokenizer_2, add_watermarker=False)
-    return StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
+    tokenizers = {e.tokenizer: getattr(components, e.tokenizer) for e in components.family.encoders}
+    return components.family.pipeline({"vae": vae, "unet": unet, "scheduler": components.noise_scheduler,
+                                       **tokenizers, **encoders})
 
 
 def save_pipeline(components: Components, opts: Any, method: Any, target: Path, pipe: Any = None) -> Path:
@@ -57,11 +50,12 @@ def save_pipeline(components: Components, opts: Any, method: Any, target: Path, 
     return target
 
 
-def save_single_file(pipe: Any, family: str, path: Path, opts: Any) -> Path:
-    """The original Stable Diffusion layout in one .safetensors (train/single_file.py), at --save-precision."""
+def save_single_file(pipe: Any, family: Any, path: Path, opts: Any) -> Path:
+    """The original Stable Diffusion layout in one .safetensors (train/single_file.py), at --save-precision;
+    ``family`` (train/families/) says where its text encoders go."""
     import torch
 
     from xeontune.train.single_file import save_single_file as write
 
     dtype = torch.bfloat16 if opts.save_precision == "bf16" else torch.float32
-    return write(pipe, family, path, dtype=dtype)
+    return write(pipe, family.single_file_text(pipe), path, dtype=dtype)

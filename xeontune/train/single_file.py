@@ -10,7 +10,8 @@ The names are the exact inverse of diffusers' own single-file loader (``loaders/
   transformer, the upsampler after them.
 * VAE ``first_stage_model.*``: ``down.N.block.M``, ``up`` numbered from the bottom, ``mid.attn_1`` with
   1x1-conv weights (4-D) where diffusers has Linear layers.
-* Text encoders: OpenAI CLIP (SD1.x, SDXL's first) keeps the HF names under
+* Text encoders, under the prefixes their model family gives (``Family.single_file_text``): OpenAI
+  CLIP (SD1.x, SDXL's first) keeps the HF names under
   ``cond_stage_model.transformer.`` / ``conditioner.embedders.0.transformer.``; OpenCLIP (SD2.x,
   SDXL's second) is OpenCLIP's own module layout under ``cond_stage_model.model.`` /
   ``conditioner.embedders.1.model.``: q, k and v concatenated into ``in_proj_*``, ``resblocks``,
@@ -32,11 +33,8 @@ from xeontune.io import atomic_path
 
 UNET = "model.diffusion_model."
 VAE = "first_stage_model."
-PREFIXES = {  # (first text encoder, second text encoder or None)
-    "sd1": ("cond_stage_model.transformer.", None),
-    "sd2": ("cond_stage_model.model.", None),
-    "sdxl": ("conditioner.embedders.0.transformer.", "conditioner.embedders.1.model."),
-}
+# A pipeline's text encoders in the file: (the pipeline's attribute, key prefix, whether OpenCLIP's layout)
+TextLayout = list[tuple[str, str, bool]]
 
 # diffusers' ResnetBlock2D parts as the original UNet's ResBlock names them (in_layers = norm, act, conv)
 _UNET_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0", "conv2": "out_layers.3",
@@ -190,25 +188,11 @@ def _open_clip(encoder: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield prefix + "text_projection", projection.T.contiguous()  # x @ P, where HF's Linear does x @ W.T
 
 
-def text_layout(pipe: Any, family: str) -> str:
-    """The text encoders' layout: "sd1", "sd2" or "sdxl". SD2's text encoder is OpenCLIP's, whose GELU
-    (OpenAI CLIP's is QuickGELU) is what the OpenCLIP layout tells every loader to build: the activation
-    decides, not the widths."""
-    if family == "sdxl":
-        return "sdxl"
-    if family != "sd":
-        raise ValueError(f"unknown model family {family!r} (sd or sdxl)")
-    return "sd2" if pipe.text_encoder.config.hidden_act == "gelu" else "sd1"
-
-
-def _original_tensors(pipe: Any, family: str) -> Iterator[tuple[str, torch.Tensor]]:
-    layout = text_layout(pipe, family)
-    first, second = PREFIXES[layout]
+def _original_tensors(pipe: Any, text: TextLayout) -> Iterator[tuple[str, torch.Tensor]]:
     yield from _unet(pipe.unet)
     yield from _vae(pipe.vae)
-    yield from (_open_clip if layout == "sd2" else _clip)(pipe.text_encoder, first)
-    if second is not None:
-        yield from _open_clip(pipe.text_encoder_2, second)
+    for attribute, prefix, open_clip in text:
+        yield from (_open_clip if open_clip else _clip)(getattr(pipe, attribute), prefix)
     scheduler = getattr(pipe, "scheduler", None)
     config = getattr(scheduler, "config", {})
     if config.get("prediction_type") == "v_prediction":
@@ -219,20 +203,20 @@ def _original_tensors(pipe: Any, family: str) -> Iterator[tuple[str, torch.Tenso
             yield "ztsnr", torch.tensor([])
 
 
-def original_state_dict(pipe: Any, family: str) -> dict[str, torch.Tensor]:
+def original_state_dict(pipe: Any, text: TextLayout) -> dict[str, torch.Tensor]:
     """The UNet's, the VAE's and the text encoder(s)' state under the original layout's names.
 
-    ``family``: "sd" (SD1.x or SD2.x, told apart by the text encoder) or "sdxl". The tensors are views
+    ``text``: where the text encoders go (``Family.single_file_text(pipe)``). The tensors are views
     of the model's own except the concatenated q/k/v and the transposed (or identity) projections."""
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in _original_tensors(pipe, family):
+    for name, tensor in _original_tensors(pipe, text):
         if name in out:  # two weights under one name: one would silently be lost
             raise ValueError(f"two weights map to {name!r}")
         out[name] = tensor
     return out
 
 
-def save_single_file(pipe: Any, family: str, path: Path, dtype: torch.dtype | None = None,
+def save_single_file(pipe: Any, text: TextLayout, path: Path, dtype: torch.dtype | None = None,
                      metadata: dict[str, str] | None = None) -> Path:
     """Write ``pipe`` (its UNet, VAE and text encoders) to ``path`` as one original-layout safetensors
     file, atomically; ``dtype`` (bf16, fp32: --save-precision) casts floating-point tensors, None keeps
@@ -247,7 +231,7 @@ def save_single_file(pipe: Any, family: str, path: Path, dtype: torch.dtype | No
     model, a model of other dimensions, or offline (nothing is fetched then). A1111 and ComfyUI read the
     file as it is (ComfyUI takes the SDXL ``v_pred`` marker written for a v-prediction scheduler)."""
     tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in _original_tensors(pipe, family):
+    for name, tensor in _original_tensors(pipe, text):
         if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
             tensor = tensor.to(dtype)  # one tensor at a time: a concatenation made above is let go here
         if not tensor.is_contiguous():  # e.g. a channels_last conv weight: safetensors wants dense rows

@@ -12,18 +12,14 @@ from xeontune.io import atomic_path
 
 
 def make_pipeline(components) -> Any:
-    """A diffusers pipeline (SDXL's for an SDXL model) over the run's frozen models, DPM-Solver++."""
-    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
+    """The model family's diffusers pipeline over the run's models, DPM-Solver++."""
+    from diffusers import DPMSolverMultistepScheduler
 
-    common = {"vae": components.vae, "text_encoder": components.text_encoder, "tokenizer": components.tokenizer,
-              "unet": components.unet_for_inference,
-              "scheduler": DPMSolverMultistepScheduler.from_config(components.noise_scheduler.config)}
-    if components.family == "sdxl":
-        pipe = StableDiffusionXLPipeline(**common, text_encoder_2=components.text_encoder_2,
-                                         tokenizer_2=components.tokenizer_2, add_watermarker=False)
-    else:
-        pipe = StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
-                                       requires_safety_checker=False)
+    family = components.family
+    pipe = family.pipeline({
+        "vae": components.vae, "unet": components.unet_for_inference,
+        "scheduler": DPMSolverMultistepScheduler.from_config(components.noise_scheduler.config),
+        **{name: getattr(components, name) for e in family.encoders for name in (e.tokenizer, e.folder)}})
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

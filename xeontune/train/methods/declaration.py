@@ -17,12 +17,10 @@ class Bench:
 
     example: str  # the diffusers example script(s), for the report
     # speedup_min (steps/s over the example's) and rss_ratio_max (peak RSS over its), each a number or
-    # {"bf16": ..., "fp32": ...}; "families": per-family overrides (SDXL's own targets)
+    # {"bf16": ..., "fp32": ...} (a model family may override them: Family.bench_targets)
     targets: Mapping[str, Any]
     # the trainer's options of each variant beyond the shared ones: (baseline?, bench args) -> options
     options: Callable[[bool, Any], dict[str, Any]]
-    # the models the example casts to bf16 in a bf16 run, by family (the rest it keeps in fp32)
-    example_bf16: Callable[[str], tuple[str, ...]]
 
 
 @dataclass(frozen=True)

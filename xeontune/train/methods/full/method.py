@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from xeontune.errors import TrainingError, UserError
-from xeontune.train.methods import Method
+from xeontune.train.methods import PARTS, Method
 from xeontune.train.methods.full import METHOD as DECLARED
 from xeontune.train.outputs import learned_file
 
 STEM = DECLARED.files[0]
-ENCODERS = ("text_encoder", "text_encoder_2")
+ENCODERS = tuple(p for p in PARTS if p != "unet")  # whatever the family holds (``trains`` is told before it loads)
 
 
 class FullFineTuning(Method):
@@ -50,7 +50,7 @@ class FullFineTuning(Method):
         self.components = components
         self.models = {"unet": components.unet}
         if self.opts.train_text_encoder:
-            self.models.update(zip(ENCODERS, components.text_encoders, strict=False))
+            self.models.update(zip(components.family.encoder_names, components.text_encoders, strict=True))
         for model in self.models.values():
             model.requires_grad_(True)
             model.train()  # as the examples train them (SD's blocks have no dropout by default)
@@ -89,7 +89,7 @@ class FullFineTuning(Method):
     @contextlib.contextmanager
     def stand_in(self, copies: list[nn.Module]) -> Iterator[None]:
         c = self.components
-        before = dict(self.models), c.unet_for_inference, c.text_encoder, c.text_encoder_2
+        before = dict(self.models), c.unet_for_inference, {name: getattr(c, name) for name in c.family.encoder_names}
         self.models = dict(zip(self.models, copies, strict=True))
         c.unet_for_inference = self.models["unet"]
         for name in ENCODERS:
@@ -98,7 +98,9 @@ class FullFineTuning(Method):
         try:
             yield
         finally:
-            self.models, c.unet_for_inference, c.text_encoder, c.text_encoder_2 = before
+            self.models, c.unet_for_inference, encoders = before
+            for name, encoder in encoders.items():
+                setattr(c, name, encoder)
 
     def check_gradient(self) -> None:
         """Every trained model got a finite gradient, not zero throughout."""

@@ -38,7 +38,6 @@ from xeontune.train.outputs import learned_file
 
 DIFFUSERS_STEM, KOHYA_STEM, TOKEN_STEM = DECLARED.files
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIP's attention, as diffusers' examples
-ENCODER_NAMES = ("text_encoder", "text_encoder_2")
 
 log = logging.getLogger("xeontune.train")
 
@@ -107,14 +106,15 @@ class Lora(Method):
 
         opts = self.opts
         self.family = components.family
-        self.base_model_version = kohya_model_version(components)
+        self.base_model_version = components.family.kohya_version(components.unet.config,
+                                                                  components.noise_scheduler.config)
         token_rows = []
         if self.token:
             self.token.install(components)  # its rows are spliced in before peft wraps the encoders' layers
             token_rows = self.token.parameters()
         self.models = {"unet": components.unet}
         if opts.train_text_encoder:
-            self.models.update(zip(ENCODER_NAMES, components.text_encoders, strict=False))
+            self.models.update(zip(components.family.encoder_names, components.text_encoders, strict=True))
         # Seeded apart from every other random stream: each rank makes the same adapters.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(opts.seed)
@@ -247,12 +247,11 @@ class Lora(Method):
                 for name, model in self.models.items()}
 
     def save(self, output_dir: Path, step: int, final: bool) -> Path:
-        from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
         from diffusers.utils import convert_state_dict_to_diffusers
 
         layers = self.peft_state_dicts()
         path = output_dir / learned_file(DIFFUSERS_STEM, None if final else step)
-        pipeline = StableDiffusionXLPipeline if self.family == "sdxl" else StableDiffusionPipeline
+        pipeline = self.family.pipeline_type()
         kwargs: dict[str, Any] = {f"{name}_lora_layers": unet_layout(sd) if name == "unet"
                                   else convert_state_dict_to_diffusers(sd) for name, sd in layers.items()}
         # the adapters' settings (alpha above all) travel in the file's metadata, as diffusers writes them
@@ -280,17 +279,21 @@ class Lora(Method):
 
     def write_kohya(self, layers: dict[str, dict[str, torch.Tensor]], path: Path, step: int) -> Path:
         """kohya's layout: ``lora_unet_<module path with _>.lora_down.weight`` / ``.lora_up.weight`` /
-        ``.alpha``; the text encoder's ``lora_te_`` for SD1.x/SD2, ``lora_te1_`` and ``lora_te2_`` for SDXL."""
+        ``.alpha``; each text encoder's under the prefix its model family gives (``lora_te_`` for SD1.x/SD2's
+        one, ``lora_te1_`` and ``lora_te2_`` for SDXL's two)."""
         from diffusers.utils import convert_state_dict_to_kohya
         from safetensors.torch import save_file
 
         prefixed = {f"{name}.{k}": v for name, sd in layers.items() for k, v in sd.items()}
+        # diffusers names the encoders' adapters lora_te1_, lora_te2_, ... in the family's order
+        prefixes = {f"lora_te{i}_": e.kohya_prefix for i, e in enumerate(self.family.encoders, start=1)}
         kohya = {}
         for key, value in convert_state_dict_to_kohya(prefixed).items():
             if key.endswith(".alpha"):  # diffusers writes alpha = rank there; ours may differ
                 value = torch.tensor(self.alpha)
-            if self.family != "sdxl" and key.startswith("lora_te1_"):
-                key = "lora_te_" + key.removeprefix("lora_te1_")
+            ours = next((p for p in prefixes if key.startswith(p)), None)
+            if ours is not None:
+                key = prefixes[ours] + key.removeprefix(ours)
             kohya[key] = value.contiguous()
         metadata = {"ss_network_module": "networks.lora", "ss_network_dim": str(self.opts.rank),
                     "ss_network_alpha": str(self.alpha), "ss_steps": str(step),
@@ -335,14 +338,3 @@ def unet_layout(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
             for key, value in state_dict.items()}
 
-
-def kohya_model_version(components: Any) -> str:
-    """What kohya's metadata calls the base model (``ss_base_model_version``, which A1111 reads to tell
-    SD1 from SD2 LoRAs): SD2's UNet projects attention with Linear layers, SD1's with 1x1 convolutions;
-    a v-prediction SD2 (768 px) takes ``_v``, as kohya's sd-scripts write it."""
-    if components.family == "sdxl":
-        return "sdxl_base_v1-0"
-    if not getattr(components.unet.config, "use_linear_projection", False):
-        return "sd_v1"
-    v = getattr(components.noise_scheduler.config, "prediction_type", "epsilon") == "v_prediction"
-    return "sd_v2_v" if v else "sd_v2"

@@ -1,0 +1,150 @@
+"""Model families as plug-ins: what differs between SD1.x/SD2, SDXL and the families after them.
+
+Each family is a module under train/families/ whose ``FAMILY`` implements the ``Family`` contract below; the
+rest of the toolkit asks the family of the run's model (``components.family``, or ``of_model``/``get`` before
+any model loads) and never names one:
+
+- ``sd``: SD1.x and SD2.x (one CLIP text encoder, a UNet, DDPM noise with epsilon or v-prediction);
+- ``sdxl``: SDXL (two text encoders, the second's pooled projection and the images' size/crop conditions).
+
+A family says, without importing torch (its modules import diffusers and transformers inside the calls):
+which pipelines are its own (``recognizes`` a model_index.json) and which parts they hold, its text encoders
+(tokenizer and encoder folders, transformers class, what of them is Linear layers), how prompts become the
+denoiser's conditioning (``encode``, ``conditions``), the training target (``target``), the diffusers
+pipeline that samples and saves (``pipeline``), the original single-file layout (``single_file_text``), its
+memory figures for the rank plan (``activation_bytes``, ``default_bytes``), where packed weights lose
+(``packing_refusal``), kohya's names for it, and each method's example script in `xeontune bench`
+(``example``, ``example_bf16``, ``bench_targets``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from xeontune.errors import UserError
+from xeontune.registry import Registry
+
+DENOISER = "unet"  # the part that denoises (the UNet; a transformer for the families after SDXL)
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """One text encoder of a family, in the order its hidden states are joined."""
+
+    tokenizer: str  # its tokenizer's folder in the pipeline
+    folder: str  # its own folder ("text_encoder", "text_encoder_2"): also its name in the pipeline and the run
+    model_class: str  # the transformers class that loads it
+    linear_share: float  # of its parameters in Linear layers (held in bf16 under bf16 while frozen)
+    default_bytes: float  # its fp32 size, for the memory plan of a hub model not on this disk
+    embedding_key: str = ""  # its vectors' key in a textual-inversion file of several encoders (A1111's)
+    kohya_prefix: str = "lora_te_"  # its adapters' prefix in kohya's LoRA layout
+
+
+class Family:
+    """The contract; see the module's docstring."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]  # which models, for messages and docs
+    pipeline_class: ClassVar[str]  # the diffusers pipeline that samples, saves and loads LoRA files
+    # what that pipeline is given beside the parts (no safety checker, no watermark): also for from_pretrained
+    pipeline_options: ClassVar[Mapping[str, Any]] = {}
+    encoders: ClassVar[tuple[Encoder, ...]]
+    other_parts: ClassVar[tuple[str, ...]] = ("vae", DENOISER, "scheduler")
+    denoiser_params: ClassVar[float]  # the denoiser's parameters, for the memory plan of a model not on disk
+    vae_bytes: ClassVar[float]
+    # `xeontune bench`: each method's example script (diffusers' examples) and what it casts to bf16
+    examples: ClassVar[Mapping[str, str]] = {}
+    bench_targets: ClassVar[Mapping[str, Mapping[str, Any]]] = {}  # per method: targets overriding the method's
+
+    @classmethod
+    def recognizes(cls, model_index: Mapping[str, Any]) -> bool:
+        raise NotImplementedError
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The folders a pipeline of this family must have."""
+        return tuple(p for e in self.encoders for p in (e.tokenizer, e.folder)) + self.other_parts
+
+    @property
+    def encoder_names(self) -> tuple[str, ...]:
+        return tuple(e.folder for e in self.encoders)
+
+    # --- prompts and the training target -----------------------------------------------------------
+
+    def encode(self, encoders: list[Any], input_ids: list[Any]) -> tuple[Any, Any]:
+        """(the denoiser's text hidden states, a pooled embedding or None) of tokenized prompts, one id
+        tensor per encoder."""
+        raise NotImplementedError
+
+    def conditions(self, pooled: Any, sizes: Any) -> dict[str, Any] | None:
+        """The denoiser's added conditions from the pooled embedding and each sample's (original size, crop
+        top-left, target size) (B, 6), or None where it takes none."""
+        return None
+
+    def target(self, scheduler: Any, latents: Any, noise: Any, timesteps: Any) -> Any:
+        raise NotImplementedError
+
+    # --- pipelines and files -----------------------------------------------------------------------
+
+    def pipeline(self, parts: Mapping[str, Any]) -> Any:
+        """The diffusers pipeline over ``parts`` (the vae, denoiser, scheduler, tokenizers and encoders by
+        folder name): for sample images and for saving."""
+        return self.pipeline_type()(**parts, **self.pipeline_options)
+
+    def pipeline_type(self) -> Any:
+        """The diffusers pipeline class (its ``save_lora_weights`` writes LoRA files this family loads)."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class)
+
+    def single_file_text(self, pipe: Any) -> list[tuple[str, str, bool]]:
+        """The text encoders in the original single-file layout: (pipeline attribute, key prefix, whether
+        the layout is OpenCLIP's)."""
+        raise NotImplementedError
+
+    def kohya_version(self, unet_config: Any, scheduler_config: Any) -> str:
+        """kohya's ``ss_base_model_version`` for a LoRA of this model."""
+        raise NotImplementedError
+
+    # --- memory and speed --------------------------------------------------------------------------
+
+    def activation_bytes(self, resolution: int, precision: str) -> float:
+        """What one image of a training step holds beside the weights (measured, grown with the pixels)."""
+        raise NotImplementedError
+
+    def default_bytes(self) -> dict[str, float]:
+        """The fp32 bytes of each part of this family's reference model, for a hub id not on this disk."""
+        return {DENOISER: self.denoiser_params * 4, "vae": self.vae_bytes,
+                **{e.folder: e.default_bytes for e in self.encoders}}
+
+    def packing_refusal(self, precision: str, amx: bool) -> str:
+        """Why `--pack-weights auto` does not pack this family's frozen denoiser here (measured), or ""."""
+        return ""
+
+    def example(self, method: str) -> str:
+        return self.examples.get(method, "")
+
+    def example_bf16(self, method: str) -> tuple[str, ...]:
+        """The models ``method``'s example script casts to bf16 in a bf16 run (the rest it keeps in fp32)."""
+        raise NotImplementedError
+
+
+_REGISTRY: Registry[Family] = Registry("model family", "FAMILY", Family)
+for _name in ("sd", "sdxl"):
+    _REGISTRY.register(_name, f"xeontune.train.families.{_name}")
+register, unregister, names, get = _REGISTRY.register, _REGISTRY.unregister, _REGISTRY.names, _REGISTRY.get
+
+
+def of_index(model_index: Mapping[str, Any], where: str) -> Family:
+    """The family of a pipeline's model_index.json; a one-line error naming the supported ones otherwise.
+    The last registered is asked first: a later family is the more specific one (SDXL's index would pass
+    for SD's but for its second encoder; a plug-in's for either)."""
+    for name in reversed(names()):
+        family = get(name)
+        if family.recognizes(model_index):
+            return family
+    what = str(model_index.get("_class_name") or "a pipeline of unknown class")
+    supported = "; ".join(f"{name} ({get(name).summary})" for name in names())
+    raise UserError(f"{where} is a {what}, a model family xeontune does not train (it trains: {supported})")
