@@ -17,6 +17,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.one_line import one_line_error
 from xeontune.cli import main
 from xeontune.errors import UserError
 from xeontune.train import families
@@ -33,6 +34,7 @@ class FakeFamily(StableDiffusion):
     encoders: ClassVar[tuple[Encoder, ...]] = (
         Encoder("tokenizer", "text_encoder", "CLIPTextModel", linear_share=0.5, default_bytes=1e6,
                 kohya_prefix="lora_fake_te_"),)
+    refuses: ClassVar[dict[str, str]] = {"textual_inversion": "its encoder has no token table to grow"}
 
     @classmethod
     def recognizes(cls, model_index) -> bool:
@@ -82,7 +84,8 @@ def fake_family(tiny_model, tmp_path):
     families.unregister("fake")
 
 
-def test_a_family_is_known_by_its_model_index_and_an_unknown_one_refused_in_one_line(fake_family, tiny_model, tmp_path):
+def test_a_family_is_known_by_its_model_index_and_an_unknown_one_refused_in_one_line(fake_family, tiny_model,
+                                                                                    sample_images, tmp_path, capsys):
     assert pipeline_family(str(fake_family)) is FAMILY
     assert pipeline_family(str(tiny_model)).name == "sd"
     video = tmp_path / "video"
@@ -95,6 +98,12 @@ def test_a_family_is_known_by_its_model_index_and_an_unknown_one_refused_in_one_
     message = str(refused.value)
     assert "\n" not in message and "StableVideoDiffusionPipeline" in message
     assert all(name in message for name in ("sd (SD1.x, SD2.x)", "sdxl (SDXL)", "fake"))
+    # a method the family refuses: one line, and nothing written (the run stops before any model loads)
+    out = tmp_path / "ti"
+    line = one_line_error(capsys, ["train", "--model", str(fake_family), "--data-dir", str(sample_images),
+                                   "--placeholder-token", "<t>", "--initializer-token", "toy", "--output-dir", str(out)])
+    assert "--method textual_inversion does not apply to" in line and "no token table" in line
+    assert not out.exists() or not [p for p in out.iterdir() if not p.name.startswith(".")]
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ from xeontune.io import atomic_write_json, atomic_write_text, cache_root, disk_e
 from xeontune.train import (
     checkpoint,
     data_parallel,
+    families,
     latent_cache,
     lock,
     methods,
@@ -52,6 +53,7 @@ from xeontune.train.components import (
     cast_text_encoder_linears,
     load,
     model_identity,
+    pipeline_family,
     unet_dtype,
     weights_files,
 )
@@ -522,6 +524,8 @@ def _setup(
     resume_path: Path | None = None
     resume_state: checkpoint.TrainState | None = None
     identity = model_identity(opts.model, opts.revision) if main else None  # what rank 0's checkpoints record
+    if main:
+        families.check_method(pipeline_family(opts.model, opts.revision), opts.method, opts.model)
     if opts.resume_from_checkpoint and main:
         resume_path, resume_state = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
         checkpoint.check_model(resume_state, identity, opts.model, resume_path)

@@ -57,6 +57,7 @@ class Family:
     # `xeontune bench`: each method's example script (diffusers' examples) and what it casts to bf16
     examples: ClassVar[Mapping[str, str]] = {}
     bench_targets: ClassVar[Mapping[str, Mapping[str, Any]]] = {}  # per method: targets overriding the method's
+    refuses: ClassVar[Mapping[str, str]] = {}  # the methods that do not apply to it, each with why
 
     @classmethod
     def recognizes(cls, model_index: Mapping[str, Any]) -> bool:
@@ -135,6 +136,13 @@ _REGISTRY: Registry[Family] = Registry("model family", "FAMILY", Family)
 for _name in ("sd", "sdxl"):
     _REGISTRY.register(_name, f"xeontune.train.families.{_name}")
 register, unregister, names, get = _REGISTRY.register, _REGISTRY.unregister, _REGISTRY.names, _REGISTRY.get
+
+
+def check_method(family: Family, method: str, model: str) -> None:
+    """A one-line error, before any weight loads, for a method that does not apply to the model's family."""
+    why = family.refuses.get(method)
+    if why is not None:
+        raise UserError(f"--method {method} does not apply to {model}, a {family.name} model ({family.summary}): {why}")
 
 
 def of_index(model_index: Mapping[str, Any], where: str) -> Family:
