@@ -4,8 +4,8 @@ files written by the code before the move (tests/references/families.json, commi
 
 A fingerprint is, per tensor of the run's result, its sum (in fp64) and 4 of its values spread over it:
 small enough to keep in git for whole pipelines, and not passed by a change that moves any weight. On the
-CPU kind and torch that wrote them the values are equal bit for bit (printed); elsewhere oneDNN rounds
-otherwise, and they agree within ``TOLERANCE`` of the weights' scale after real movement.
+CPU kind, torch and thread count that wrote them the values are equal bit for bit (printed); elsewhere the
+kernels round otherwise, and they agree within ``TOLERANCE`` of the weights' scale after real movement.
 
 XEONTUNE_WRITE_REFERENCES=1 writes them again: only for a change meant to alter these results (say so)."""
 
@@ -57,7 +57,8 @@ def fingerprint(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
 
 
 def _machine() -> str:
-    return f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
+    # the threads too: a reduction split otherwise rounds otherwise (one thread a pytest-xdist worker)
+    return f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads"
 
 
 @pytest.mark.parametrize("name", list(RUNS))
