@@ -12,16 +12,13 @@ OUT ?= $(METHOD)_output
 .PHONY: venv venv-ipex single-node-test test test-fast test-ipex bench lint clean
 
 # The venv is (re)made when pyproject.toml changes; torch is pinned to the CPU build there.
-# --no-compile: pip would byte-compile all of its 21,000 .py files (transformers' 2,900 alone took 14 s of CPU on a
-# 2-core EPYC; ray, moto and pandas are as large), most of them never imported; Python compiles what it
-# imports on first use instead.
 # `make test` builds the IPEX venv at the same time, and both editable installs write build/ and
 # xeontune.egg-info here: they take turns on a lock (flock, where the system has it).
 LOCK := $(if $(shell command -v flock),flock pyproject.toml)
 $(BIN)/xeontune: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(LOCK) $(BIN)/python -m pip install --quiet --no-compile -e '.[dev]'
+	$(LOCK) $(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
 venv: $(BIN)/xeontune

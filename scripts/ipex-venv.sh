@@ -32,14 +32,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     {
         "$VENV/bin/python" -m pip install --upgrade pip
         # --no-cache-dir: the CUDA wheels would otherwise take the same space again in the pip cache.
-        # --no-compile: no byte-compiling of every file (CPU the main suite runs on meanwhile); Python
-        # compiles what the IPEX tests import.
-        "$VENV/bin/python" -m pip install --no-cache-dir --no-compile \
+        "$VENV/bin/python" -m pip install --no-cache-dir \
             "torch==$TORCH_VERSION" "intel-extension-for-pytorch==$IPEX_VERSION" "${DEPS[@]}"
         # `make test` builds the main venv meanwhile: its editable install writes the same build/ and
         # xeontune.egg-info here, so the two take turns (the Makefile's lock).
         $(command -v flock >/dev/null && echo flock pyproject.toml) \
-            "$VENV/bin/python" -m pip install --no-cache-dir --no-compile --no-deps -e .
+            "$VENV/bin/python" -m pip install --no-cache-dir --no-deps -e .
     } > "$log" 2>&1 || { tail -n 30 "$log" >&2; echo "error: building $VENV failed (log: $log)" >&2; exit 1; }
     echo "$want" > "$stamp"
     echo "built $VENV in $(( $(date +%s) - start )) s"
