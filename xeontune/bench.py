@@ -375,8 +375,10 @@ def example_components(model: Path, precision: str, method: str = "textual_inver
     encodes each step's images in fp32. train_text_to_image.py trains its UNet in fp32 under autocast."""
     import torch
 
+    import xeontune.train.methods.declaration as methods
     from xeontune.train.components import load
 
+    assert methods.get(method).bench is not None, f"--method {method} declares no bench baseline"
     components = load(str(model))  # as its files hold it, then cast: not from the trainer's bf16 copy
     if precision == "bf16":
         for name in components.family.example_bf16(method):

@@ -21,7 +21,7 @@ from tests.one_line import one_line_error
 from xeontune.cli import main
 from xeontune.errors import UserError
 from xeontune.train import families
-from xeontune.train.components import pipeline_family
+from xeontune.train.components import model_identity, pipeline_family
 from xeontune.train.families import Encoder
 from xeontune.train.families.sd import StableDiffusion
 
@@ -88,6 +88,8 @@ def test_a_family_is_known_by_its_model_index_and_an_unknown_one_refused_in_one_
                                                                                     sample_images, tmp_path, capsys):
     assert pipeline_family(str(fake_family)) is FAMILY
     assert pipeline_family(str(tiny_model)).name == "sd"
+    # what a checkpoint records of the model: the family its model_index.json names (by class name here)
+    assert model_identity(str(fake_family))["family"] == "fake" and model_identity(str(tiny_model))["family"] == "sd"
     video = tmp_path / "video"
     video.mkdir()
     (video / "model_index.json").write_text(json.dumps({"_class_name": "StableVideoDiffusionPipeline",

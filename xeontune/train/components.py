@@ -116,6 +116,7 @@ def model_identity(model: str, revision: str | None = None) -> dict[str, str] | 
     say why)."""
     local = Path(model).expanduser()
     configs: dict[str, Any] = {}
+    index: Any = None
     for name in ("model_index.json", *_IDENTITY_CONFIGS):
         try:
             if local.exists():
@@ -130,14 +131,18 @@ def model_identity(model: str, revision: str | None = None) -> dict[str, str] | 
             config = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+        if name == "model_index.json":
+            index = config
         if isinstance(config, dict):
             configs[name] = {k: v for k, v in config.items() if not k.startswith("_") and k not in _INCIDENTAL_KEYS}
-    index = configs.pop("model_index.json", None)
+    configs.pop("model_index.json", None)  # the family below reads it whole (its _class_name)
     if "unet/config.json" not in configs:
         return None
     digest = hashlib.sha256(json.dumps(configs, sort_keys=True).encode()).hexdigest()[:16]
+    if not isinstance(index, dict):  # not on this disk: the parts whose configs are here stand for it
+        index = {name.split("/")[0]: [] for name in configs}
     try:
-        family = families.of_index(index, model).name if index else families.get("sd").name
+        family = families.of_index(index, model).name
     except UserError:
         return None  # a family not trained here: the load says so in one line
     return {"model": model, "family": family, "config": digest}
@@ -609,7 +614,10 @@ def load_text_encoder(model: str, revision: str | None = None, variant: str | No
 
     local = Path(model).expanduser()
     family = pipeline_family(str(local) if local.exists() else model, revision)
-    cls = getattr(transformers, next(e.model_class for e in family.encoders if e.folder == part))
+    known = [e for f in (family, *(families.get(n) for n in families.names())) for e in f.encoders if e.folder == part]
+    if not known:
+        raise UserError(f"{model} has no text encoder {part!r} that xeontune knows how to load")
+    cls = getattr(transformers, known[0].model_class)
     return cls.from_pretrained(
         str(local) if local.exists() else model, subfolder=part, variant=variant, revision=revision)
 

@@ -41,7 +41,7 @@ def _folder_bytes(folder: Path) -> int:
 TRAINED_SIZE_FACTOR = {"adamw": 4, "adafactor": 2}
 
 
-def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str = "sd",
+def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str | None = None,
                         text_encoders: bool = True, trained: frozenset[str] = frozenset(), optimizer: str = "adamw",
                         ema: bool = False, shares: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> int:
     """Bytes of weights one rank holds: a frozen UNet and the text encoders' Linear layers in the
@@ -52,8 +52,12 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     ``text_encoders``: False where the run frees them once their outputs are cached (``keeps_text_encoders``).
     ``shares``: of a trained part's (weights, gradients, optimizer state), what a rank keeps
     (``shares``: 1/N of the state with --shard optimizer on N ranks, of all three with FSDP)."""
-    kind = families.get(family)
     root = Path(model).expanduser()
+    if family is None:  # a local pipeline's own (its model_index.json), else SD's
+        from xeontune.train.components import pipeline_family
+
+        family = pipeline_family(str(root)).name if root.is_dir() else "sd"
+    kind = families.get(family)
     if not root.is_dir():  # the family's reference model's sizes (``family``: where the hub said which)
         stored = kind.default_bytes()
     else:

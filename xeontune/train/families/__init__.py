@@ -1,8 +1,8 @@
 """Model families as plug-ins: what differs between SD1.x/SD2, SDXL and the families after them.
 
 Each family is a module under train/families/ whose ``FAMILY`` implements the ``Family`` contract below; the
-rest of the toolkit asks the family of the run's model (``components.family``, or ``of_model``/``get`` before
-any model loads) and never names one:
+rest of the toolkit asks the family of the run's model (``components.family``, or
+``components.pipeline_family``/``get`` before any model loads) and never names one:
 
 - ``sd``: SD1.x and SD2.x (one CLIP text encoder, a UNet, DDPM noise with epsilon or v-prediction);
 - ``sdxl``: SDXL (two text encoders, the second's pooled projection and the images' size/crop conditions).
@@ -13,8 +13,8 @@ which pipelines are its own (``recognizes`` a model_index.json) and which parts 
 denoiser's conditioning (``encode``, ``conditions``), the training target (``target``), the diffusers
 pipeline that samples and saves (``pipeline``), the original single-file layout (``single_file_text``), its
 memory figures for the rank plan (``activation_bytes``, ``default_bytes``), where packed weights lose
-(``packing_refusal``), kohya's names for it, and each method's example script in `xeontune bench`
-(``example``, ``example_bf16``, ``bench_targets``).
+(``packing_refusal``), kohya's names for it, and how each method's example script holds its models in
+`xeontune bench` (``example_bf16``) and its own targets there (``bench_targets``).
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ class Family:
     other_parts: ClassVar[tuple[str, ...]] = ("vae", DENOISER, "scheduler")
     denoiser_params: ClassVar[float]  # the denoiser's parameters, for the memory plan of a model not on disk
     vae_bytes: ClassVar[float]
-    # `xeontune bench`: each method's example script (diffusers' examples) and what it casts to bf16
-    examples: ClassVar[Mapping[str, str]] = {}
     bench_targets: ClassVar[Mapping[str, Mapping[str, Any]]] = {}  # per method: targets overriding the method's
     refuses: ClassVar[Mapping[str, str]] = {}  # the methods that do not apply to it, each with why
 
@@ -84,7 +82,12 @@ class Family:
         top-left, target size) (B, 6), or None where it takes none."""
         return None
 
+    def noisy(self, scheduler: Any, latents: Any, noise: Any, timesteps: Any) -> Any:
+        """The latents noised at ``timesteps`` (what the denoiser is given)."""
+        raise NotImplementedError
+
     def target(self, scheduler: Any, latents: Any, noise: Any, timesteps: Any) -> Any:
+        """What the denoiser's output is compared with."""
         raise NotImplementedError
 
     # --- pipelines and files -----------------------------------------------------------------------
@@ -124,9 +127,6 @@ class Family:
         """Why `--pack-weights auto` does not pack this family's frozen denoiser here (measured), or ""."""
         return ""
 
-    def example(self, method: str) -> str:
-        return self.examples.get(method, "")
-
     def example_bf16(self, method: str) -> tuple[str, ...]:
         """The models ``method``'s example script casts to bf16 in a bf16 run (the rest it keeps in fp32)."""
         raise NotImplementedError
@@ -153,6 +153,6 @@ def of_index(model_index: Mapping[str, Any], where: str) -> Family:
         family = get(name)
         if family.recognizes(model_index):
             return family
-    what = str(model_index.get("_class_name") or "a pipeline of unknown class")
+    what = str(model_index.get("_class_name") or "pipeline of unknown class")
     supported = "; ".join(f"{name} ({get(name).summary})" for name in names())
     raise UserError(f"{where} is a {what}, a model family xeontune does not train (it trains: {supported})")

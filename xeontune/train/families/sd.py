@@ -24,9 +24,6 @@ class StableDiffusion(Family):
         Encoder("tokenizer", "text_encoder", "CLIPTextModel", linear_share=85 / 123, default_bytes=492e6),)
     denoiser_params = 860e6  # SD1.5's UNet
     vae_bytes = 335e6  # its VAE, 84 M parameters in fp32
-    examples: ClassVar[Mapping[str, str]] = {
-        "textual_inversion": "textual_inversion.py", "lora": "train_dreambooth_lora.py",
-        "full": "train_text_to_image.py"}
 
     @classmethod
     def recognizes(cls, model_index: Mapping[str, Any]) -> bool:

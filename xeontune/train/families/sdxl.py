@@ -30,9 +30,6 @@ class StableDiffusionXL(StableDiffusion):
                 default_bytes=2780e6, embedding_key="clip_g", kohya_prefix="lora_te2_"),
     )
     denoiser_params = 2567e6  # SDXL-base's UNet
-    examples: ClassVar[Mapping[str, str]] = {
-        "textual_inversion": "textual_inversion_sdxl.py", "lora": "train_dreambooth_lora_sdxl.py",
-        "full": "train_text_to_image_sdxl.py"}
     # issue 17's for textual inversion (512 px): >= 2.0x the example's steps/s, peak RSS <= 0.6x in bf16 and
     # 0.9x in fp32 (the fp32 UNet alone is 10.3 GB)
     bench_targets: ClassVar[Mapping[str, Mapping[str, Any]]] = {
