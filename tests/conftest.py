@@ -141,6 +141,14 @@ def sd2_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def sd3_model(tmp_path_factory):
+    """The tiny SD3.5-shaped pipeline (an MMDiT, CLIP-L, CLIP-G and T5, flow matching), built once per session."""
+    from xeontune import models
+
+    return models.build_pipeline("sd3-tiny", tmp_path_factory.mktemp("models") / "sd3-tiny")
+
+
+@pytest.fixture(scope="session")
 def sample_images(tmp_path_factory):
     """The project's deterministic sample concept images (6 PNGs, 64 px)."""
     from xeontune import models

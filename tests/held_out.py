@@ -15,6 +15,6 @@ def held_out_loss(run) -> float:
             latents = run.latents.sample(batch)
             noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
             hidden, added = run.encode_text(batch)
-            pred = run.components.unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
+            pred = run.components.denoiser(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
             losses.append(torch.nn.functional.mse_loss(pred, run.target(latents, batch.noise, batch.timesteps)))
     return float(torch.stack(losses).mean())

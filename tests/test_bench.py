@@ -232,7 +232,7 @@ def test_sdxl_baseline_holds_the_models_as_the_sdxl_example_does(tmp_path):
     assert (first.weight.dtype, second.weight.dtype) == (torch.float32, torch.bfloat16)
     trained = {id(p) for group in run.optimizer.param_groups for p in group["params"]}
     assert trained == {id(first.weight), id(second.weight)}
-    assert {p.dtype for p in c.unet.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in c.denoiser.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in c.vae.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in c.text_encoder_2.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in c.text_encoder.parameters()} == {torch.float32}
@@ -244,7 +244,7 @@ def test_sdxl_baseline_holds_the_models_as_the_sdxl_example_does(tmp_path):
         assert changed == ids  # only the new rows moved, in both tables
 
     fp32 = bench.example_components(model, "fp32")  # the script casts nothing in fp32
-    assert {p.dtype for m in (fp32.unet, fp32.vae, fp32.text_encoder_2) for p in m.parameters()} == {torch.float32}
+    assert {p.dtype for m in (fp32.denoiser, fp32.vae, fp32.text_encoder_2) for p in m.parameters()} == {torch.float32}
 
 
 @pytest.mark.slow
@@ -313,9 +313,9 @@ def test_lora_baseline_casts_every_frozen_model_and_keeps_the_adapters_fp32(fami
     # train_dreambooth_lora.py casts its VAE to bf16; train_dreambooth_lora_sdxl.py keeps it fp32
     vae_dtype = torch.bfloat16 if family == "sd" else torch.float32
     assert {p.dtype for p in c.vae.parameters()} == {vae_dtype}
-    trainable = [p for p in c.unet.parameters() if p.requires_grad]
+    trainable = [p for p in c.denoiser.parameters() if p.requires_grad]
     assert trainable and {p.dtype for p in trainable} == {torch.float32}
-    assert {p.dtype for p in c.unet.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in c.denoiser.parameters() if not p.requires_grad} == {torch.bfloat16}
 
 
 @pytest.mark.slow

@@ -469,13 +469,14 @@ def compute_pass(run, step: int, *, around: Any = None) -> float:
     batch = run.plan.batch(run.positions(step, 0))
     with torch.no_grad():
         latents = run.latents.sample(batch)
-        noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
+        c = run.components
+        noisy = c.family.noisy(c.noise_scheduler, latents, batch.noise, batch.timesteps)
         target = run.target(latents, batch.noise, batch.timesteps).float()
     start = time.perf_counter()
     with around or contextlib.nullcontext():
         with run.autocast():
             hidden, added = run.encode_text(batch)
-            pred = run.components.unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
+            pred = c.family.predict(c.noise_scheduler, c.denoiser, noisy, batch.timesteps, hidden, added)
         F.mse_loss(pred.float(), target).backward()
     elapsed = time.perf_counter() - start
     run.optimizer.zero_grad(set_to_none=True)
@@ -493,7 +494,7 @@ def count_gflop(run, step: int) -> float:
     from xeontune.train import packed
 
     counter = FlopCounterMode(display=False)
-    with packed.stock_layers(run.components.unet):
+    with packed.stock_layers(run.components.denoiser):
         compute_pass(run, step, around=counter)  # the batch's latents (a VAE encode in the baseline) not counted
     return counter.get_total_flops() / 1e9
 

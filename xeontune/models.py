@@ -14,6 +14,10 @@ trainer loads both the same way.
   encoders' hidden states concatenated plus six size/crop ``time_ids``.
 * ``sdxl-arch``: SDXL-base dimensions (2,567 M-parameter UNet, 695 M-parameter second text encoder,
   about 14 GB in fp32); for benchmarks only.
+* ``sd3-tiny``: SD3.5's shape at tiny size: an MMDiT transformer (patches of 2, RMS-normed queries and
+  keys, a dual-attention block then a context-only last block), CLIP-L and CLIP-G with projections, a T5
+  encoder (its tokenizer a Unigram one over the project's words), a 16-channel VAE with a latent shift, a
+  flow-matching scheduler with SD3's shift of 3.
 """
 
 from __future__ import annotations
@@ -98,6 +102,33 @@ DIMS = {
         time_embed_dim=256, vae_scaling=0.13025,
     ),
 }
+
+
+@dataclass(frozen=True)
+class MMDiTDims:
+    """SD3's parts: the transformer's, the three text encoders' and the VAE's sizes."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    clip_l: tuple[int, int, int, int]  # hidden, layers, heads, intermediate (CLIP-L, quick GELU)
+    clip_g: tuple[int, int, int, int]  # the same (CLIP-G, GELU)
+    t5: tuple[int, int, int, int, int]  # d_model, layers, heads, d_kv, d_ff
+    vae_channels: tuple[int, ...]
+    vae_layers: int
+    vae_groups: int
+    sample_size: int  # default image side in pixels
+    dual_attention_layers: tuple[int, ...] = ()  # SD3.5: the blocks with a second self-attention
+    family: str = "sd3"
+
+
+SD3_DIMS = {
+    "sd3-tiny": MMDiTDims(
+        layers=2, heads=4, head_dim=16, clip_l=(32, 2, 4, 64), clip_g=(64, 2, 4, 128), t5=(128, 2, 4, 16, 256),
+        vae_channels=(16, 16, 32, 32), vae_layers=1, vae_groups=8, sample_size=64, dual_attention_layers=(0,),
+    ),
+}
+KINDS = (*DIMS, *SD3_DIMS)
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -215,6 +246,63 @@ def build_modules(dims: PipelineDims, tokenizer) -> dict:
     return modules
 
 
+def build_t5_tokenizer(max_length: int = 77):
+    """A T5 tokenizer (SentencePiece's Unigram model, as T5's) whose vocabulary is the project's words, each
+    one piece, and its letters; built offline."""
+    import string
+
+    from transformers import T5TokenizerFast
+
+    words = sorted(set(_template_words()))
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [("\u2581" + w, -3.0) for w in words] + [(c, -8.0) for c in string.ascii_letters + string.digits]
+    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=max_length)
+
+
+def build_sd3_modules(dims: MMDiTDims) -> dict:
+    """SD3's pipeline parts with random weights, as keyword arguments of StableDiffusion3Pipeline."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    plain = DIMS["tiny"]
+    tokenizer, tokenizer_2 = build_tokenizer(plain), build_tokenizer(plain, pad_token="!")
+    vocab = tokenizer.get_vocab()
+    ids = {"bos_token_id": vocab["<|startoftext|>"], "eos_token_id": vocab["<|endoftext|>"],
+           "pad_token_id": vocab["<|endoftext|>"]}
+
+    def clip(sizes: tuple[int, int, int, int], act: str) -> CLIPTextModelWithProjection:
+        hidden, layers, heads, intermediate = sizes
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+            num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=hidden, **ids))
+
+    tokenizer_3 = build_t5_tokenizer()
+    d_model, t5_layers, t5_heads, d_kv, d_ff = dims.t5
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_3), d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=t5_layers, num_heads=t5_heads,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    latent_channels = 16
+    return {
+        "tokenizer": tokenizer, "text_encoder": clip(dims.clip_l, "quick_gelu"),
+        "tokenizer_2": tokenizer_2, "text_encoder_2": clip(dims.clip_g, "gelu"),
+        "tokenizer_3": tokenizer_3, "text_encoder_3": t5,
+        "transformer": SD3Transformer2DModel(
+            sample_size=dims.sample_size // 8, patch_size=2, in_channels=latent_channels, out_channels=latent_channels,
+            num_layers=dims.layers, attention_head_dim=dims.head_dim, num_attention_heads=dims.heads,
+            joint_attention_dim=d_model, caption_projection_dim=dims.heads * dims.head_dim,
+            pooled_projection_dim=dims.clip_l[0] + dims.clip_g[0], qk_norm="rms_norm",
+            dual_attention_layers=dims.dual_attention_layers, pos_embed_max_size=dims.sample_size // 8),
+        "vae": AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=latent_channels,
+            down_block_types=("DownEncoderBlock2D",) * len(dims.vae_channels),
+            up_block_types=("UpDecoderBlock2D",) * len(dims.vae_channels),
+            block_out_channels=dims.vae_channels, layers_per_block=dims.vae_layers, norm_num_groups=dims.vae_groups,
+            sample_size=dims.sample_size, scaling_factor=1.5305, shift_factor=0.0609,
+            use_quant_conv=False, use_post_quant_conv=False),
+        "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+    }
+
+
 def _no_file_in_the_way(folder: Path) -> None:
     """A one-line error when ``folder`` or a folder above it is a file (mkdir failed on it, exit 1)."""
     blocker = file_in_the_way(folder)
@@ -230,12 +318,11 @@ def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: Pipeline
     ``dims`` overrides the kind's sizes (tests use a tiny UNet with SD1.5's 768-wide text encoder).
     """
     import torch
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 
     quiet_progress_bars()
-    if kind not in DIMS:
-        raise UserError(f"unknown model kind {kind!r} (choose from: {', '.join(DIMS)})")
-    dims = dims or DIMS[kind]
+    if kind not in KINDS:
+        raise UserError(f"unknown model kind {kind!r} (choose from: {', '.join(KINDS)})")
     out = Path(out_dir)
     if out.name in ("", ".", ".."):
         raise UserError(f"model folder {str(out_dir)!r}: name a new folder, e.g. models/{kind}")
@@ -243,6 +330,12 @@ def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: Pipeline
     if out.exists() and any(out.iterdir()):  # the pipeline would replace it whole
         raise UserError(f"{out} already exists and is not empty: name a new or empty folder")
     torch.manual_seed(seed)
+    if kind in SD3_DIMS:
+        pipe = StableDiffusion3Pipeline(**build_sd3_modules(SD3_DIMS[kind]))
+        with atomic_dir(out) as tmp:
+            pipe.save_pretrained(tmp)
+        return out
+    dims = dims or DIMS[kind]
     modules = build_modules(dims, build_tokenizer(dims))
     if dims.family == "sdxl":
         modules["tokenizer_2"] = build_tokenizer(dims, pad_token="!")

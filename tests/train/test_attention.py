@@ -115,8 +115,8 @@ def test_every_attention_of_the_trainers_unet_matches_fp64(kind, precision, tmp_
     """The tiny UNets loaded and prepared as `xeontune train` loads them; every attention module at the
     shapes a 64 px step gives it."""
     model = models.build_pipeline(kind, tmp_path / kind)
-    loaded = components_mod.load(str(model), unet_dtype=components_mod.unet_dtype(precision))
-    unet, _, _ = prepare_frozen_models(loaded.unet, loaded.vae, precision=precision, family=loaded.family.name)
+    loaded = components_mod.load(str(model), denoiser_dtype=components_mod.frozen_dtype(precision))
+    unet, _, _ = prepare_frozen_models(loaded.denoiser, loaded.vae, precision=precision, family=loaded.family.name)
     shapes: dict[str, tuple] = {}
 
     def capture(name):

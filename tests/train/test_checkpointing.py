@@ -35,7 +35,7 @@ def _saved_bytes_and_grad(run) -> tuple[int, torch.Tensor]:
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         hidden, added = run.encode_text(batch)
-        pred = run.components.unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
+        pred = run.components.denoiser(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
     F.mse_loss(pred, run.target(latents, batch.noise, batch.timesteps)).backward()
     grad = torch.cat([p.grad.flatten() for p in run.embedding.parameters()])
     return sum(storages.values()), grad
@@ -48,7 +48,7 @@ def test_checkpointing_keeps_less_and_gives_the_same_gradient(base_args, sdxl_mo
         opts = parse_args(_args(base_args, kind, sdxl_model, tmp_path, flag, "--pack-weights", "off"))
         run, _ = loop.setup(opts, loop.make_accelerator(opts))
         runs[flag] = _saved_bytes_and_grad(run)
-        checkpointed = [m for m in run.components.unet.modules() if getattr(m, "gradient_checkpointing", False)]
+        checkpointed = [m for m in run.components.denoiser.modules() if getattr(m, "gradient_checkpointing", False)]
         assert bool(checkpointed) == (flag == "--gradient-checkpointing")
         assert any("gradient checkpointing" in n for n in run.backend_notes) == (flag == "--gradient-checkpointing")
     (plain_bytes, plain_grad), (ckpt_bytes, ckpt_grad) = runs.values()

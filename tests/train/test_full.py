@@ -202,7 +202,7 @@ def test_the_min_snr_loss_equals_the_examples_formula(request, which):
     want = loss.mean()
 
     batch = Batch(positions=[0, 1, 2, 3], image_index=torch.zeros(4), flip=torch.zeros(4), input_ids=None,
-                  input_ids_2=None, latent_eps=None, noise=None, timesteps=timesteps, prompt_index=None,
+                  latent_eps=None, noise=None, timesteps=timesteps, prompt_index=None,
                   instance_count=None, bucket=0)
     got = sample_loss(pred, target, None, batch, 1.0, min_snr_weights(scheduler, timesteps, snr_gamma))
     assert torch.equal(got, want)

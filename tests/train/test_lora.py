@@ -308,7 +308,7 @@ def test_one_step_equals_stock_diffusers_and_peft(tiny_model, lora_args, runs, m
         def gradients(optimizer, args, kwargs):
             seen.setdefault("grads", {name: p.grad.detach().clone() for name, p in run.method.named_parameters()})
 
-        run.components.unet.register_forward_pre_hook(unet_inputs, with_kwargs=True)
+        run.components.denoiser.register_forward_pre_hook(unet_inputs, with_kwargs=True)
         run.optimizer.register_step_pre_hook(gradients)
         return run, state
 
@@ -325,7 +325,7 @@ def test_one_step_equals_stock_diffusers_and_peft(tiny_model, lora_args, runs, m
     result = train(lora_args() + ["--max-train-steps", "1", "--rank", "4", "--train-batch-size", "2",
                                   "--pack-weights", "off"])
     opts = runs[0].opts
-    assert (opts.rank, opts.lora_alpha, opts.lora_target_names, opts.max_grad_norm) == (
+    assert (opts.rank, opts.lora_alpha, runs[0].method.targets_of("unet"), opts.max_grad_norm) == (
         4, None, ["to_q", "to_k", "to_v", "to_out.0"], None)
     (noisy, timesteps, hidden), kwargs = seen["unet"]
     assert kwargs.get("added_cond_kwargs") is None and len(noisy) == 2
@@ -374,7 +374,7 @@ def test_lora_over_the_packed_base_learns_what_the_stock_layers_learn(family, mo
     args = lora_args(model=model_of(family)) + SUMMATION_ORDER_SAFE
     results = {pack: train(args + ["--pack-weights", pack, "--overwrite"]) for pack in ("off", "on")}
     for run, pack in zip(runs, ("off", "on"), strict=True):
-        bases = {type(m.base_layer).__name__ for m in run.components.unet.modules() if isinstance(m, LoraLayer)}
+        bases = {type(m.base_layer).__name__ for m in run.components.denoiser.modules() if isinstance(m, LoraLayer)}
         assert bases == ({"PackedLinear"} if pack == "on" else {"Linear"}), (pack, bases)
     stock, packed = results["off"].learned, results["on"].learned
     assert max(float(v.abs().max()) for k, v in stock.items() if ".lora_B." in k) > 1e-4  # B starts at zero
@@ -555,7 +555,7 @@ def test_bf16_trains_fp32_adapters_beside_the_bf16_unet(lora_args, tmp_path, run
     run = runs[0]
     params = trainable(run)
     assert {p.dtype for p in params.values()} == {torch.float32}
-    assert {p.dtype for n, p in run.components.unet.named_parameters() if "lora_" not in n} == {torch.bfloat16}
+    assert {p.dtype for n, p in run.components.denoiser.named_parameters() if "lora_" not in n} == {torch.bfloat16}
     assert all(torch.isfinite(v).all() for v in result.learned.values())
     for model in ("unet", "text_encoder"):
         assert max(float(v.abs().max()) for k, v in result.learned.items()
@@ -590,7 +590,7 @@ def test_validation_images_are_made_with_the_adapters(lora_args, tmp_path, runs)
         return np.asarray(made[0].convert("RGB"), dtype=np.int16)
 
     assert np.array_equal(image(), saved)  # the same models, seed and prompt make the same image
-    adapters_enabled(run.components.unet, False)
+    adapters_enabled(run.components.denoiser, False)
     base = image()
     diff = np.abs(base - saved)
     print(f"validation image vs the base UNet's: mean abs diff {diff.mean():.3f} of 255 (max {diff.max()}; "
@@ -646,7 +646,7 @@ def test_the_defaults_are_diffusers_examples(tiny_model, sample_images):
     components = load(str(tiny_model))
     method.install(components)
     assert method.alpha == 4.0
-    for model, targets in ((components.unet, {"to_q", "to_k", "to_v", "to_out.0"}),
+    for model, targets in ((components.denoiser, {"to_q", "to_k", "to_v", "to_out.0"}),
                            (components.text_encoder, {"q_proj", "k_proj", "v_proj", "out_proj"})):
         wrapped = [name for name, m in model.named_modules() if hasattr(m, "lora_A")]
         matched = {t for t in targets for name in wrapped if name.endswith("." + t)}

@@ -30,7 +30,7 @@ class FakeMethod(methods.Method):
 
     def install(self, components) -> None:
         CALLS["install"] += 1
-        conv_out = components.unet.conv_out
+        conv_out = components.denoiser.conv_out
         self.bias = nn.Parameter(torch.zeros(conv_out.out_channels, 1, 1))
         conv_out.register_forward_hook(lambda _m, _i, out: out + self.bias.to(out.dtype))
 

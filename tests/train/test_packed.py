@@ -453,7 +453,7 @@ def test_the_trainer_asks_for_room_for_its_step(base_args, monkeypatch):
     monkeypatch.setattr(backends, "_packing_fits", fits)
     opts = parse_args([*base_args, "--mixed-precision", "fp32", "--pack-weights", "auto"])
     run, _ = loop.setup(opts, loop.make_accelerator(opts))
-    assert not any(type(m) is packed.PackedConv2d for m in run.components.unet.modules())
+    assert not any(type(m) is packed.PackedConv2d for m in run.components.denoiser.modules())
     assert "packed weights: not used (faked: no room)" in run.backend_notes
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel
@@ -462,7 +462,7 @@ def test_the_trainer_asks_for_room_for_its_step(base_args, monkeypatch):
     vae = AutoencoderKL.from_pretrained(opts.model, subfolder="vae")
     text_encoder = CLIPTextModel.from_pretrained(opts.model, subfolder="text_encoder")
     beside = backends.module_bytes(text_encoder) + backends.module_bytes(vae)
-    assert seen["unet"] == backends.module_bytes(run.components.unet) > 0
+    assert seen["unet"] == backends.module_bytes(run.components.denoiser) > 0
     # less the step's activations
     counted = seen["rest"] - placement.rank_memory_bytes(0, run.components.family.activation_bytes(opts.resolution,
                                                                                                    run.precision), 1)

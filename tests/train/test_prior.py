@@ -31,7 +31,7 @@ def test_the_loss_is_the_examples_instance_plus_weighted_prior_loss():
     torch.manual_seed(0)
     pred, target = torch.randn(4, 4, 8, 8), torch.randn(4, 4, 8, 8)
     batch = Batch(positions=[0, 1], image_index=torch.zeros(4), flip=torch.zeros(4), input_ids=torch.zeros(4, 77),
-                  input_ids_2=None, latent_eps=pred, noise=pred, timesteps=torch.zeros(4), instance_count=2)
+                  latent_eps=pred, noise=pred, timesteps=torch.zeros(4), instance_count=2)
     # train_dreambooth_lora.py: chunk into instance and prior halves, mse each, add the weighted prior
     model_pred, model_pred_prior = torch.chunk(pred, 2, dim=0)
     target_, target_prior = torch.chunk(target, 2, dim=0)

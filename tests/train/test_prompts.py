@@ -126,9 +126,9 @@ def seen(monkeypatch) -> list[str]:
     read: list[str] = []
     encode = loop.Run.encode_prompts
 
-    def recording(run, input_ids, input_ids_2):
-        read.extend(run.components.tokenizer.batch_decode(input_ids, skip_special_tokens=True))
-        return encode(run, input_ids, input_ids_2)
+    def recording(run, input_ids):
+        read.extend(run.components.tokenizer.batch_decode(input_ids[0], skip_special_tokens=True))
+        return encode(run, input_ids)
 
     monkeypatch.setattr(loop.Run, "encode_prompts", recording)
     return read
@@ -197,7 +197,7 @@ def test_masks_are_cropped_and_scaled_as_their_images_and_mirrored_with_them(fol
     latents = Latents(SimpleNamespace(config=SimpleNamespace()), torch.zeros(6, 3, 64, 64), cached=False,
                       masks=masks, flip_p=0.5)
     batch = Batch(positions=[0, 1], image_index=torch.tensor([1, 1]), flip=torch.tensor([False, True]),
-                  input_ids=torch.zeros(2, 77, dtype=torch.long), input_ids_2=None, latent_eps=torch.zeros(2, 4, 8, 8),
+                  input_ids=torch.zeros(2, 77, dtype=torch.long), latent_eps=torch.zeros(2, 4, 8, 8),
                   noise=torch.zeros(2, 4, 8, 8), timesteps=torch.zeros(2))
     weights = latents.mask(batch)
     assert torch.equal(weights[0], masks[1]) and torch.equal(weights[1], masks[1].flip(-1))

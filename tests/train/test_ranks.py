@@ -274,13 +274,13 @@ def test_bf16_unet_comes_from_a_mapped_copy(tiny_model, tmp_path, monkeypatch):
     from xeontune.train import backends, components, packed
 
     monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
-    first = components.load(str(tiny_model), unet_dtype=torch.bfloat16).unet
+    first = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).unet
     copy = components.bf16_copy_dir(str(tiny_model), None, None)
     assert copy is not None and (copy / "config.json").is_file()
     weights = next(copy.glob("*.safetensors"))
     assert str(weights.resolve()) in Path("/proc/self/maps").read_text()
     assert packed.file_mapped_bytes(first.parameters()) == backends.module_bytes(first) > 0  # the first run too
-    second = components.load(str(tiny_model), unet_dtype=torch.bfloat16).unet
+    second = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).unet
     assert str(weights.resolve()) in Path("/proc/self/maps").read_text()  # mapped, not read and converted
     from safetensors import safe_open
 
@@ -311,10 +311,10 @@ def test_a_sharded_unet_gets_a_mapped_bf16_copy_too(tiny_model, tmp_path, monkey
     shards = sorted((model / "unet").glob("diffusion_pytorch_model-*.safetensors"))
     assert len(shards) > 1 and not (model / "unet" / "diffusion_pytorch_model.safetensors").exists()
     monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
-    first = components.load(str(model), unet_dtype=torch.bfloat16).unet
+    first = components.load(str(model), denoiser_dtype=torch.bfloat16).unet
     copy = components.bf16_copy_dir(str(model), None, None)
     assert copy is not None and (copy / "config.json").is_file()
-    second = components.load(str(model), unet_dtype=torch.bfloat16).unet
+    second = components.load(str(model), denoiser_dtype=torch.bfloat16).unet
     assert str(next(copy.glob("*.safetensors")).resolve()) in Path("/proc/self/maps").read_text()
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
@@ -365,7 +365,7 @@ def test_an_unwritable_cache_only_costs_speed(tiny_model, tmp_path, monkeypatch,
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv(components.BF16_CACHE_ENV, str(blocker / "cache"))  # under a file: cannot be made
-    unet = components.load(str(tiny_model), unet_dtype=torch.bfloat16).unet
+    unet = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).unet
     assert next(unet.parameters()).dtype == torch.bfloat16
     assert "could not write the bf16 UNet copy" in caplog.text
 
@@ -468,7 +468,7 @@ def test_the_unet_copy_is_made_from_the_files_in_every_layout(layout, tiny_model
         def converted(*args, **kwargs):
             raise AssertionError("the UNet was loaded and converted in memory to make its copy")
 
-        patched.setattr(components, "_load_unet_in", converted)
+        patched.setattr(components, "_load_denoiser_in", converted)
         components.ensure_bf16_copies(model, "", variant or "")
     copy = components.bf16_copy_dir(model, None, variant)
     assert copy is not None and (copy / "config.json").is_file()
@@ -489,12 +489,12 @@ def test_an_old_pickled_bin_is_converted_in_memory_as_before(tiny_model, tmp_pat
     caplog.set_level("INFO", logger="xeontune.train.components")
     model, _ = _unet_layout(tiny_model, tmp_path, "old-bin")
     monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
-    unet = components.load(model, unet_dtype=torch.bfloat16).unet
+    unet = components.load(model, denoiser_dtype=torch.bfloat16).denoiser
     assert "converting it in memory" in caplog.text
     copy = components.bf16_copy_dir(model, None, None)
     assert (copy / "config.json").is_file()
     assert str(next(copy.glob("*.safetensors")).resolve()) in Path("/proc/self/maps").read_text()
-    want = components.load(str(tiny_model), unet_dtype=torch.bfloat16).unet.state_dict()
+    want = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).unet.state_dict()
     assert all(torch.equal(t, want[k]) for k, t in unet.state_dict().items())
 
 
@@ -514,7 +514,7 @@ before = status("VmRSS")
 if sys.argv[2] == "launcher":
     components.ensure_bf16_copies(sys.argv[1])
 else:
-    components.load(sys.argv[1], unet_dtype=torch.bfloat16)
+    components.load(sys.argv[1], denoiser_dtype=torch.bfloat16)
 print(status("VmHWM") - before)
 """
 
@@ -562,7 +562,7 @@ def test_a_hub_models_unet_copy_is_made_from_its_downloaded_files(tiny_model, tm
 
     import huggingface_hub
 
-    from xeontune.train import components
+    from xeontune.train import components, families
 
     hub, _ = _unet_layout(tiny_model, tmp_path, "sharded")  # what the "hub" serves
     snapshot = tmp_path / "hub-cache" / "snapshot"
@@ -583,11 +583,11 @@ def test_a_hub_models_unet_copy_is_made_from_its_downloaded_files(tiny_model, tm
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", cached)
     monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
     assert components.bf16_copy_dir("org/tiny", None, None) is None  # not downloaded yet
-    copy, _ = components._unet_copy("org/tiny", None, None)
+    copy, _ = components._denoiser_copy(families.get("sd"), "org/tiny", None, None)
     assert copy == components.bf16_copy_dir("org/tiny", None, None) and (copy / "config.json").is_file()
     assert len(list((snapshot / "unet").glob("*.safetensors"))) > 1  # the shards, through the index
     assert json.loads((copy / "config.json").read_text())["_name_or_path"] == "org/tiny"
-    local, _ = components._unet_copy(hub, None, None)  # the same files, as a local folder
+    local, _ = components._denoiser_copy(families.get("sd"), hub, None, None)  # the same files, as a local folder
     weights = "diffusion_pytorch_model.safetensors"
     assert (copy / weights).read_bytes() == (local / weights).read_bytes()
 

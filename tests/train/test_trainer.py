@@ -63,7 +63,7 @@ def test_it_really_learns(base_args, tmp_path, precision):
             latents = run.latents.sample(batch)
             noisy = run.components.noise_scheduler.add_noise(latents, batch.noise, batch.timesteps)
             hidden = run.components.text_encoder(batch.input_ids)[0]
-            pred = run.components.unet(noisy, batch.timesteps, hidden).sample
+            pred = run.components.denoiser(noisy, batch.timesteps, hidden).sample
             losses.append(torch.nn.functional.mse_loss(pred, batch.noise))
         return float(torch.stack(losses).mean())
 
@@ -262,7 +262,7 @@ def test_bf16_trains_on_bf16_frozen_weights_but_saves_the_originals(base_args, t
 
     opts = parse_args(base_args + ["--mixed-precision", "bf16"])
     run, _ = loop.setup(opts, loop.make_accelerator(opts))
-    assert {p.dtype for p in run.components.unet.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in run.components.denoiser.parameters()} == {torch.bfloat16}
     text_dtypes = {name: p.dtype for name, p in run.components.text_encoder.named_parameters()}
     assert {d for n, d in text_dtypes.items() if "_proj" in n or ".fc" in n} == {torch.bfloat16}
     assert {d for n, d in text_dtypes.items() if "norm" in n or "embedding" in n} == {torch.float32}
@@ -322,7 +322,7 @@ def test_packed_weights_train_what_the_stock_layers_train(base_args, tmp_path, p
         pytest.skip("no oneDNN bf16 kernels on this CPU: packed bf16 training cannot run (its one-line error did)")
     run, _ = loop.setup(opts, loop.make_accelerator(opts))
     initial = run.embedding.learned()
-    kinds = {type(m).__name__ for m in run.components.unet.modules()}
+    kinds = {type(m).__name__ for m in run.components.denoiser.modules()}
     assert {"PackedConv2d", "PackedLinear"} <= kinds and any("packed weights" in n for n in run.backend_notes)
     del run
 
@@ -385,7 +385,7 @@ def test_only_the_images_a_step_can_draw_are_encoded(tiny_model):
     def drawn(latents: Latents, flip: bool) -> torch.Tensor:
         eps = torch.randn(3, *both.latent_shape(), generator=torch.Generator().manual_seed(1))
         batch = Batch(positions=[0, 1, 2], image_index=torch.tensor([2, 0, 1]), flip=torch.full((3,), flip),
-                      input_ids=torch.zeros(3, 77, dtype=torch.long), input_ids_2=None, latent_eps=eps,
+                      input_ids=torch.zeros(3, 77, dtype=torch.long), latent_eps=eps,
                       noise=eps, timesteps=torch.zeros(3, dtype=torch.long), prompt_index=torch.zeros(3))
         return latents.sample(batch)
 

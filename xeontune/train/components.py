@@ -31,17 +31,21 @@ class Components:
     tokenizer: Any
     text_encoder: Any
     vae: Any
-    unet: Any  # what the training step calls (may be compiled or IPEX-optimized)
+    denoiser: Any  # the UNet or transformer that the training step calls (may be compiled or IPEX-optimized)
     noise_scheduler: Any
-    unet_for_inference: Any = None  # the plain UNet, for validation and saving
+    denoiser_for_inference: Any = None  # the plain denoiser, for validation and saving
     # *_cast: the part differs from its files (a bf16 copy, or half-precision files upcast to fp32),
     # so a saved full pipeline reloads it as its files hold it (loop.save_pipeline)
-    unet_cast: bool = False
+    denoiser_cast: bool = False
     text_encoder_cast: bool = False
     family: Family = None  # type: ignore[assignment]  # from model_index.json (train/families/); sd if None
-    tokenizer_2: Any = None  # a family's second tokenizer and text encoder (SDXL's, with projection)
+    # a family's second and third tokenizers and text encoders (SDXL's second, SD3's T5), by their folders
+    tokenizer_2: Any = None
     text_encoder_2: Any = None
     text_encoder_2_cast: bool = False
+    tokenizer_3: Any = None
+    text_encoder_3: Any = None
+    text_encoder_3_cast: bool = False
 
     def __post_init__(self) -> None:
         if self.family is None:
@@ -73,14 +77,16 @@ def _check_local(path: Path) -> Family:
     return family
 
 
-def check_text_to_image(model: str, revision: str | None) -> None:
+def check_text_to_image(model: str, revision: str | None, family: Family | None = None) -> None:
     """A one-line error, from the configs before any weight loads, for an inpainting, depth, upscaling or
     instruct-pix2pix pipeline: its UNet takes the latents stacked with a mask, a depth map or an image,
     which textual inversion does not give it (its first convolution failed inside oneDNN with a traceback)."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    import diffusers
 
-    takes = UNet2DConditionModel.load_config(model, subfolder="unet", revision=revision).get("in_channels", 4)
-    latents = AutoencoderKL.load_config(model, subfolder="vae", revision=revision).get("latent_channels", 4)
+    family = family or pipeline_family(model, revision)
+    denoiser = getattr(diffusers, family.denoiser_class)
+    takes = denoiser.load_config(model, subfolder=family.denoiser, revision=revision).get("in_channels", 4)
+    latents = diffusers.AutoencoderKL.load_config(model, subfolder="vae", revision=revision).get("latent_channels", 4)
     if takes != latents:
         raise UserError(f"{model}'s UNet takes {takes} input channels, not the {latents} of its latents: an "
                         "inpainting, depth, upscaling or instruct-pix2pix model; textual inversion here trains "
@@ -105,8 +111,9 @@ def pipeline_family(model: str, revision: str | None = None) -> Family:
 
 # The configs that say which model a checkpoint trained on: what differs between SD1 and SD2 (text encoder
 # width, prediction type), SD and SDXL, or two shapes of one family.
-_IDENTITY_CONFIGS = ("unet/config.json", "text_encoder/config.json", "text_encoder_2/config.json",
-                     "scheduler/scheduler_config.json")
+_DENOISER_CONFIGS = ("unet/config.json", "transformer/config.json")
+_IDENTITY_CONFIGS = (*_DENOISER_CONFIGS, "text_encoder/config.json", "text_encoder_2/config.json",
+                     "text_encoder_3/config.json", "scheduler/scheduler_config.json")
 _INCIDENTAL_KEYS = ("transformers_version", "torch_dtype", "dtype")  # a copy saved in another dtype is the same model
 
 
@@ -136,7 +143,7 @@ def model_identity(model: str, revision: str | None = None) -> dict[str, str] | 
         if isinstance(config, dict):
             configs[name] = {k: v for k, v in config.items() if not k.startswith("_") and k not in _INCIDENTAL_KEYS}
     configs.pop("model_index.json", None)  # the family below reads it whole (its _class_name)
-    if "unet/config.json" not in configs:
+    if not any(name in configs for name in _DENOISER_CONFIGS):
         return None
     digest = hashlib.sha256(json.dumps(configs, sort_keys=True).encode()).hexdigest()[:16]
     if not isinstance(index, dict):  # not on this disk: the parts whose configs are here stand for it
@@ -149,16 +156,17 @@ def model_identity(model: str, revision: str | None = None) -> dict[str, str] | 
 
 
 def load(
-    model: str, revision: str | None = None, variant: str | None = None, unet_dtype: Any = None
+    model: str, revision: str | None = None, variant: str | None = None, denoiser_dtype: Any = None
 ) -> Components:
-    """Load tokenizer, text encoder, VAE, UNet and noise scheduler, all frozen and in eval mode.
+    """Load the family's tokenizers and text encoders, the VAE, the denoiser (UNet or transformer) and the
+    training noise scheduler, all frozen and in eval mode.
 
-    ``unet_dtype`` (torch.bfloat16 for bf16 training): the frozen UNet is loaded in it once, rather
+    ``denoiser_dtype`` (torch.bfloat16 for bf16 training): the frozen UNet is loaded in it once, rather
     than kept in fp32 and cast again by autocast at every step; that made its forward and backward
     1.24x faster at 256 px on a 2-core AMX Xeon (docs/performance.md) and halves its memory. The VAE
     stays in its files' dtype: it encodes the latent cache outside autocast."""
+    import diffusers
     import transformers
-    from diffusers import AutoencoderKL, DDPMScheduler
 
     quiet_progress_bars()
 
@@ -173,15 +181,16 @@ def load(
     text: dict[str, Any] = {}  # the family's tokenizers and text encoders, by folder
     try:
         for i, encoder in enumerate(family.encoders):
-            text[encoder.tokenizer] = transformers.CLIPTokenizer.from_pretrained(
+            text[encoder.tokenizer] = getattr(transformers, encoder.tokenizer_class).from_pretrained(
                 model, subfolder=encoder.tokenizer, **common)
             if i == 0:
-                check_text_to_image(model, revision)  # before any weights load
+                check_text_to_image(model, revision, family)  # before any weights load
             text[encoder.folder] = getattr(transformers, encoder.model_class).from_pretrained(
                 model, subfolder=encoder.folder, variant=variant, **common)
-        vae = AutoencoderKL.from_pretrained(model, subfolder="vae", variant=variant, **common)
-        unet = _load_unet_in(unet_dtype, model, revision, variant)
-        noise_scheduler = DDPMScheduler.from_pretrained(model, subfolder="scheduler", **common)
+        vae = diffusers.AutoencoderKL.from_pretrained(model, subfolder="vae", variant=variant, **common)
+        denoiser = _load_denoiser_in(family, denoiser_dtype, model, revision, variant)
+        noise_scheduler = getattr(diffusers, family.scheduler_class).from_pretrained(
+            model, subfolder="scheduler", **common)
     except pickle.UnpicklingError as exc:
         raise UserError(unsafe_pickle_message(model, exc)) from None
     except (OSError, ValueError) as exc:
@@ -198,13 +207,13 @@ def load(
         hint = f" (its weights are a variant: add --variant {variants[0]})" if variants and not variant else ""
         raise UserError(f"cannot load a Stable Diffusion pipeline from {model!r}: {first}{hint}") from None
     encoders = {e.folder: text[e.folder] for e in family.encoders}
-    for module in (*encoders.values(), vae, unet):
+    for module in (*encoders.values(), vae, denoiser):
         module.requires_grad_(False)
         module.eval()
     upcast = {name: _in_fp32(module) for name, module in
-              (("unet", unet if unet_dtype is None else None), *encoders.items(), ("vae", vae))}
-    return Components(vae=vae, unet=unet, noise_scheduler=noise_scheduler, unet_for_inference=unet,
-                      unet_cast=unet_dtype is not None or upcast["unet"], family=family, **text,
+              (("denoiser", denoiser if denoiser_dtype is None else None), *encoders.items(), ("vae", vae))}
+    return Components(vae=vae, denoiser=denoiser, noise_scheduler=noise_scheduler, denoiser_for_inference=denoiser,
+                      denoiser_cast=denoiser_dtype is not None or upcast["denoiser"], family=family, **text,
                       **{f"{name}_cast": upcast[name] for name in encoders})
 
 
@@ -285,8 +294,9 @@ BF16_CACHE_ENV = CACHE_ENV  # the bf16 copies live in the project's cache (io.ca
 
 
 # Where each part's weights file is in a pipeline, and what its bf16 copy holds (see below).
-WEIGHT_STEMS = {"unet": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model",
-                "text_encoder_2": "model"}
+WEIGHT_STEMS = {"unet": "diffusion_pytorch_model", "transformer": "diffusion_pytorch_model",
+                "vae": "diffusion_pytorch_model", "text_encoder": "model", "text_encoder_2": "model",
+                "text_encoder_3": "model"}
 TEXT_LINEARS_FILE = "linears.safetensors"
 
 
@@ -352,42 +362,43 @@ def bf16_copy_dir(model: str, revision: str | None, variant: str | None, part: s
     return root / f"{part.replace('_', '-')}-bf16" / key
 
 
-def _load_unet_in(dtype: Any, model: str, revision: str | None, variant: str | None) -> Any:
-    """The frozen UNet in ``dtype``. In bf16 it comes from a bf16 safetensors copy, written on first
-    use from the model's files one tensor at a time (``_unet_copy``): loading that copy memory-maps it
+def _load_denoiser_in(family: Family, dtype: Any, model: str, revision: str | None, variant: str | None) -> Any:
+    """The frozen denoiser (a UNet, say) in ``dtype``. In bf16 it comes from a bf16 safetensors copy, written on first
+    use from the model's files one tensor at a time (``_denoiser_copy``): loading that copy memory-maps it
     (no conversion, so no fp32 peak), and every rank on a node maps the same file, so the weights'
     pages are held once in the page cache, not once per rank. The first run maps the copy it just
     wrote, as every later run does (private converted weights would stay beside packed copies: 5.1 GB
     for SDXL). Files the copy is not made from so (an old pickled .bin) are converted in memory and
     the copy written from the converted model, as before."""
+    import diffusers
     import torch
-    from diffusers import UNet2DConditionModel
 
+    cls, part = getattr(diffusers, family.denoiser_class), family.denoiser
     tried = False
     if dtype == torch.bfloat16:
-        copy, tried = _unet_copy(model, revision, variant)
+        copy, tried = _denoiser_copy(family, model, revision, variant)
         if copy is not None:
-            return UNet2DConditionModel.from_pretrained(copy, torch_dtype=dtype)
-    unet = UNet2DConditionModel.from_pretrained(
-        model, subfolder="unet", variant=variant, revision=revision, torch_dtype=dtype)
-    copy = bf16_copy_dir(model, revision, variant) if dtype == torch.bfloat16 and not tried else None
+            return cls.from_pretrained(copy, torch_dtype=dtype)
+    denoiser = cls.from_pretrained(model, subfolder=part, variant=variant, revision=revision, torch_dtype=dtype)
+    copy = bf16_copy_dir(model, revision, variant, part) if dtype == torch.bfloat16 and not tried else None
     if copy is not None and not (copy / "config.json").is_file():
-        _write_copy(lambda tmp: unet.save_pretrained(tmp, safe_serialization=True), copy, "UNet")
+        _write_copy(lambda tmp: denoiser.save_pretrained(tmp, safe_serialization=True), copy, family.denoiser_title)
         if (copy / "config.json").is_file():  # written (or another rank's won the rename)
-            del unet
+            del denoiser
             hardware.release_freed_memory()  # the converted weights, before anything sizes itself by MemAvailable
-            return UNet2DConditionModel.from_pretrained(copy, torch_dtype=dtype)
-    return unet
+            return cls.from_pretrained(copy, torch_dtype=dtype)
+    return denoiser
 
 
-def _unet_copy(model: str, revision: str | None, variant: str | None) -> tuple[Path | None, bool]:
+def _denoiser_copy(family: Family, model: str, revision: str | None, variant: str | None) -> tuple[Path | None, bool]:
     """The bf16 UNet copy's folder, written first if missing (a hub model's files are downloaded for
     it), or None; and whether writing it from the files was tried (then a failure was warned about,
     and the caller need not convert the model in memory only to fail to write it again)."""
-    copy = bf16_copy_dir(model, revision, variant)
+    part = family.denoiser
+    copy = bf16_copy_dir(model, revision, variant, part)
     if copy is None:
-        _download_weights(model, "unet", revision, variant)
-        copy = bf16_copy_dir(model, revision, variant)
+        _download_weights(model, part, revision, variant)
+        copy = bf16_copy_dir(model, revision, variant, part)
     if copy is None:
         return None, False
     if (copy / "config.json").is_file():
@@ -395,37 +406,40 @@ def _unet_copy(model: str, revision: str | None, variant: str | None) -> tuple[P
     from xeontune.train import tensorfiles
 
     try:
-        _write_copy(lambda tmp: _write_unet_copy(model, revision, variant, tmp), copy, "UNet")
+        _write_copy(lambda tmp: _write_denoiser_copy(family, model, revision, variant, tmp), copy,
+                    family.denoiser_title)
     except tensorfiles.Unreadable as exc:
-        log.info("the UNet's files are not read tensor by tensor here (%s); converting it in memory", exc)
+        log.info("the %s's files are not read tensor by tensor here (%s); converting it in memory", part, exc)
         return None, False
     finally:
         hardware.release_freed_memory()  # the allocator kept ~0.1 GB of the tensors it went through
     return (copy if (copy / "config.json").is_file() else None), True
 
 
-def _write_unet_copy(model: str, revision: str | None, variant: str | None, folder: Path) -> None:
+def _write_denoiser_copy(family: Family, model: str, revision: str | None, variant: str | None,
+                         folder: Path) -> None:
     """Write into ``folder`` what ``UNet2DConditionModel.from_pretrained(model, torch_dtype=torch.bfloat16)
     .save_pretrained(folder)`` writes, byte for byte, without the model: the config, and the weights
     read from the files, cast and written one tensor at a time (each cast as loading casts it). The
     first SDXL run held the fp32 weights' pages and the bf16 model at once to make it: a 15.4 GB peak,
     0.65 GB now (docs/performance.md). Raises tensorfiles.Unreadable (before writing any weight) for
     files whose tensors are not the model's, by name and shape."""
+    import diffusers
     import torch
     from accelerate import init_empty_weights
-    from diffusers import UNet2DConditionModel
 
     from xeontune.train import tensorfiles
 
-    sources = weights_files(model, "unet", revision, variant)
+    cls = getattr(diffusers, family.denoiser_class)
+    sources = weights_files(model, family.denoiser, revision, variant)
     config_file = sources[0].parent / "config.json" if sources else None
     if config_file is None or not config_file.is_file():
-        raise tensorfiles.Unreadable("no config.json beside the UNet's weights")
-    config = UNet2DConditionModel.load_config(str(config_file))
+        raise tensorfiles.Unreadable("no config.json beside the denoiser's weights")
+    config = cls.load_config(str(config_file))
     if config.get("quantization_config"):
-        raise tensorfiles.Unreadable("a quantized UNet")
+        raise tensorfiles.Unreadable("a quantized model")
     with init_empty_weights():  # the model's names and shapes, no memory
-        empty = UNet2DConditionModel.from_config(config)
+        empty = cls.from_config(config)
     empty.register_to_config(_name_or_path=model)  # as from_pretrained records it
     wanted = {name: tuple(t.shape) for name, t in empty.state_dict().items()}
     with ExitStack() as files:
@@ -478,13 +492,14 @@ def ensure_bf16_copies(model: str, revision: str = "", variant: str = "") -> Non
     model = str(Path(model).expanduser()) if Path(model).expanduser().exists() else model
     revision_, variant_ = revision or None, variant or None
     try:
-        check_text_to_image(model, revision_)
+        family = pipeline_family(model, revision_)
+        check_text_to_image(model, revision_, family)
     except UserError:
         return  # no copy for a model the ranks refuse (in one line) when they load it
-    copy, tried = _unet_copy(model, revision_, variant_)
+    copy, tried = _denoiser_copy(family, model, revision_, variant_)
     if copy is None and not tried:  # files not read tensor by tensor: convert in memory and write
-        _load_unet_in(torch.bfloat16, model, revision_, variant_)
-    for part in pipeline_family(model, revision_).encoder_names:
+        _load_denoiser_in(family, torch.bfloat16, model, revision_, variant_)
+    for part in family.encoder_names:
         copy = bf16_copy_dir(model, revision_, variant_, part)
         if copy is None or not (copy / TEXT_LINEARS_FILE).is_file():
             encoder = load_text_encoder(model, revision_, variant_, part)
@@ -625,16 +640,17 @@ def load_text_encoder(model: str, revision: str | None = None, variant: str | No
 def load_as_stored(model: str, part: str, revision: str | None = None, variant: str | None = None) -> Any:
     """The UNet or VAE as its files hold it, in their dtype (diffusers would load fp16 files in fp32):
     what a saved full pipeline holds, without the training dtype's rounding or a doubled size."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    import diffusers
 
     local = Path(model).expanduser()
-    cls = AutoencoderKL if part == "vae" else UNet2DConditionModel
+    family = pipeline_family(str(local) if local.exists() else model, revision)
+    cls = diffusers.AutoencoderKL if part == "vae" else getattr(diffusers, family.denoiser_class)
     return cls.from_pretrained(str(local) if local.exists() else model, subfolder=part, variant=variant,
                                revision=revision, torch_dtype=files_dtype(model, part, revision, variant))
 
 
-def unet_dtype(precision: str) -> Any:
-    """The dtype the frozen UNet is loaded in for a training precision (None: as its files hold it)."""
+def frozen_dtype(precision: str) -> Any:
+    """The dtype a frozen denoiser is loaded in (and a frozen text encoder's Linear layers cast to) for a training precision (None: as its files hold it)."""
     import torch
 
     return torch.bfloat16 if precision == "bf16" else None

@@ -448,13 +448,18 @@ class Batch:
     image_index: torch.Tensor  # (B,)
     flip: torch.Tensor  # (B,) bool
     input_ids: torch.Tensor  # (B, 77)
-    input_ids_2: torch.Tensor | None  # (B, 77) for SDXL's second tokenizer, else None
     latent_eps: torch.Tensor  # (B, 4, h, w): draw from the VAE latent distribution
     noise: torch.Tensor  # (B, 4, h, w)
-    timesteps: torch.Tensor  # (B,)
+    timesteps: torch.Tensor  # (B,) training timestep indices
     prompt_index: torch.Tensor | None = None  # (B,): each sample's row of the plan's prompts
     instance_count: int | None = None  # prior preservation: the first this many are instance samples, the rest class
     bucket: int = 0  # the aspect-ratio bucket of every sample (image_index counts within it)
+    more_input_ids: tuple[torch.Tensor, ...] = ()  # the same prompts by a family's further tokenizers (SDXL's second)
+
+    @property
+    def all_input_ids(self) -> list[torch.Tensor]:
+        """One id tensor per text encoder of the family, in its order."""
+        return [self.input_ids, *self.more_input_ids]
 
 
 CLASS_STREAM = 0x5EED_C1A55  # prior preservation's class samples draw from streams of their own
@@ -491,11 +496,12 @@ class SamplePlan:
         num_images: int,
         repeats: int,
         prompt_ids: torch.Tensor,  # (num_templates, 77): tokenized templates with the placeholder
-        prompt_ids_2: torch.Tensor | None = None,  # the same templates by SDXL's second tokenizer
+        more_prompt_ids: tuple[torch.Tensor, ...] = (),  # the same templates by a family's further tokenizers
         prompt_of_image: list[int] | None = None,  # each image's own prompt row (captions); None: drawn per sample
         latent_shape: tuple[int, int, int],
         num_train_timesteps: int,
         flip_p: float,
+        timestep_density: Callable[[torch.Generator], float] | None = None,  # the family's (None: uniform)
         num_class_images: int = 0,
         buckets: list[list[int]] | None = None,
         bucket_latent_shapes: list[tuple[int, int, int]] | None = None,
@@ -516,10 +522,11 @@ class SamplePlan:
         if self.buckets:
             self.epoch_len = sum(math.ceil(len(b) * repeats / group) * group for b in self.buckets)
         self.prompt_ids = prompt_ids
-        self.prompt_ids_2 = prompt_ids_2
+        self.more_prompt_ids = more_prompt_ids
         self.prompt_of_image = prompt_of_image
         self.latent_shape = latent_shape
         self.num_train_timesteps = num_train_timesteps
+        self.timestep_density = timestep_density
         self.flip_p = flip_p
         self._perm_epoch = -1
         self._class_epoch = -1
@@ -593,20 +600,32 @@ class SamplePlan:
             ids.append(self.prompt_ids[drawn])
             eps.append(torch.randn(shape, generator=gen))
             noise.append(torch.randn(shape, generator=gen))
-            timesteps.append(int(torch.randint(self.num_train_timesteps, (), generator=gen)))
+            timesteps.append(self._timestep(gen))
         return Batch(
             positions=list(positions),
             image_index=torch.tensor(image_index),
             flip=torch.tensor(flips),
             input_ids=torch.stack(ids),
-            input_ids_2=None if self.prompt_ids_2 is None else self.prompt_ids_2[template],
             latent_eps=torch.stack(eps),
             noise=torch.stack(noise),
             timesteps=torch.tensor(timesteps, dtype=torch.long),
             prompt_index=torch.tensor(template, dtype=torch.long),
             instance_count=len(positions) if self.num_class_images else None,
             bucket=bucket,
+            more_input_ids=tuple(ids[template] for ids in self.more_prompt_ids),
         )
+
+    @property
+    def all_prompt_ids(self) -> list[torch.Tensor]:
+        return [self.prompt_ids, *self.more_prompt_ids]
+
+    def _timestep(self, gen: torch.Generator) -> int:
+        """A training timestep's index: uniform, or at u of the family's density (as the flow-matching
+        examples index their scheduler's timesteps)."""
+        n = self.num_train_timesteps
+        if self.timestep_density is None:
+            return int(torch.randint(n, (), generator=gen))
+        return min(int(self.timestep_density(gen) * n), n - 1)
 
 
 def sample_loss(pred: torch.Tensor, target: torch.Tensor, root_weight: torch.Tensor | None, batch: Batch,

@@ -129,6 +129,7 @@ class Latents:
         # (original h, original w, crop top, crop left) of [originals, mirrored], indexed as the cache
         self.crops = torch.cat([crops[:, :4], torch.cat([crops[:, :3], crops[:, 4:]], dim=1)])
         self.scaling = float(getattr(vae.config, "scaling_factor", 0.18215))
+        self.shift = float(getattr(vae.config, "shift_factor", None) or 0.0)  # SD3's VAE centres its latents
         self.sides = drawn_sides(flip_p)
         self.per_call = encode_batch or self.encode_batch(images)
         # the cache: one row per image and drawn side, sides in order (tensors, or latent_cache's mapped rows)
@@ -191,7 +192,8 @@ class Latents:
             pixels = self.images[batch.image_index]
             pixels = torch.where(batch.flip[:, None, None, None], pixels.flip(-1), pixels)
             mean, std = self._encode(pixels)
-        return (mean + std * batch.latent_eps) * self.scaling
+        drawn = mean + std * batch.latent_eps
+        return (drawn - self.shift if self.shift else drawn) * self.scaling
 
 
 def cache_key(parts: list[Latents], identity: dict[str, Any]) -> str:

@@ -51,10 +51,10 @@ from xeontune.train.buckets import (
 from xeontune.train.components import (
     Components,
     cast_text_encoder_linears,
+    frozen_dtype,
     load,
     model_identity,
     pipeline_family,
-    unet_dtype,
     weights_files,
 )
 from xeontune.train.data import (
@@ -63,7 +63,6 @@ from xeontune.train.data import (
     check_mask_files,
     image_set_digest,
     load_masks,
-    min_snr_weights,
     offset_noise,
     read_image_sizes,
     read_images,
@@ -79,7 +78,7 @@ from xeontune.train.ranks import keeps_text_encoders, rank_memory
 
 log = logging.getLogger("xeontune.train")
 
-PHASES = ("data", "latents", "text_encoder_forward", "unet_forward", "backward", "optimizer", "allreduce")
+PHASES = ("data", "latents", "text_encoder_forward", "denoiser_forward", "backward", "optimizer", "allreduce")
 
 
 class Phases:
@@ -176,8 +175,7 @@ class TextCache:
     def __init__(self, run: Run) -> None:
         plan = run.plan
         with torch.no_grad(), run.autocast():
-            rows = [run.encode_prompts(plan.prompt_ids[i : i + 1],
-                                       None if plan.prompt_ids_2 is None else plan.prompt_ids_2[i : i + 1])
+            rows = [run.encode_prompts([ids[i : i + 1] for ids in plan.all_prompt_ids])
                     for i in range(len(plan.prompt_ids))]
         self.hidden = torch.cat([hidden for hidden, _ in rows])
         self.pooled = None if rows[0][1] is None else torch.cat([pooled for _, pooled in rows])
@@ -250,16 +248,15 @@ class Run:
         if self.text_cache is not None:
             hidden, pooled = self.text_cache.lookup(batch)
         else:
-            hidden, pooled = self.encode_prompts(batch.input_ids, batch.input_ids_2)
+            hidden, pooled = self.encode_prompts(batch.all_input_ids)
         if pooled is None:
             return hidden, None
         return hidden, self.components.family.conditions(pooled, self.latents.time_ids(batch))
 
-    def encode_prompts(self, input_ids: torch.Tensor,
-                       input_ids_2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden states, a pooled embedding or None) of tokenized prompts."""
+    def encode_prompts(self, input_ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states, a pooled embedding or None) of tokenized prompts, one id tensor per encoder."""
         c = self.components
-        return c.family.encode(c.text_encoders, [input_ids, input_ids_2][: len(c.text_encoders)])
+        return c.family.encode(c.text_encoders, input_ids)
 
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         return self.components.family.target(self.components.noise_scheduler, latents, noise, timesteps)
@@ -305,7 +302,7 @@ def precision_autocast(precision: str) -> contextlib.AbstractContextManager:
 
 def train_step(run: Run, step: int) -> torch.Tensor:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the mean loss."""
-    phase, unet = run.phases, run.components.unet
+    phase, c = run.phases, run.components
     losses = []
     for micro in range(run.opts.gradient_accumulation_steps):
         data_parallel.sync_gradients(run.sharded, micro == run.opts.gradient_accumulation_steps - 1)
@@ -318,14 +315,13 @@ def train_step(run: Run, step: int) -> torch.Tensor:
                 noise = batch.noise
                 if run.opts.noise_offset:
                     noise = noise + run.opts.noise_offset * offset_noise(batch, noise.shape[1], run.opts.seed)
-                noisy = run.components.family.noisy(run.components.noise_scheduler, latents, noise, batch.timesteps)
+                noisy = c.family.noisy(c.noise_scheduler, latents, noise, batch.timesteps)
             with run.autocast():
                 with phase("text_encoder_forward"):
                     hidden, added = run.encode_text(batch)
-                with phase("unet_forward"):
-                    pred = unet(noisy, batch.timesteps, hidden, added_cond_kwargs=added).sample
-            weights = None if run.opts.snr_gamma is None else min_snr_weights(
-                run.components.noise_scheduler, batch.timesteps, run.opts.snr_gamma)
+                with phase("denoiser_forward"):
+                    pred = c.family.predict(c.noise_scheduler, c.denoiser, noisy, batch.timesteps, hidden, added)
+            weights = c.family.loss_weights(c.noise_scheduler, batch.timesteps, run.opts)
             loss = sample_loss(pred, run.target(latents, noise, batch.timesteps), run.latents.mask(batch),
                                batch, run.opts.prior_loss_weight, weights)
             with phase("backward"):
@@ -525,7 +521,7 @@ def _setup(
     resume_state: checkpoint.TrainState | None = None
     identity = model_identity(opts.model, opts.revision) if main else None  # what rank 0's checkpoints record
     if main:
-        families.check_method(pipeline_family(opts.model, opts.revision), opts.method, opts.model)
+        families.check_method(pipeline_family(opts.model, opts.revision), opts.method, opts.model, opts)
     if opts.resume_from_checkpoint and main:
         resume_path, resume_state = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
         checkpoint.check_model(resume_state, identity, opts.model, resume_path)
@@ -545,15 +541,16 @@ def _setup(
     if components is None:
         # a part the method trains keeps fp32 master weights (autocast computes in bf16); a frozen one is
         # held in the training dtype
-        trained = method.trains
+        trained = pipeline_family(opts.model, opts.revision).trained_parts(method.trains)
         components = load(opts.model, opts.revision, opts.variant,
-                          unet_dtype=None if "unet" in trained else unet_dtype(precision))
+                          denoiser_dtype=None if families.DENOISER in trained else frozen_dtype(precision))
         for part in components.family.encoder_names:
             if part not in trained:
-                cast_text_encoder_linears(components, unet_dtype(precision), opts.model, opts.revision,
+                cast_text_encoder_linears(components, frozen_dtype(precision), opts.model, opts.revision,
                                           opts.variant, part)
-    # what the run holds beside the UNet, counted before the method moves a token table out of sight
-    beside_unet = sum(module_bytes(m) for m in (*components.text_encoders, components.vae))
+    components.family = components.family.for_run(opts)
+    # what the run holds beside the denoiser, counted before the method moves a token table out of sight
+    beside_denoiser = sum(module_bytes(m) for m in (*components.text_encoders, components.vae))
     method.install(components)  # before packing and compiling: they act on the models as the method left them
     notes: list[str] = []
     ipex, ipex_off_because = opts.ipex, "--ipex off"
@@ -562,11 +559,11 @@ def _setup(
             raise UserError(f"--ipex on: --method {opts.method} does not run on IPEX; use --ipex off")
         ipex, ipex_off_because = "off", f"--method {opts.method} does not run on it"
     if not shared:
-        components.unet, components.vae, notes = prepare_frozen_models(
-            components.unet, components.vae, precision=precision, ipex=ipex, compile=opts.compile,
+        components.denoiser, components.vae, notes = prepare_frozen_models(
+            components.denoiser, components.vae, precision=precision, ipex=ipex, compile=opts.compile,
             pack=opts.pack_weights, checkpointing=opts.gradient_checkpointing,
             step_bytes=placement.rank_memory_bytes(
-                beside_unet, components.family.activation_bytes(opts.resolution, precision), opts.train_batch_size,
+                beside_denoiser, components.family.activation_bytes(opts.resolution, precision), opts.train_batch_size,
                 opts.gradient_checkpointing),
             family=components.family.name, agree=sync.all_true, ipex_off_because=ipex_off_because,
         )
@@ -599,15 +596,17 @@ def _setup(
     if cut and main:  # as the examples do, but said: the words past the limit never reach the model
         log.warning("%d of the %d distinct prompts are longer than the text encoder's %d tokens and are cut there", cut,
                     len(prompts), tokenizer.model_max_length)
-    prompt_ids, *more_ids = [t(prompts, padding="max_length", truncation=True, max_length=t.model_max_length,
-                               return_tensors="pt").input_ids for t in components.tokenizers]
+    prompt_ids, *more_ids = [
+        t(prompts, padding="max_length", truncation=True, max_length=e.max_length or t.model_max_length,
+          return_tensors="pt").input_ids for t, e in zip(components.tokenizers, components.family.encoders, strict=True)]
     shapes = latents.latent_shapes()
     plan = SamplePlan(
         seed=opts.seed, num_images=len(image_paths), repeats=opts.repeats, prompt_ids=prompt_ids,
-        prompt_ids_2=more_ids[0] if more_ids else None, prompt_of_image=given.of_image if given else None,
+        more_prompt_ids=tuple(more_ids), prompt_of_image=given.of_image if given else None,
         latent_shape=shapes[0], bucket_latent_shapes=shapes,
         buckets=[part.members for part in images.parts], group=opts.train_batch_size * world,
-        num_train_timesteps=components.noise_scheduler.config.num_train_timesteps, flip_p=opts.flip_p,
+        num_train_timesteps=components.noise_scheduler.config.num_train_timesteps,
+        timestep_density=components.family.timestep_density(opts), flip_p=opts.flip_p,
         num_class_images=num_class_images,
     )
 
@@ -732,7 +731,8 @@ def check_checkpoint_method(state: checkpoint.TrainState, method: methods.Method
 
 def release_text_encoders(components: Components) -> None:
     """The frozen encoders freed, their outputs cached (SDXL's two are about 3.3 GB in fp32)."""
-    components.text_encoder = components.text_encoder_2 = None
+    for name in components.family.encoder_names:
+        setattr(components, name, None)
     hardware.release_freed_memory()
 
 
@@ -1025,7 +1025,7 @@ def _finish(run: Run, writer) -> Path:
         save_checkpoint(run, run.max_steps)
     if opts.validation_prompt:
         run_validation(run, run.max_steps, writer)
-    if opts.save_as_full_pipeline and "unet" not in run.method.trains:  # else the method's save wrote it
+    if opts.save_as_full_pipeline and families.DENOISER not in run.method.trains:  # else the method's save wrote it
         save_pipeline(run, out / "pipeline")
     return path
 

@@ -74,8 +74,10 @@ class TrainOptions:
     rank: int = opt(4, "the adapters' rank", aliases=("--lora-rank",), group="lora")
     lora_alpha: float | None = opt(None, "the adapters' alpha: their output is scaled by alpha / rank "
                                    "(default: the rank, so 1)", group="lora")
-    lora_targets: str = opt("to_q,to_k,to_v,to_out.0", "the UNet's modules that get adapters, comma-separated "
-                            "(names as they end in the UNet)", group="lora")
+    lora_targets: str | None = opt(None, "the denoiser's modules that get adapters, comma-separated, names as they "
+                                   "end in it (default: the model family's: to_q,to_k,to_v,to_out.0 for SD1.x/SD2/SDXL; "
+                                   "SD3 adds its context stream's add_q_proj,add_k_proj,add_v_proj,to_add_out)",
+                                   group="lora")
     lora_dropout: float = opt(0.0, "dropout on the adapters' input while training", group="lora")
     train_token_fraction: float = opt(1.0, "pivotal tuning (--method lora with --placeholder-token): the share of "
                                       "the steps in which the token trains beside the adapters; after it, only "
@@ -155,6 +157,17 @@ class TrainOptions:
                          "64 GB)", choices=("adamw", "adafactor"))
     snr_gamma: float | None = opt(None, "min-SNR weighting (Hang et al. 2023): each sample's loss weighted by "
                                   "min(SNR, gamma) / SNR (v-prediction: / (SNR + 1)); the examples suggest 5.0")
+    weighting_scheme: str | None = opt(None, "how flow matching (SD3) draws timesteps and weighs their loss, as "
+                                       "diffusers' SD3 example: logit_normal (its default), mode, none (uniform), "
+                                       "sigma_sqrt, cosmap", choices=("logit_normal", "mode", "none", "sigma_sqrt",
+                                                                      "cosmap"), group="flow matching (SD3)")
+    logit_mean: float = opt(0.0, "--weighting-scheme logit_normal: the normal's mean", group="flow matching (SD3)")
+    logit_std: float = opt(1.0, "--weighting-scheme logit_normal: the normal's standard deviation",
+                           group="flow matching (SD3)")
+    mode_scale: float = opt(1.29, "--weighting-scheme mode: its scale", group="flow matching (SD3)")
+    precondition_outputs: bool = opt(True, "compare the prediction, turned into clean latents, with the latents "
+                                     "(the SD3 example's default); --no-precondition-outputs: the velocity "
+                                     "(noise - latents)", group="flow matching (SD3)")
     noise_offset: float = opt(0.0, "add this times a per-channel Gaussian offset to the noise (as the examples' "
                               "--noise_offset: darker darks and brighter brights)")
     max_grad_norm: float | None = opt(None, "clip the gradient norm of what trains (the token's vectors, the adapters) "
@@ -232,7 +245,8 @@ class TrainOptions:
 
     @property
     def lora_target_names(self) -> list[str]:
-        return [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        """--lora-targets as names; [] where not given (the model family's default then)."""
+        return [t.strip() for t in (self.lora_targets or "").split(",") if t.strip()]
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -541,6 +555,8 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.checkpoints_total_limit is None or o.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1"),
         (o.max_grad_norm is None or o.max_grad_norm > 0, "--max-grad-norm must be positive"),
         (o.snr_gamma is None or (finite(o.snr_gamma) and o.snr_gamma > 0), "--snr-gamma must be positive"),
+        (finite(o.logit_std) and o.logit_std > 0, "--logit-std must be positive"),
+        (finite(o.logit_mean) and finite(o.mode_scale), "--logit-mean and --mode-scale must be finite"),
         (finite(o.noise_offset) and o.noise_offset >= 0, "--noise-offset must be >= 0"),
         (0 < o.ema_decay < 1, "--ema-decay must be between 0 and 1"),
         (o.ema_decay == TrainOptions.ema_decay or o.use_ema, "--ema-decay needs --use-ema"),
@@ -565,7 +581,7 @@ def validate(o: TrainOptions) -> TrainOptions:
         (o.sample_batch_size >= 1, "--sample-batch-size must be at least 1"),
         (o.method == TOKEN_METHOD or (o.placeholder_token is None) == (o.initializer_token is None),
          "pivotal tuning needs both --placeholder-token and --initializer-token"),
-        (bool(o.lora_target_names), "--lora-targets must name at least one module"),
+        (o.lora_targets is None or bool(o.lora_target_names), "--lora-targets must name at least one module"),
     ]
     for ok, message in checks:
         if not ok:

@@ -61,24 +61,25 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     if not root.is_dir():  # the family's reference model's sizes (``family``: where the hub said which)
         stored = kind.default_bytes()
     else:
-        stored = {part: _folder_bytes(root / part) for part in ("unet", "vae", *kind.encoder_names)}
+        stored = {part: _folder_bytes(root / part) for part in (kind.denoiser, "vae", *kind.encoder_names)}
         # one copy per weights file kind is loaded; a folder holding both .bin and .safetensors counts twice
-        if any((root / "unet").glob("*.safetensors")) and any((root / "unet").glob("*.bin")):
-            stored["unet"] //= 2
+        if any((root / kind.denoiser).glob("*.safetensors")) and any((root / kind.denoiser).glob("*.bin")):
+            stored[kind.denoiser] //= 2
     weight_share, grad_share, state_share = shares
     factor = weight_share + grad_share + (TRAINED_SIZE_FACTOR[optimizer] - 2) * state_share
-    if "unet" in trained:
-        unet = stored["unet"] * (factor + (1 if ema else 0))
+    denoiser = stored[kind.denoiser]
+    if families.DENOISER in trained:
+        denoiser = denoiser * (factor + (1 if ema else 0))
     else:
         # a bf16 run casts it once at load (stored in fp32 in the common pipelines)
-        unet = (stored["unet"] // 2 if precision == "bf16" else stored["unet"]) * (2 if packed else 1)
+        denoiser = (denoiser // 2 if precision == "bf16" else denoiser) * (2 if packed else 1)
     encoders = 0.0
     for encoder in kind.encoders:  # each held as its Linear layers' share says under bf16
-        if encoder.folder in trained:
+        if encoder.folder in trained and encoder.trainable:
             encoders += stored[encoder.folder] * factor
         elif text_encoders:
             encoders += _text_encoder_bytes(stored[encoder.folder], precision, encoder.linear_share)
-    return int(unet + stored["vae"] + encoders)
+    return int(denoiser + stored["vae"] + encoders)
 
 
 def shares(level: str, world: int) -> tuple[float, float, float]:
@@ -163,7 +164,7 @@ def prepare_shared_weights(opts: TrainOptions, precision: str) -> None:
     peak for SDXL), but a UNet in an old pickled .bin is still converted at its fp32 size."""
     from xeontune.train import methods
 
-    if precision != "bf16" or "unet" in methods.create(opts).trains:  # a trained UNet is no bf16 copy
+    if precision != "bf16" or families.DENOISER in methods.create(opts).trains:  # a trained one is no bf16 copy
         return
     code = "import sys; from xeontune.train.components import ensure_bf16_copies; ensure_bf16_copies(*sys.argv[1:])"
     done = subprocess.run([sys.executable, "-c", code, str(opts.model), opts.revision or "", opts.variant or ""],

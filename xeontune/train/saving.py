@@ -13,10 +13,11 @@ from typing import Any
 
 from xeontune.io import atomic_dir
 from xeontune.train.components import Components, files_dtype, load_as_stored, load_text_encoder
+from xeontune.train.families import DENOISER
 
 
 def assemble_pipeline(components: Components, opts: Any, method: Any) -> Any:
-    trained, modified = method.trains, method.modified_parts
+    trained, modified = components.family.trained_parts(method.trains), method.modified_parts
 
     def as_stored(part: str, module: Any, cast: bool) -> Any:
         """The part as the model's files hold it: reloaded when held otherwise (``cast``), freed, or when
@@ -26,9 +27,10 @@ def assemble_pipeline(components: Components, opts: Any, method: Any) -> Any:
             return load_as_stored(opts.model, part, opts.revision, opts.variant)
         return module
 
-    unet = components.unet_for_inference
-    if "unet" not in trained:
-        unet = as_stored("unet", unet, components.unet_cast or "unet" in modified)
+    family = components.family
+    denoiser = components.denoiser_for_inference
+    if DENOISER not in trained:
+        denoiser = as_stored(family.denoiser, denoiser, components.denoiser_cast or family.denoiser in modified)
     vae = components.vae
     vae = as_stored("vae", None if vae is None or vae.encoder is None else vae, False)
     encoders = {}
@@ -38,8 +40,8 @@ def assemble_pipeline(components: Components, opts: Any, method: Any) -> Any:
             encoder = load_text_encoder(opts.model, opts.revision, opts.variant, name)  # likewise its Linear layers
         encoders[name] = encoder
     tokenizers = {e.tokenizer: getattr(components, e.tokenizer) for e in components.family.encoders}
-    return components.family.pipeline({"vae": vae, "unet": unet, "scheduler": components.noise_scheduler,
-                                       **tokenizers, **encoders})
+    return family.pipeline({"vae": vae, family.denoiser: denoiser, "scheduler": components.noise_scheduler,
+                            **tokenizers, **encoders})
 
 
 def save_pipeline(components: Components, opts: Any, method: Any, target: Path, pipe: Any = None) -> Path:

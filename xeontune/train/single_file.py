@@ -189,7 +189,7 @@ def _open_clip(encoder: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _original_tensors(pipe: Any, text: TextLayout) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from _unet(pipe.unet)
+    yield from _unet(pipe.unet)  # the families whose single_file_text says a layout have a UNet
     yield from _vae(pipe.vae)
     for attribute, prefix, open_clip in text:
         yield from (_open_clip if open_clip else _clip)(getattr(pipe, attribute), prefix)

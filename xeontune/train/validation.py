@@ -12,13 +12,11 @@ from xeontune.io import atomic_path
 
 
 def make_pipeline(components) -> Any:
-    """The model family's diffusers pipeline over the run's models, DPM-Solver++."""
-    from diffusers import DPMSolverMultistepScheduler
-
+    """The model family's diffusers pipeline over the run's models, with its sampling scheduler."""
     family = components.family
     pipe = family.pipeline({
-        "vae": components.vae, "unet": components.unet_for_inference,
-        "scheduler": DPMSolverMultistepScheduler.from_config(components.noise_scheduler.config),
+        "vae": components.vae, family.denoiser: components.denoiser_for_inference,
+        "scheduler": family.sampling_scheduler(components.noise_scheduler),
         **{name: getattr(components, name) for e in family.encoders for name in (e.tokenizer, e.folder)}})
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from xeontune.train.families import DENOISER, Encoder, Family
+from xeontune.errors import UserError
+from xeontune.train.families import Encoder, Family
 
 # Measured (docs/performance.md): the peak RSS of a step on the SD1.5-architecture model minus its weights,
 # 256 px, batch 1; it grows with the pixels.
@@ -28,8 +29,13 @@ class StableDiffusion(Family):
     @classmethod
     def recognizes(cls, model_index: Mapping[str, Any]) -> bool:
         name = str(model_index.get("_class_name", ""))
-        return ("XL" not in name and DENOISER in model_index and "text_encoder" in model_index
+        return ("XL" not in name and cls.denoiser in model_index and "text_encoder" in model_index
                 and "text_encoder_2" not in model_index)
+
+    def check_options(self, opts: Any) -> None:
+        if opts.weighting_scheme is not None:
+            raise UserError(f"--weighting-scheme is flow matching's (SD3); {self.summary} trains on DDPM timesteps: "
+                            "weigh them with --snr-gamma")
 
     def encode(self, encoders: list[Any], input_ids: list[Any]) -> tuple[Any, Any]:
         # the last hidden states (SD2's config already drops its encoder's last layer)
@@ -38,10 +44,37 @@ class StableDiffusion(Family):
     def noisy(self, scheduler: Any, latents: Any, noise: Any, timesteps: Any) -> Any:
         return scheduler.add_noise(latents, noise, timesteps)
 
+    def predict(self, scheduler: Any, denoiser: Any, noisy: Any, timesteps: Any, hidden: Any,
+                conditions: dict[str, Any] | None) -> Any:
+        return denoiser(noisy, timesteps, hidden, added_cond_kwargs=conditions).sample
+
     def target(self, scheduler: Any, latents: Any, noise: Any, timesteps: Any) -> Any:
         if scheduler.config.prediction_type == "v_prediction":
             return scheduler.get_velocity(latents, noise, timesteps)
         return noise
+
+    def loss_weights(self, scheduler: Any, timesteps: Any, opts: Any) -> Any:
+        """Min-SNR-gamma's (--snr-gamma), as the examples weigh it."""
+        if opts.snr_gamma is None:
+            return None
+        from xeontune.train.data import min_snr_weights
+
+        return min_snr_weights(scheduler, timesteps, opts.snr_gamma)
+
+    def sampling_scheduler(self, training: Any) -> Any:
+        from diffusers import DPMSolverMultistepScheduler  # DPM-Solver++: few steps
+
+        return DPMSolverMultistepScheduler.from_config(training.config)
+
+    def lora_layout(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The UNet's adapters in diffusers' layout, ``<module>.lora.down.weight`` / ``.lora.up.weight``, for
+        every module. convert_state_dict_to_diffusers renames only attention's (to_q/k/v, to_out.0) and leaves
+        proj_in's, conv1's, ff's ... as peft's ``lora_A``/``lora_B``; load_lora_adapter decides from the first
+        key alone whether to rename the file back to peft's names, so one of the two kinds went missing on
+        load (and from the saved pipeline's merge), a warning the only sign. For attention the names are
+        those diffusers' examples write."""
+        return {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
+                for key, value in state_dict.items()}
 
     def single_file_text(self, pipe: Any) -> list[tuple[str, str, bool]]:
         # SD2's encoder is OpenCLIP's, whose GELU (OpenAI CLIP's is QuickGELU) is what the OpenCLIP layout
@@ -61,8 +94,8 @@ class StableDiffusion(Family):
         return ACTIVATION_BYTES_256PX * (resolution / 256) ** 2
 
     def example_bf16(self, method: str) -> tuple[str, ...]:
-        return {"textual_inversion": ("unet", "vae"),  # it keeps the text encoder (which trains) in fp32
-                "lora": ("unet", "vae", "text_encoder"),
+        return {"textual_inversion": ("denoiser", "vae"),  # it keeps the text encoder (which trains) in fp32
+                "lora": ("denoiser", "vae", "text_encoder"),
                 # train_text_to_image.py trains its UNet in fp32 under autocast and casts the frozen models
                 "full": ("vae", "text_encoder")}.get(method, ())
 

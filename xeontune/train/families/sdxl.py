@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from xeontune.train.families import DENOISER, Encoder
+from xeontune.train.families import Encoder
 from xeontune.train.families.sd import StableDiffusion
 
 # Measured (docs/performance.md, "SDXL"): the peak RSS of a training step less the frozen weights, batch 1,
@@ -38,7 +38,7 @@ class StableDiffusionXL(StableDiffusion):
     @classmethod
     def recognizes(cls, model_index: Mapping[str, Any]) -> bool:
         name = str(model_index.get("_class_name", ""))
-        return DENOISER in model_index and ("XL" in name or "text_encoder_2" in model_index) \
+        return cls.denoiser in model_index and ("XL" in name or "text_encoder_2" in model_index) \
             and "text_encoder_3" not in model_index
 
     def encode(self, encoders: list[Any], input_ids: list[Any]) -> tuple[Any, Any]:
@@ -72,8 +72,8 @@ class StableDiffusionXL(StableDiffusion):
     def example_bf16(self, method: str) -> tuple[str, ...]:
         # textual_inversion_sdxl.py casts its second encoder whole; the LoRA script keeps its VAE in fp32
         # ("to avoid NaN losses")
-        return {"textual_inversion": ("unet", "vae", "text_encoder_2"),
-                "lora": ("unet", "text_encoder", "text_encoder_2"),
+        return {"textual_inversion": ("denoiser", "vae", "text_encoder_2"),
+                "lora": ("denoiser", "text_encoder", "text_encoder_2"),
                 "full": ("vae", "text_encoder", "text_encoder_2")}.get(method, ())
 
 

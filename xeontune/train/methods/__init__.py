@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from xeontune.train.families import DENOISER
 from xeontune.train.methods.declaration import get
 
 if TYPE_CHECKING:
@@ -48,7 +49,9 @@ if TYPE_CHECKING:
     from xeontune.train.options import TrainOptions
     from xeontune.train.prompts import ImagePrompts
 
-PARTS = ("unet", "text_encoder", "text_encoder_2")  # the pipeline parts a method may train (``trains``)
+# the pipeline parts a method may train (``trains``): the denoiser (a UNet or a transformer, as the family
+# has it) and the text encoders by their folders
+PARTS = (DENOISER, "text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 class Method:

@@ -1,4 +1,4 @@
-"""Full fine-tuning: every weight of the UNet trains, and the text encoders' with --train-text-encoder
+"""Full fine-tuning: every weight of the denoiser (UNet or transformer) trains, and the text encoders' with --train-text-encoder
 (diffusers' ``train_text_to_image.py`` on captioned images, ``train_dreambooth.py`` with an instance
 prompt and prior preservation).
 
@@ -15,6 +15,7 @@ with --save-steps), which A1111, ComfyUI and kohya read.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,14 @@ import torch
 from torch import nn
 
 from xeontune.errors import TrainingError, UserError
+from xeontune.train.families import DENOISER
 from xeontune.train.methods import PARTS, Method
 from xeontune.train.methods.full import METHOD as DECLARED
 from xeontune.train.outputs import learned_file
 
 STEM = DECLARED.files[0]
-ENCODERS = tuple(p for p in PARTS if p != "unet")  # whatever the family holds (``trains`` is told before it loads)
+log = logging.getLogger("xeontune.train")
+ENCODERS = tuple(p for p in PARTS if p != DENOISER)  # whatever the family holds (``trains`` is told before it loads)
 
 
 class FullFineTuning(Method):
@@ -36,11 +39,12 @@ class FullFineTuning(Method):
     learns = "weights"
     uses_ipex = False  # IPEX's optimize() is for frozen eval-mode models; the trained UNet stays stock
 
-    models: dict[str, nn.Module]  # "unet", and "text_encoder"(, "text_encoder_2") with --train-text-encoder
+    # the denoiser by its folder ("unet"), and "text_encoder"(, "text_encoder_2"...) with --train-text-encoder
+    models: dict[str, nn.Module]
 
     @property
     def trains(self) -> frozenset[str]:
-        return frozenset({"unet", *(ENCODERS if self.opts.train_text_encoder else ())})
+        return frozenset({DENOISER, *(ENCODERS if self.opts.train_text_encoder else ())})
 
     @property
     def trains_text_encoders(self) -> bool:
@@ -48,9 +52,10 @@ class FullFineTuning(Method):
 
     def install(self, components: Any) -> None:
         self.components = components
-        self.models = {"unet": components.unet}
+        self.denoiser_name = components.family.denoiser
+        self.models = {self.denoiser_name: components.denoiser}
         if self.opts.train_text_encoder:
-            self.models.update(zip(components.family.encoder_names, components.text_encoders, strict=True))
+            self.models.update(components.family.trainable_encoders(components))
         for model in self.models.values():
             model.requires_grad_(True)
             model.train()  # as the examples train them (SD's blocks have no dropout by default)
@@ -58,9 +63,9 @@ class FullFineTuning(Method):
         if self.opts.use_ema:  # diffusers' own EMA, as the examples keep it: fp32 shadows of the UNet
             from diffusers.training_utils import EMAModel
 
-            unet = self.models["unet"]
-            self.ema = EMAModel(unet.parameters(), decay=self.opts.ema_decay, model_cls=type(unet),
-                                model_config=unet.config)
+            denoiser = self.models[self.denoiser_name]
+            self.ema = EMAModel(denoiser.parameters(), decay=self.opts.ema_decay, model_cls=type(denoiser),
+                                model_config=denoiser.config)
 
     def check_prompts(self, given: Any) -> None:
         if given is None:
@@ -78,10 +83,10 @@ class FullFineTuning(Method):
         return [p for _, p in self.named_parameters()]
 
     def ddp_modules(self) -> list[nn.Module]:
-        return [self.models["unet"]]  # the text encoders, when they train, are all-reduced flat by the loop
+        return [self.models[self.denoiser_name]]  # the text encoders, when they train, are all-reduced flat by the loop
 
     def use_ddp(self, wrapped: list[nn.Module]) -> None:
-        self.components.unet = wrapped[0]  # what the step calls; unet_for_inference stays the bare module
+        self.components.denoiser = wrapped[0]  # what the step calls; denoiser_for_inference stays the bare module
 
     def sharded_modules(self) -> list[nn.Module]:
         return list(self.models.values())  # sharded, the text encoders' gradients are FSDP's too
@@ -89,16 +94,16 @@ class FullFineTuning(Method):
     @contextlib.contextmanager
     def stand_in(self, copies: list[nn.Module]) -> Iterator[None]:
         c = self.components
-        before = dict(self.models), c.unet_for_inference, {name: getattr(c, name) for name in c.family.encoder_names}
+        before = dict(self.models), c.denoiser_for_inference, {name: getattr(c, name) for name in c.family.encoder_names}
         self.models = dict(zip(self.models, copies, strict=True))
-        c.unet_for_inference = self.models["unet"]
+        c.denoiser_for_inference = self.models[self.denoiser_name]
         for name in ENCODERS:
             if name in self.models:
                 setattr(c, name, self.models[name])
         try:
             yield
         finally:
-            self.models, c.unet_for_inference, encoders = before
+            self.models, c.denoiser_for_inference, encoders = before
             for name, encoder in encoders.items():
                 setattr(c, name, encoder)
 
@@ -112,7 +117,7 @@ class FullFineTuning(Method):
 
     def after_step(self) -> None:
         if self.ema is not None:
-            self.ema.step(self.models["unet"].parameters())
+            self.ema.step(self.models[self.denoiser_name].parameters())
 
     @contextlib.contextmanager
     def inference(self, components: Any) -> Iterator[None]:
@@ -126,7 +131,7 @@ class FullFineTuning(Method):
         if self.ema is None:
             yield
             return
-        params = list(self.models["unet"].parameters())
+        params = list(self.models[self.denoiser_name].parameters())
         self.ema.store(params)
         self.ema.copy_to(params)
         try:
@@ -182,6 +187,16 @@ class FullFineTuning(Method):
 
         self._require_finite()
         pipe = saving.assemble_pipeline(self.components, self.opts, self)
+        if not self.components.family.single_file:  # the pipeline folder alone, at the end
+            target = output_dir / "pipeline"
+            if not final:
+                if not getattr(self, "said_no_copies", False):
+                    log.warning("--save-steps: no step copies of a full %s fine-tune (it is written as a pipeline "
+                                "folder at the end); --checkpointing-steps keeps the state", self.components.family.summary)
+                    self.said_no_copies = True
+                return target
+            with self.ema_weights():
+                return saving.save_pipeline(self.components, self.opts, self, target, pipe)
         path = output_dir / learned_file(STEM, None if final else step)
         with self.ema_weights():  # the EMA's weights are what the examples save
             saving.save_single_file(pipe, self.components.family, path, self.opts)

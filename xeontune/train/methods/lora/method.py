@@ -31,6 +31,7 @@ from torch import nn
 
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_paths, disk_errors
+from xeontune.train.families import DENOISER
 from xeontune.train.methods import Method
 from xeontune.train.methods.lora import METHOD as DECLARED
 from xeontune.train.methods.textual_inversion.method import TextualInversion
@@ -47,12 +48,12 @@ log = logging.getLogger("xeontune.train")
 LORA_LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
 
 
-def check_targets(unet: nn.Module, targets: list[str]) -> None:
-    """A one-line error for a --lora-targets entry that names no module of the UNet (peft matches a
+def check_targets(denoiser: nn.Module, targets: list[str], title: str = "UNet") -> None:
+    """A one-line error for a --lora-targets entry that names no module of the denoiser (peft matches a
     name whole or as the end of a module's dotted path, and skips an entry that matches nothing as long
     as another one matches: a typo would train fewer adapters than asked, silently), or one that names
     a module peft cannot wrap (a block, such as to_out or attn1: peft would raise with its repr)."""
-    modules = list(unet.named_modules())
+    modules = list(denoiser.named_modules())
     unmatched = []
     for target in targets:
         matched = [m for name, m in modules if name == target or name.endswith("." + target)]
@@ -63,7 +64,7 @@ def check_targets(unet: nn.Module, targets: list[str]) -> None:
             raise UserError(f"--lora-targets: {target} is a {kind}, not a layer LoRA can wrap: name the Linear or "
                             "Conv2d layers in it (such as to_out.0 in to_out)")
     if unmatched:
-        raise UserError(f"--lora-targets: no module of the UNet is named {', '.join(unmatched)} (names end a module's "
+        raise UserError(f"--lora-targets: no module of the {title} is named {', '.join(unmatched)} (names end a module's "
                         "path, as in to_q, to_out.0, ff.net.2, proj_in, conv1)")
 
 
@@ -72,7 +73,7 @@ class Lora(Method):
     learns = "adapters"
     uses_ipex = False  # IPEX 2.8 prepacks Linear layers whose gradients the adapters need; packed stock torch is used
 
-    models: dict[str, nn.Module]  # "unet", "text_encoder", "text_encoder_2": the models holding adapters
+    models: dict[str, nn.Module]  # the denoiser's folder ("unet"), "text_encoder", ...: the models holding adapters
 
     def __init__(self, opts: Any) -> None:
         super().__init__(opts)
@@ -106,22 +107,23 @@ class Lora(Method):
 
         opts = self.opts
         self.family = components.family
-        self.base_model_version = components.family.kohya_version(components.unet.config,
+        self.denoiser_name = components.family.denoiser
+        self.base_model_version = components.family.kohya_version(components.denoiser.config,
                                                                   components.noise_scheduler.config)
         token_rows = []
         if self.token:
             self.token.install(components)  # its rows are spliced in before peft wraps the encoders' layers
             token_rows = self.token.parameters()
-        self.models = {"unet": components.unet}
+        self.models = {self.denoiser_name: components.denoiser}
         if opts.train_text_encoder:
-            self.models.update(zip(components.family.encoder_names, components.text_encoders, strict=True))
+            self.models.update(components.family.trainable_encoders(components))
         # Seeded apart from every other random stream: each rank makes the same adapters.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(opts.seed)
             for name, model in self.models.items():
-                targets = opts.lora_target_names if name == "unet" else TEXT_ENCODER_TARGETS
-                if name == "unet":
-                    check_targets(model, targets)
+                targets = self.targets_of(name)
+                if name == self.denoiser_name:
+                    check_targets(model, targets, self.family.denoiser_title)
                 # peft's own injection (what diffusers' add_adapter runs): transformers' add_adapter
                 # demands a newer peft than diffusers does, and the adapters are the same
                 inject_adapter_in_model(self.config(targets), model, adapter_name="default")
@@ -202,16 +204,16 @@ class Lora(Method):
 
     def state(self) -> dict[str, Any]:
         return {"learned": {"tensors": self.adapters(), "rank": self.opts.rank, "alpha": self.alpha,
-                            "targets": list(self.opts.lora_target_names), "models": list(self.models)},
+                            "targets": self.targets_of(self.denoiser_name), "models": list(self.models)},
                 **(self.token.state() if self.token else {})}
 
     def check_state(self, state: Any, where: str) -> None:
         saved = state.learned or {}
         # the same adapters whatever the order --lora-targets names them in
-        mine = {"rank": self.opts.rank, "alpha": self.alpha, "targets": sorted(set(self.opts.lora_target_names)),
+        mine = {"rank": self.opts.rank, "alpha": self.alpha, "targets": sorted(set(self.targets_of(DENOISER))),
                 "text encoders": self.opts.train_text_encoder}
         saved = {**saved, "targets": sorted(set(saved.get("targets", ()))),
-                 "text encoders": any(m != "unet" for m in saved.get("models", ()))}
+                 "text encoders": any(m.startswith("text_encoder") for m in saved.get("models", ()))}
         self._same_settings(saved, mine, where)
         if (state.vectors is not None) != (self.token is not None):
             raise UserError(f"checkpoint {where} was trained {'with' if state.vectors is not None else 'without'} a "
@@ -252,7 +254,7 @@ class Lora(Method):
         layers = self.peft_state_dicts()
         path = output_dir / learned_file(DIFFUSERS_STEM, None if final else step)
         pipeline = self.family.pipeline_type()
-        kwargs: dict[str, Any] = {f"{name}_lora_layers": unet_layout(sd) if name == "unet"
+        kwargs: dict[str, Any] = {f"{name}_lora_layers": self.family.lora_layout(sd) if name == self.denoiser_name
                                   else convert_state_dict_to_diffusers(sd) for name, sd in layers.items()}
         # the adapters' settings (alpha above all) travel in the file's metadata, as diffusers writes them
         kwargs.update({f"{name}_lora_adapter_metadata": self.config(self.targets_of(name)).to_dict()
@@ -275,7 +277,18 @@ class Lora(Method):
         return path
 
     def targets_of(self, model_name: str) -> list[str]:
-        return list(self.opts.lora_target_names) if model_name == "unet" else list(TEXT_ENCODER_TARGETS)
+        """The modules of ``model_name`` (a text encoder's folder; else the denoiser) that get adapters:
+        --lora-targets, or the family's default for its denoiser."""
+        if model_name.startswith("text_encoder"):
+            return list(TEXT_ENCODER_TARGETS)
+        if self.opts.lora_targets:
+            return list(self.opts.lora_target_names)
+        family = getattr(self, "family", None)
+        if family is None:  # before the models load (a checkpoint's settings checked against this run's)
+            from xeontune.train.components import pipeline_family
+
+            family = pipeline_family(self.opts.model, self.opts.revision)
+        return list(family.lora_targets)
 
     def write_kohya(self, layers: dict[str, dict[str, torch.Tensor]], path: Path, step: int) -> Path:
         """kohya's layout: ``lora_unet_<module path with _>.lora_down.weight`` / ``.lora_up.weight`` /
@@ -287,6 +300,9 @@ class Lora(Method):
         prefixed = {f"{name}.{k}": v for name, sd in layers.items() for k, v in sd.items()}
         # diffusers names the encoders' adapters lora_te1_, lora_te2_, ... in the family's order
         prefixes = {f"lora_te{i}_": e.kohya_prefix for i, e in enumerate(self.family.encoders, start=1)}
+        # and the denoiser's "lora_unet_" (a UNet) or its folder's name (a transformer)
+        prefixes["lora_unet_" if self.denoiser_name == "unet" else f"{self.denoiser_name}_"] = \
+            self.family.kohya_denoiser_prefix
         kohya = {}
         for key, value in convert_state_dict_to_kohya(prefixed).items():
             if key.endswith(".alpha"):  # diffusers writes alpha = rank there; ours may differ
@@ -326,15 +342,3 @@ class Lora(Method):
         pipeline.unload_lora_weights()
         with self.token.merged_into(pipeline) if self.token else contextlib.nullcontext():
             yield
-
-
-def unet_layout(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The UNet's adapters in diffusers' layout, ``<module>.lora.down.weight`` / ``.lora.up.weight``, for
-    every module. convert_state_dict_to_diffusers renames only attention's (to_q/k/v, to_out.0) and leaves
-    proj_in's, conv1's, ff's ... as peft's ``lora_A``/``lora_B``; load_lora_adapter decides from the first
-    key alone whether to rename the file back to peft's names, so one of the two kinds went missing on
-    load (and from the saved pipeline's merge), a warning the only sign. For attention the names are
-    those diffusers' examples write."""
-    return {key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): value
-            for key, value in state_dict.items()}
-
