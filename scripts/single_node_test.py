@@ -2,7 +2,8 @@
 """`make single-node-test`: build the tiny model and sample images if missing, train a few steps
 offline, then prove the result loads with diffusers' own `load_textual_inversion` (textual
 inversion) or `load_lora_weights` (`METHOD=lora`: both files, diffusers' and kohya's layouts), or the pipeline
-folder and the single file (`METHOD=full`)."""
+folder and the single file (`METHOD=full`). `MODEL=` another model's folder (`xeontune model sd3-tiny DIR`)
+trains that one."""
 
 from __future__ import annotations
 
@@ -84,15 +85,20 @@ def main() -> int:
 
 
 def load_full(model: str, family: Family, out: Path) -> int:
-    """The pipeline folder and the single file, each loaded by diffusers: the same UNet, not the base's."""
+    """The pipeline folder and (where the family has that layout) the single file, each loaded by diffusers:
+    the same denoiser, not the base's."""
     import diffusers
 
     diffusers.utils.logging.disable_progress_bar()
     cls = family.pipeline_type()
-    base = cls.from_pretrained(model).unet.state_dict()
-    folder = cls.from_pretrained(str(out / "pipeline")).unet.state_dict()
-    single = cls.from_single_file(str(out / "model.safetensors"), config=model, local_files_only=True).unet.state_dict()
+    base = getattr(cls.from_pretrained(model), family.denoiser).state_dict()
+    folder = getattr(cls.from_pretrained(str(out / "pipeline")), family.denoiser).state_dict()
     moved = max(float((folder[k] - base[k]).abs().max()) for k in base)
+    if not family.single_file:
+        print(f"loaded {out / 'pipeline'} with diffusers: the {family.denoiser_title} moved by up to {moved:.2e} "
+              "from the base")
+        return 0 if moved > 0 else 1
+    single = cls.from_single_file(str(out / "model.safetensors"), config=model, local_files_only=True).unet.state_dict()
     same = max(float((folder[k] - single[k]).abs().max()) for k in base)
     print(f"loaded {out / 'pipeline'} and {out / 'model.safetensors'} with diffusers: the UNet moved by up to "
           f"{moved:.2e} from the base; the two differ by {same:.1e}")
@@ -100,34 +106,54 @@ def load_full(model: str, family: Family, out: Path) -> int:
 
 
 def load_lora(model: str, family: Family, out: Path) -> int:
-    """Both LoRA files fused into the model's UNet by diffusers' own loader: the same weights, not the base's."""
+    """The diffusers file fused into the model's denoiser by diffusers' own loader: other weights than the
+    base's. kohya's UNet layout is loaded and fused the same way and must give the same weights; a
+    transformer's (``lora_transformer_``, which ComfyUI reads and diffusers does not) must hold the same
+    tensors under ComfyUI's names."""
     import diffusers
+    from safetensors.torch import load_file
 
     diffusers.utils.logging.disable_progress_bar()
+    names = ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"]
+    loadable = names if family.kohya_denoiser_prefix == "lora_unet_" else names[:1]
     fused = {}
-    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"):
+    for name in loadable:
         pipe = family.pipeline_type().from_pretrained(model, **family.pipeline_options)
-        base = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+        denoiser = getattr(pipe, family.denoiser)
+        base = {k: v.clone() for k, v in denoiser.state_dict().items()}
         pipe.load_lora_weights(str(out), weight_name=name)
         pipe.fuse_lora()
-        pipe.unload_lora_weights()  # the adapters' modules out: the plain UNet, the LoRA in its weights
-        fused[name] = pipe.unet.state_dict()
+        pipe.unload_lora_weights()  # the adapters' modules out: the plain denoiser, the LoRA in its weights
+        fused[name] = denoiser.state_dict()
         moved = max(float((fused[name][k] - base[k]).abs().max()) for k in base)
-        print(f"loaded {out / name} with diffusers' load_lora_weights: UNet weights moved by up to {moved:.2e}")
-    a, b = fused.values()
-    same = max(float((a[k] - b[k]).abs().max()) for k in a)
-    print(f"the two layouts fuse to the same UNet (max difference {same:.1e})")
-    return 0 if moved > 0 and same <= 1e-6 else 1
+        print(f"loaded {out / name} with diffusers' load_lora_weights: {family.denoiser_title} weights moved by up "
+              f"to {moved:.2e}")
+    if len(fused) == 2:
+        a, b = fused.values()
+        same = max(float((a[k] - b[k]).abs().max()) for k in a)
+        print(f"the two layouts fuse to the same UNet (max difference {same:.1e})")
+        return 0 if moved > 0 and same <= 1e-6 else 1
+    ours, theirs = (load_file(str(out / name)) for name in names)
+    prefix = f"{family.denoiser}."
+    pairs = [(k, family.kohya_denoiser_prefix + k.removeprefix(prefix).replace(".lora_A.weight", "").replace(".", "_")
+              + ".lora_down.weight") for k in ours if k.startswith(prefix) and ".lora_A." in k]
+    same = bool(pairs) and all(k2 in theirs and bool((ours[k1] == theirs[k2]).all()) for k1, k2 in pairs)
+    print(f"{out / names[1]} holds the same {len(pairs)} adapters under ComfyUI's {family.kohya_denoiser_prefix} "
+          f"names: {'yes' if same else 'NO'}")
+    return 0 if moved > 0 and same else 1
 
 
 def native_resolution(model: str) -> int:
-    """The pixel size the model's UNet was built for (64 for the tiny models, 512 for SD1.5, 1024 for
+    """The pixel size the model's denoiser was built for (64 for the tiny models, 512 for SD1.5, 1024 for
     SDXL): its sample size times the VAE's downscaling."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    import diffusers
 
-    unet = UNet2DConditionModel.load_config(model, subfolder="unet")  # a folder or a downloaded hub id
-    vae = AutoencoderKL.load_config(model, subfolder="vae")
-    return int(unet["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
+    from xeontune.train.components import pipeline_family
+
+    family = pipeline_family(model)
+    denoiser = getattr(diffusers, family.denoiser_class).load_config(model, subfolder=family.denoiser)
+    vae = diffusers.AutoencoderKL.load_config(model, subfolder="vae")  # a folder or a downloaded hub id
+    return int(denoiser["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
 
 
 if __name__ == "__main__":

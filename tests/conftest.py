@@ -149,6 +149,14 @@ def sd3_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def flux_model(tmp_path_factory):
+    """The tiny Flux.1-dev-shaped pipeline (packed latents, CLIP-L and T5, a guidance embedding), built once."""
+    from xeontune import models
+
+    return models.build_pipeline("flux-tiny", tmp_path_factory.mktemp("models") / "flux-tiny")
+
+
+@pytest.fixture(scope="session")
 def sample_images(tmp_path_factory):
     """The project's deterministic sample concept images (6 PNGs, 64 px)."""
     from xeontune import models

@@ -141,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("model", help="build an offline Stable Diffusion pipeline with random weights")
-    p.add_argument("kind", choices=["tiny", "sd15-arch", "sd2-tiny", "sdxl-tiny", "sdxl-arch", "sd3-tiny"],
-                   help="tiny, sd2-tiny, sdxl-tiny, sd3-tiny: seconds to train; sd15-arch, sdxl-arch: real sizes (GBs)")
+    p.add_argument("kind", choices=["tiny", "sd15-arch", "sd2-tiny", "sdxl-tiny", "sdxl-arch", "sd3-tiny",
+                                     "flux-tiny"],
+                   help="tiny, sd2-tiny, sdxl-tiny, sd3-tiny, flux-tiny: seconds to train; sd15-arch, sdxl-arch: real sizes (GBs)")
     p.add_argument("dir", help="directory to write the pipeline to (save_pretrained layout)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.set_defaults(func=_cmd_model)

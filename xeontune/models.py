@@ -18,6 +18,9 @@ trainer loads both the same way.
   keys, a dual-attention block then a context-only last block), CLIP-L and CLIP-G with projections, a T5
   encoder (its tokenizer a Unigram one over the project's words), a 16-channel VAE with a latent shift, a
   flow-matching scheduler with SD3's shift of 3.
+* ``flux-tiny``: Flux.1-dev's shape at tiny size: a transformer over 2x2-packed 16-channel latents (dual-
+  and single-stream blocks, rotary position ids, a guidance embedding), CLIP-L's pooled output and a T5
+  encoder, the dynamically shifted flow-matching scheduler.
 """
 
 from __future__ import annotations
@@ -120,12 +123,19 @@ class MMDiTDims:
     sample_size: int  # default image side in pixels
     dual_attention_layers: tuple[int, ...] = ()  # SD3.5: the blocks with a second self-attention
     family: str = "sd3"
+    single_layers: int = 0  # Flux: its single-stream blocks after the dual-stream ones
+    rope_axes: tuple[int, ...] = ()  # Flux: the rotary embedding's dims per position axis (they sum to head_dim)
 
 
 SD3_DIMS = {
     "sd3-tiny": MMDiTDims(
         layers=2, heads=4, head_dim=16, clip_l=(32, 2, 4, 64), clip_g=(64, 2, 4, 128), t5=(128, 2, 4, 16, 256),
         vae_channels=(16, 16, 32, 32), vae_layers=1, vae_groups=8, sample_size=64, dual_attention_layers=(0,),
+    ),
+    "flux-tiny": MMDiTDims(
+        layers=1, heads=2, head_dim=16, clip_l=(32, 2, 4, 64), clip_g=(0, 0, 0, 0), t5=(128, 2, 4, 16, 256),
+        vae_channels=(16, 16, 32, 32), vae_layers=1, vae_groups=8, sample_size=64, family="flux",
+        single_layers=2, rope_axes=(4, 6, 6),
     ),
 }
 KINDS = (*DIMS, *SD3_DIMS)
@@ -303,6 +313,43 @@ def build_sd3_modules(dims: MMDiTDims) -> dict:
     }
 
 
+def build_flux_modules(dims: MMDiTDims) -> dict:
+    """Flux.1-dev's pipeline parts with random weights, as keyword arguments of FluxPipeline."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer = build_tokenizer(DIMS["tiny"])
+    vocab = tokenizer.get_vocab()
+    hidden, layers, heads, intermediate = dims.clip_l
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=hidden,
+        bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"]))
+    tokenizer_2 = build_t5_tokenizer(512)
+    d_model, t5_layers, t5_heads, d_kv, d_ff = dims.t5
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_2), d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=t5_layers, num_heads=t5_heads,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    latent_channels = 16
+    return {
+        "tokenizer": tokenizer, "text_encoder": clip, "tokenizer_2": tokenizer_2, "text_encoder_2": t5,
+        "transformer": FluxTransformer2DModel(
+            patch_size=1, in_channels=latent_channels * 4, num_layers=dims.layers, num_single_layers=dims.single_layers,
+            attention_head_dim=dims.head_dim, num_attention_heads=dims.heads, joint_attention_dim=d_model,
+            pooled_projection_dim=hidden, guidance_embeds=True, axes_dims_rope=dims.rope_axes),
+        "vae": AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=latent_channels,
+            down_block_types=("DownEncoderBlock2D",) * len(dims.vae_channels),
+            up_block_types=("UpDecoderBlock2D",) * len(dims.vae_channels),
+            block_out_channels=dims.vae_channels, layers_per_block=dims.vae_layers, norm_num_groups=dims.vae_groups,
+            sample_size=dims.sample_size, scaling_factor=0.3611, shift_factor=0.1159,
+            use_quant_conv=False, use_post_quant_conv=False),
+        "scheduler": FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096),
+    }
+
+
 def _no_file_in_the_way(folder: Path) -> None:
     """A one-line error when ``folder`` or a folder above it is a file (mkdir failed on it, exit 1)."""
     blocker = file_in_the_way(folder)
@@ -318,7 +365,12 @@ def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: Pipeline
     ``dims`` overrides the kind's sizes (tests use a tiny UNet with SD1.5's 768-wide text encoder).
     """
     import torch
-    from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+    from diffusers import (
+        FluxPipeline,
+        StableDiffusion3Pipeline,
+        StableDiffusionPipeline,
+        StableDiffusionXLPipeline,
+    )
 
     quiet_progress_bars()
     if kind not in KINDS:
@@ -331,7 +383,9 @@ def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: Pipeline
         raise UserError(f"{out} already exists and is not empty: name a new or empty folder")
     torch.manual_seed(seed)
     if kind in SD3_DIMS:
-        pipe = StableDiffusion3Pipeline(**build_sd3_modules(SD3_DIMS[kind]))
+        dims3 = SD3_DIMS[kind]
+        pipe = (FluxPipeline(**build_flux_modules(dims3)) if dims3.family == "flux"
+                else StableDiffusion3Pipeline(**build_sd3_modules(dims3)))
         with atomic_dir(out) as tmp:
             pipe.save_pretrained(tmp)
         return out

@@ -166,10 +166,10 @@ def test_the_rank_plan_counts_a_sharded_optimizer_state_once_over_the_ranks(tiny
     from xeontune.train import ranks as plan
 
     stored = sum(p.stat().st_size for p in (tiny_model / "unet").glob("*.safetensors"))
-    whole = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"unet"}))
-    quarter = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"unet"}), shares=(1.0, 1.0, 0.25))
+    whole = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"denoiser"}))
+    quarter = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"denoiser"}), shares=(1.0, 1.0, 0.25))
     assert whole - quarter == pytest.approx(stored * 2 * 0.75, abs=2)  # AdamW's two moments, 3/4 of them gone
-    fsdp = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"unet"}), shares=(0.25, 0.25, 0.25))
+    fsdp = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"denoiser"}), shares=(0.25, 0.25, 0.25))
     assert whole - fsdp == pytest.approx(stored * 4 * 0.75, abs=2)  # the weights and gradients too
 
 

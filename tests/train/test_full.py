@@ -151,11 +151,11 @@ def test_the_rank_plan_counts_a_trained_unets_gradients_and_optimizer_state(tiny
 
     stored_unet = sum(p.stat().st_size for p in (tiny_model / "unet").glob("*.safetensors"))
     frozen = ranks.frozen_weight_bytes(str(tiny_model), "bf16")
-    trained = ranks.frozen_weight_bytes(str(tiny_model), "bf16", trained=frozenset({"unet"}))
+    trained = ranks.frozen_weight_bytes(str(tiny_model), "bf16", trained=frozenset({"denoiser"}))
     # fp32 weights, gradients and AdamW's two moments (16 bytes a parameter) in place of a bf16 copy
     assert trained - frozen == stored_unet * 4 - stored_unet // 2
     # packing never applies to it
-    assert ranks.frozen_weight_bytes(str(tiny_model), "bf16", packed=True, trained=frozenset({"unet"})) == trained
+    assert ranks.frozen_weight_bytes(str(tiny_model), "bf16", packed=True, trained=frozenset({"denoiser"})) == trained
 
 
 def test_captions_past_the_token_limit_are_said_once(full_args, sample_images, tmp_path, caplog):

@@ -274,13 +274,13 @@ def test_bf16_unet_comes_from_a_mapped_copy(tiny_model, tmp_path, monkeypatch):
     from xeontune.train import backends, components, packed
 
     monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
-    first = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).unet
+    first = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).denoiser
     copy = components.bf16_copy_dir(str(tiny_model), None, None)
     assert copy is not None and (copy / "config.json").is_file()
     weights = next(copy.glob("*.safetensors"))
     assert str(weights.resolve()) in Path("/proc/self/maps").read_text()
     assert packed.file_mapped_bytes(first.parameters()) == backends.module_bytes(first) > 0  # the first run too
-    second = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).unet
+    second = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).denoiser
     assert str(weights.resolve()) in Path("/proc/self/maps").read_text()  # mapped, not read and converted
     from safetensors import safe_open
 
@@ -311,10 +311,10 @@ def test_a_sharded_unet_gets_a_mapped_bf16_copy_too(tiny_model, tmp_path, monkey
     shards = sorted((model / "unet").glob("diffusion_pytorch_model-*.safetensors"))
     assert len(shards) > 1 and not (model / "unet" / "diffusion_pytorch_model.safetensors").exists()
     monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
-    first = components.load(str(model), denoiser_dtype=torch.bfloat16).unet
+    first = components.load(str(model), denoiser_dtype=torch.bfloat16).denoiser
     copy = components.bf16_copy_dir(str(model), None, None)
     assert copy is not None and (copy / "config.json").is_file()
-    second = components.load(str(model), denoiser_dtype=torch.bfloat16).unet
+    second = components.load(str(model), denoiser_dtype=torch.bfloat16).denoiser
     assert str(next(copy.glob("*.safetensors")).resolve()) in Path("/proc/self/maps").read_text()
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
@@ -365,7 +365,7 @@ def test_an_unwritable_cache_only_costs_speed(tiny_model, tmp_path, monkeypatch,
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv(components.BF16_CACHE_ENV, str(blocker / "cache"))  # under a file: cannot be made
-    unet = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).unet
+    unet = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).denoiser
     assert next(unet.parameters()).dtype == torch.bfloat16
     assert "could not write the bf16 UNet copy" in caplog.text
 
@@ -494,7 +494,7 @@ def test_an_old_pickled_bin_is_converted_in_memory_as_before(tiny_model, tmp_pat
     copy = components.bf16_copy_dir(model, None, None)
     assert (copy / "config.json").is_file()
     assert str(next(copy.glob("*.safetensors")).resolve()) in Path("/proc/self/maps").read_text()
-    want = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).unet.state_dict()
+    want = components.load(str(tiny_model), denoiser_dtype=torch.bfloat16).denoiser.state_dict()
     assert all(torch.equal(t, want[k]) for k, t in unet.state_dict().items())
 
 

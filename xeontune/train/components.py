@@ -87,10 +87,11 @@ def check_text_to_image(model: str, revision: str | None, family: Family | None 
     denoiser = getattr(diffusers, family.denoiser_class)
     takes = denoiser.load_config(model, subfolder=family.denoiser, revision=revision).get("in_channels", 4)
     latents = diffusers.AutoencoderKL.load_config(model, subfolder="vae", revision=revision).get("latent_channels", 4)
-    if takes != latents:
-        raise UserError(f"{model}'s UNet takes {takes} input channels, not the {latents} of its latents: an "
-                        "inpainting, depth, upscaling or instruct-pix2pix model; textual inversion here trains "
-                        "text-to-image pipelines (SD1.x, SD2.x, SDXL), whose embeddings these models load too")
+    if takes != family.denoiser_channels(latents):
+        raise UserError(f"{model}'s {family.denoiser_title} takes {takes} input channels, not the "
+                        f"{family.denoiser_channels(latents)} of its latents: an inpainting, depth, upscaling or "
+                        "instruct-pix2pix model; xeontune trains text-to-image pipelines, whose textual inversions "
+                        "and LoRAs these models load too")
 
 
 def pipeline_family(model: str, revision: str | None = None) -> Family:

@@ -74,7 +74,7 @@ from xeontune.train.latent_cache import Latents, encode_latents
 from xeontune.train.options import TrainOptions, fsdp_refusal
 from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, VALIDATION_IMAGE_RE
 from xeontune.train.prompts import ImagePrompts, image_prompts, prompts_digest
-from xeontune.train.ranks import keeps_text_encoders, rank_memory
+from xeontune.train.ranks import keeps_text_encoders, memory_plan, rank_memory
 
 log = logging.getLogger("xeontune.train")
 
@@ -522,6 +522,10 @@ def _setup(
     identity = model_identity(opts.model, opts.revision) if main else None  # what rank 0's checkpoints record
     if main:
         families.check_method(pipeline_family(opts.model, opts.revision), opts.method, opts.model, opts)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1)
+        fits, said = memory_plan(opts, choose_precision(opts.mixed_precision)[0], world, local)
+        (log.info if fits else log.warning)("%s", said if fits else said + " (the load may swap or be killed: fewer "
+                                            "ranks a node, --mixed-precision bf16, --shard, or a larger node)")
     if opts.resume_from_checkpoint and main:
         resume_path, resume_state = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
         checkpoint.check_model(resume_state, identity, opts.model, resume_path)

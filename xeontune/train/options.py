@@ -157,17 +157,21 @@ class TrainOptions:
                          "64 GB)", choices=("adamw", "adafactor"))
     snr_gamma: float | None = opt(None, "min-SNR weighting (Hang et al. 2023): each sample's loss weighted by "
                                   "min(SNR, gamma) / SNR (v-prediction: / (SNR + 1)); the examples suggest 5.0")
-    weighting_scheme: str | None = opt(None, "how flow matching (SD3) draws timesteps and weighs their loss, as "
-                                       "diffusers' SD3 example: logit_normal (its default), mode, none (uniform), "
-                                       "sigma_sqrt, cosmap", choices=("logit_normal", "mode", "none", "sigma_sqrt",
-                                                                      "cosmap"), group="flow matching (SD3)")
-    logit_mean: float = opt(0.0, "--weighting-scheme logit_normal: the normal's mean", group="flow matching (SD3)")
+    weighting_scheme: str | None = opt(None, "how flow matching draws timesteps and weighs their loss, as diffusers' "
+                                       "examples: logit_normal, mode, none (uniform), sigma_sqrt, cosmap (default: "
+                                       "the family's example's: logit_normal for SD3, none for Flux)",
+                                       choices=("logit_normal", "mode", "none", "sigma_sqrt", "cosmap"),
+                                       group="flow matching (SD3, Flux)")
+    logit_mean: float = opt(0.0, "--weighting-scheme logit_normal: the normal's mean", group="flow matching (SD3, Flux)")
     logit_std: float = opt(1.0, "--weighting-scheme logit_normal: the normal's standard deviation",
-                           group="flow matching (SD3)")
-    mode_scale: float = opt(1.29, "--weighting-scheme mode: its scale", group="flow matching (SD3)")
-    precondition_outputs: bool = opt(True, "compare the prediction, turned into clean latents, with the latents "
-                                     "(the SD3 example's default); --no-precondition-outputs: the velocity "
-                                     "(noise - latents)", group="flow matching (SD3)")
+                           group="flow matching (SD3, Flux)")
+    mode_scale: float = opt(1.29, "--weighting-scheme mode: its scale", group="flow matching (SD3, Flux)")
+    precondition_outputs: bool | None = opt(None, "compare the prediction, turned into clean latents, with the "
+                                            "latents; --no-precondition-outputs: the velocity (noise - latents) "
+                                            "(default: the family's example: on for SD3, off for Flux)",
+                                            group="flow matching (SD3, Flux)")
+    guidance_scale: float = opt(3.5, "Flux.1-dev: the guidance its transformer's guidance embedding is given while "
+                                "training (the Flux example's --guidance_scale)", group="flow matching (SD3, Flux)")
     noise_offset: float = opt(0.0, "add this times a per-channel Gaussian offset to the noise (as the examples' "
                               "--noise_offset: darker darks and brighter brights)")
     max_grad_norm: float | None = opt(None, "clip the gradient norm of what trains (the token's vectors, the adapters) "
@@ -370,7 +374,7 @@ def load_config_file(path: str) -> dict[str, Any]:
                 raise UserError(f"config file {p}: {key} must be {_TYPE_WORDS.get(typ, typ.__name__)}, "
                                 f"got {value!r}") from None
         choices = known[name].metadata["choices"]
-        if choices and value not in choices:
+        if choices and value not in choices and not (value is None and known[name].default is None):
             raise UserError(f"config file {p}: {key} must be one of {', '.join(choices)}, got {value!r}")
         if name in HOME_PATHS and isinstance(value, str) and value.startswith("~"):
             value = os.path.expanduser(value)  # as a shell does on the command line; ranks get no shell

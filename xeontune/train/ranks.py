@@ -133,6 +133,18 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True, world: in
                                        opts.train_batch_size, opts.gradient_checkpointing)
 
 
+def memory_plan(opts: TrainOptions, precision: str, world: int, local_ranks: int) -> tuple[bool, str]:
+    """Whether this node's ranks fit in its available memory, by the rank plan's figures (the family's model
+    sizes, its activations, the method's training state), and a line that says so: told before any weight
+    loads, so a model too large for the node (Flux.1 in fp32 on 64 GB, say) costs no load."""
+    need = rank_memory(opts, precision, world=world) * local_ranks
+    have = placement.available_memory_bytes()
+    fits = need <= have
+    ranks = f"{local_ranks} ranks" if local_ranks > 1 else "this run"
+    return fits, (f"memory plan: {ranks} need about {need / 1e9:.1f} GB ({precision}); this node has "
+                  f"{have / 1e9:.1f} GB available{'' if fits else ': it does not fit'}")
+
+
 def keeps_text_encoders(method: Any, opts: TrainOptions) -> bool:
     """Whether a rank holds the text encoders through the steps: the one rule the loop frees them by and
     ``rank_memory`` counts them by. Not where the method trains none of them and their outputs are

@@ -6,7 +6,8 @@ rest of the toolkit asks the family of the run's model (``components.family``, o
 
 - ``sd``: SD1.x and SD2.x (one CLIP text encoder, a UNet, DDPM noise with epsilon or v-prediction);
 - ``sdxl``: SDXL (two text encoders, the second's pooled projection and the images' size/crop conditions);
-- ``sd3``: SD3 and SD3.5 (an MMDiT transformer, three text encoders with T5, flow matching).
+- ``sd3``: SD3 and SD3.5 (an MMDiT transformer, three text encoders with T5, flow matching);
+- ``flux``: Flux.1 (a transformer over packed latents, CLIP's pooled output and T5, a guidance embedding).
 
 A family says, without importing torch (its modules import diffusers and transformers inside the calls):
 which pipelines are its own (``recognizes`` a model_index.json) and which parts they hold, its text encoders
@@ -85,6 +86,11 @@ class Family:
     @property
     def encoder_names(self) -> tuple[str, ...]:
         return tuple(e.folder for e in self.encoders)
+
+    def denoiser_channels(self, latent_channels: int) -> int:
+        """The input channels of this family's text-to-image denoiser for the VAE's latent channels (Flux
+        packs 2x2 patches); another count is an inpainting, depth or other conditioned model."""
+        return latent_channels
 
     def trained_parts(self, trains: frozenset[str]) -> frozenset[str]:
         """Of a method's ``trains``, what trains in this family (an encoder it keeps frozen does not)."""
@@ -188,7 +194,7 @@ class Family:
 
 
 _REGISTRY: Registry[Family] = Registry("model family", "FAMILY", Family)
-for _name in ("sd", "sdxl", "sd3"):
+for _name in ("sd", "sdxl", "sd3", "flux"):
     _REGISTRY.register(_name, f"xeontune.train.families.{_name}")
 register, unregister, names, get = _REGISTRY.register, _REGISTRY.unregister, _REGISTRY.names, _REGISTRY.get
 

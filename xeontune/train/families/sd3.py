@@ -14,8 +14,6 @@ from typing import Any, ClassVar
 from xeontune.errors import UserError
 from xeontune.train.families import Encoder, Family
 
-DEFAULT_WEIGHTING = "logit_normal"  # train_dreambooth_lora_sd3.py's default
-
 # Not measured yet (no SD3 run on this project's machines so far): SD1.5's measured figure per latent pixel,
 # scaled by the transformer's width (1536 for SD3.5 Medium against SD1.5's 320-1280), with margin.
 ACTIVATION_BYTES_1024PX = {"bf16": 8.0e9, "fp32": 16.0e9}
@@ -46,6 +44,8 @@ class StableDiffusion3(Family):
                     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
     # ComfyUI reads SD3 LoRAs in diffusers' layout and in this one (OneTrainer's): the module path with "_"
     kohya_denoiser_prefix = "lora_transformer_"
+    weighting = "logit_normal"  # --weighting-scheme's default: train_dreambooth_lora_sd3.py's
+    precondition = True  # --precondition-outputs' default: the example's (``for_run`` sets the run's)
     refuses: ClassVar[Mapping[str, str]] = {
         "textual_inversion": "its prompts reach the transformer through T5 as well, which a CLIP token does not "
                              "teach; train a LoRA (--method lora)"}
@@ -59,8 +59,8 @@ class StableDiffusion3(Family):
 
     def check_options(self, opts: Any) -> None:
         if opts.snr_gamma is not None:
-            raise UserError("--snr-gamma weighs DDPM timesteps; SD3 trains by flow matching: weigh them with "
-                            "--weighting-scheme (sigma_sqrt, cosmap, logit_normal, mode)")
+            raise UserError(f"--snr-gamma weighs DDPM timesteps; {self.summary} trains by flow matching: weigh them "
+                            "with --weighting-scheme (sigma_sqrt, cosmap, logit_normal, mode)")
 
     # --- prompts ----------------------------------------------------------------------------------
 
@@ -90,7 +90,7 @@ class StableDiffusion3(Family):
         from its own stream."""
         from diffusers.training_utils import compute_density_for_timestep_sampling
 
-        scheme = opts.weighting_scheme or DEFAULT_WEIGHTING
+        scheme = opts.weighting_scheme or self.weighting
 
         def density(gen: Any) -> float:
             return float(compute_density_for_timestep_sampling(
@@ -122,20 +122,20 @@ class StableDiffusion3(Family):
 
     def loss_weights(self, scheduler: Any, timesteps: Any, opts: Any) -> Any:
         """diffusers' weighting of the scheme (compute_loss_weighting_for_sd3); None where it is one."""
-        scheme = opts.weighting_scheme or DEFAULT_WEIGHTING
+        scheme = opts.weighting_scheme or self.weighting
         if scheme not in ("sigma_sqrt", "cosmap"):
             return None
         from diffusers.training_utils import compute_loss_weighting_for_sd3
 
         return compute_loss_weighting_for_sd3(scheme, scheduler.sigmas[timesteps].float())
 
-    precondition = True  # --precondition-outputs (``for_run``)
-
     def for_run(self, opts: Any) -> StableDiffusion3:
         import copy
 
         mine = copy.copy(self)
-        mine.precondition = bool(opts.precondition_outputs)
+        if opts.precondition_outputs is not None:
+            mine.precondition = opts.precondition_outputs
+        mine.guidance_scale = opts.guidance_scale
         return mine
 
     # --- files ------------------------------------------------------------------------------------
