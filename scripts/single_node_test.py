@@ -153,6 +153,8 @@ def native_resolution(model: str) -> int:
     family = pipeline_family(model)
     denoiser = getattr(diffusers, family.denoiser_class).load_config(model, subfolder=family.denoiser)
     vae = diffusers.AutoencoderKL.load_config(model, subfolder="vae")  # a folder or a downloaded hub id
+    if "sample_size" not in denoiser:  # Flux's transformer has none: the VAE's own, in pixels
+        return int(vae["sample_size"])
     return int(denoiser["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
 
 

@@ -116,3 +116,19 @@ def test_full_fine_tuning_trains_the_transformer_and_clip_not_t5(flux_model, sam
                                                 "textual_inversion", "--placeholder-token", "<t>",
                                                 "--initializer-token", "toy")])
     assert "a flux model (Flux.1)" in line
+
+
+def test_the_single_node_test_takes_a_flux_model(flux_model, sample_images, tmp_path):
+    """`make single-node-test MODEL=<flux folder> METHOD=lora`: at the model's own size (its VAE's, Flux's
+    transformer names none), the diffusers file loads and the second file holds the same adapters."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "scripts" / "single_node_test.py"
+    proc = subprocess.run([sys.executable, str(script), "--method", "lora", "--model", str(flux_model), "--data",
+                           str(sample_images), "--steps", "2", "--output-dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "under ComfyUI's lora_transformer_ names: yes" in proc.stdout
