@@ -89,6 +89,39 @@ def test_sdxl_arch_has_sdxl_base_dimensions_without_allocating_them():
     assert unet.projection_class_embeddings_input_dim == 6 * 256 + 1280 == 2816
 
 
+def test_sd35m_and_flux_arch_have_the_real_widths_without_allocating_them():
+    """Sized on the meta device: SD3.5 Medium's parts as its configs build them, and Flux.1-dev's widths at
+    the reduced depth the build says it has."""
+    import torch
+
+    def counts(kind, build):
+        with torch.device("meta"):
+            parts = build(models.SD3_DIMS[kind])
+        return parts, {n: round(sum(p.numel() for p in m.parameters()) / 1e6) for n, m in parts.items()
+                       if hasattr(m, "parameters")}
+
+    parts, count = counts("sd35m-arch", models.build_sd3_modules)
+    assert count == {"text_encoder": 124, "text_encoder_2": 695, "text_encoder_3": 4762, "transformer": 2243, "vae": 84}
+    config = parts["transformer"].config
+    assert (config.num_layers, config.caption_projection_dim, config.joint_attention_dim, config.pos_embed_max_size,
+            len(config.dual_attention_layers)) == (24, 1536, 4096, 384, 13)
+    assert len(parts["tokenizer"]) == 49408 and len(parts["tokenizer_3"]) == 32128
+    parts, count = counts("flux-arch", models.build_flux_modules)
+    assert count["transformer"] == 1310 and count["text_encoder_2"] == 4762
+    config = parts["transformer"].config
+    assert (config.num_attention_heads * config.attention_head_dim, config.guidance_embeds) == (3072, True)
+    assert "2 of its 19 dual-stream" in models.NOTES["flux-arch"]
+
+
+def test_sd3_and_flux_tiny_build_offline_and_sample_in_their_pipelines(tmp_path, capsys):
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    for kind, cls in (("sd3-tiny", StableDiffusion3Pipeline), ("flux-tiny", FluxPipeline)):
+        assert main(["model", kind, str(tmp_path / kind)]) == 0
+        pipe = cls.from_pretrained(str(tmp_path / kind))
+        assert pipe("a photo of a toy", num_inference_steps=1, height=64, width=64).images[0].size == (64, 64)
+
+
 def test_sdxl_and_sd2_tiny_build_offline_and_load_in_their_diffusers_pipelines(tmp_path):
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from xeontune import __version__
+from xeontune import __version__, models
 from xeontune.cluster import state
 from xeontune.errors import UserError, exit_status
 from xeontune.quiet import quiet_libraries
@@ -39,7 +39,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
     from xeontune import models
 
     path = models.build_pipeline(args.kind, args.dir, seed=args.seed)
-    print(f"wrote {args.kind} pipeline to {path}")
+    print(f"wrote {args.kind} pipeline to {path}" + (f" ({models.NOTES[args.kind]})" if args.kind in models.NOTES else ""))
     return 0
 
 
@@ -141,9 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("model", help="build an offline Stable Diffusion pipeline with random weights")
-    p.add_argument("kind", choices=["tiny", "sd15-arch", "sd2-tiny", "sdxl-tiny", "sdxl-arch", "sd3-tiny",
-                                     "flux-tiny"],
-                   help="tiny, sd2-tiny, sdxl-tiny, sd3-tiny, flux-tiny: seconds to train; sd15-arch, sdxl-arch: real sizes (GBs)")
+    p.add_argument("kind", choices=list(models.KINDS),
+                   help="tiny, sd2-tiny, sdxl-tiny, sd3-tiny, flux-tiny: seconds to train; sd15-arch, sdxl-arch, "
+                   "sd35m-arch: real sizes (GBs); flux-arch: Flux.1-dev's widths at reduced depth")
     p.add_argument("dir", help="directory to write the pipeline to (save_pretrained layout)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.set_defaults(func=_cmd_model)

@@ -18,6 +18,10 @@ trainer loads both the same way.
   keys, a dual-attention block then a context-only last block), CLIP-L and CLIP-G with projections, a T5
   encoder (its tokenizer a Unigram one over the project's words), a 16-channel VAE with a latent shift, a
   flow-matching scheduler with SD3's shift of 3.
+* ``sd35m-arch``: SD3.5 Medium's dimensions (its 2.5 B-parameter MMDiT-X, CLIP-L, OpenCLIP bigG, T5-XXL's
+  4.76 B-parameter encoder: about 34 GB in fp32); for benchmarks only.
+* ``flux-arch``: Flux.1-dev's widths at reduced depth (2 of 19 dual-stream, 4 of 38 single-stream blocks),
+  with its full-size CLIP-L and T5-XXL; for benchmarks only, and it says so when built.
 * ``flux-tiny``: Flux.1-dev's shape at tiny size: a transformer over 2x2-packed 16-channel latents (dual-
   and single-stream blocks, rotary position ids, a guidance embedding), CLIP-L's pooled output and a T5
   encoder, the dynamically shifted flow-matching scheduler.
@@ -125,6 +129,9 @@ class MMDiTDims:
     family: str = "sd3"
     single_layers: int = 0  # Flux: its single-stream blocks after the dual-stream ones
     rope_axes: tuple[int, ...] = ()  # Flux: the rotary embedding's dims per position axis (they sum to head_dim)
+    vocab_size: int | None = None  # the CLIP tokenizers' (None: the project's words; else padded to this size)
+    t5_vocab: int | None = None  # likewise T5's
+    pos_embed_max: int = 0  # SD3's position-embedding grid (0: the latent side)
 
 
 SD3_DIMS = {
@@ -137,8 +144,26 @@ SD3_DIMS = {
         vae_channels=(16, 16, 32, 32), vae_layers=1, vae_groups=8, sample_size=64, family="flux",
         single_layers=2, rope_axes=(4, 6, 6),
     ),
+    # stabilityai/stable-diffusion-3.5-medium's configs: an MMDiT-X of 24 blocks (the first 13 with a second
+    # self-attention), CLIP-L, OpenCLIP bigG, T5-XXL's encoder (4.76 B parameters, 19 GB in fp32)
+    "sd35m-arch": MMDiTDims(
+        layers=24, heads=24, head_dim=64, clip_l=(768, 12, 12, 3072), clip_g=(1280, 32, 20, 5120),
+        t5=(4096, 24, 64, 64, 10240), vae_channels=(128, 256, 512, 512), vae_layers=2, vae_groups=32,
+        sample_size=1024, dual_attention_layers=tuple(range(13)), vocab_size=49408, t5_vocab=32128, pos_embed_max=384,
+    ),
+    # black-forest-labs/FLUX.1-dev's widths at reduced depth: 2 of its 19 dual-stream and 4 of its 38
+    # single-stream blocks (1.4 B of 11.9 B parameters), so that a step's per-block cost is measured at real
+    # width on a node that would not hold the whole model beside the example's copy of it
+    "flux-arch": MMDiTDims(
+        layers=2, heads=24, head_dim=128, clip_l=(768, 12, 12, 3072), clip_g=(0, 0, 0, 0),
+        t5=(4096, 24, 64, 64, 10240), vae_channels=(128, 256, 512, 512), vae_layers=2, vae_groups=32,
+        sample_size=1024, family="flux", single_layers=4, rope_axes=(16, 56, 56), vocab_size=49408, t5_vocab=32128,
+    ),
 }
 KINDS = (*DIMS, *SD3_DIMS)
+# what a kind's build says beside the path (a model that is not the real one's shape whole)
+NOTES = {"flux-arch": "Flux.1-dev's widths at reduced depth: 2 of its 19 dual-stream and 4 of its 38 single-stream "
+                      "blocks (1.3 B of its 11.9 B transformer parameters); CLIP-L and T5-XXL at full size"}
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -188,7 +213,7 @@ def _template_words() -> list[str]:
     return words + list(EXTRA_WORDS)
 
 
-def build_tokenizer(dims: PipelineDims, pad_token: str | None = None):
+def build_tokenizer(dims: PipelineDims | MMDiTDims, pad_token: str | None = None):
     """A CLIPTokenizer over the project's own vocab (``pad_token``: SDXL's second tokenizer pads with "!")."""
     from transformers import CLIPTokenizer
 
@@ -256,9 +281,9 @@ def build_modules(dims: PipelineDims, tokenizer) -> dict:
     return modules
 
 
-def build_t5_tokenizer(max_length: int = 77):
+def build_t5_tokenizer(max_length: int = 77, vocab_size: int | None = None):
     """A T5 tokenizer (SentencePiece's Unigram model, as T5's) whose vocabulary is the project's words, each
-    one piece, and its letters; built offline."""
+    one piece, and its letters (padded to ``vocab_size`` with unreachable pieces); built offline."""
     import string
 
     from transformers import T5TokenizerFast
@@ -266,6 +291,7 @@ def build_t5_tokenizer(max_length: int = 77):
     words = sorted(set(_template_words()))
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     vocab += [("\u2581" + w, -3.0) for w in words] + [(c, -8.0) for c in string.ascii_letters + string.digits]
+    vocab += [(f"\u2581xtfill{i}", -20.0) for i in range((vocab_size or 0) - len(vocab))]
     return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=max_length)
 
 
@@ -274,8 +300,7 @@ def build_sd3_modules(dims: MMDiTDims) -> dict:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    plain = DIMS["tiny"]
-    tokenizer, tokenizer_2 = build_tokenizer(plain), build_tokenizer(plain, pad_token="!")
+    tokenizer, tokenizer_2 = build_tokenizer(dims), build_tokenizer(dims, pad_token="!")
     vocab = tokenizer.get_vocab()
     ids = {"bos_token_id": vocab["<|startoftext|>"], "eos_token_id": vocab["<|endoftext|>"],
            "pad_token_id": vocab["<|endoftext|>"]}
@@ -286,7 +311,7 @@ def build_sd3_modules(dims: MMDiTDims) -> dict:
             vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
             num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=hidden, **ids))
 
-    tokenizer_3 = build_t5_tokenizer()
+    tokenizer_3 = build_t5_tokenizer(77, dims.t5_vocab)
     d_model, t5_layers, t5_heads, d_kv, d_ff = dims.t5
     t5 = T5EncoderModel(T5Config(
         vocab_size=len(tokenizer_3), d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=t5_layers, num_heads=t5_heads,
@@ -301,7 +326,8 @@ def build_sd3_modules(dims: MMDiTDims) -> dict:
             num_layers=dims.layers, attention_head_dim=dims.head_dim, num_attention_heads=dims.heads,
             joint_attention_dim=d_model, caption_projection_dim=dims.heads * dims.head_dim,
             pooled_projection_dim=dims.clip_l[0] + dims.clip_g[0], qk_norm="rms_norm",
-            dual_attention_layers=dims.dual_attention_layers, pos_embed_max_size=dims.sample_size // 8),
+            dual_attention_layers=dims.dual_attention_layers,
+            pos_embed_max_size=dims.pos_embed_max or dims.sample_size // 8),
         "vae": AutoencoderKL(
             in_channels=3, out_channels=3, latent_channels=latent_channels,
             down_block_types=("DownEncoderBlock2D",) * len(dims.vae_channels),
@@ -318,14 +344,14 @@ def build_flux_modules(dims: MMDiTDims) -> dict:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    tokenizer = build_tokenizer(DIMS["tiny"])
+    tokenizer = build_tokenizer(dims)
     vocab = tokenizer.get_vocab()
     hidden, layers, heads, intermediate = dims.clip_l
     clip = CLIPTextModel(CLIPTextConfig(
         vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=hidden,
         bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"]))
-    tokenizer_2 = build_t5_tokenizer(512)
+    tokenizer_2 = build_t5_tokenizer(512, dims.t5_vocab)
     d_model, t5_layers, t5_heads, d_kv, d_ff = dims.t5
     t5 = T5EncoderModel(T5Config(
         vocab_size=len(tokenizer_2), d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=t5_layers, num_heads=t5_heads,

@@ -37,7 +37,7 @@ class StableDiffusion3(Family):
                 embedding_key="t5", kohya_prefix="lora_te3_", tokenizer_class="T5TokenizerFast", max_length=77,
                 trainable=False),
     )
-    denoiser_params = 2.47e9  # SD3.5 Medium's transformer
+    denoiser_params = 2.24e9  # SD3.5 Medium's transformer as its config builds it (2,243 M)
     vae_bytes = 335e6
     # the example's defaults: the MMDiT's attention, both streams
     lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
