@@ -51,3 +51,18 @@ def test_doctor_json(capsys, fake_cpu):
 
     assert report["packing"]["used"] == (fake_cpu == "avx2-only" or available(torch.bfloat16)[0])
     assert int(report["launch_env"]["OMP_NUM_THREADS"]) >= 1
+
+
+def test_doctor_says_whether_a_flux_or_sd35_lora_fits_this_machine(monkeypatch):
+    """By the rank plan's figures for the families' reference models: Flux.1-dev's transformer alone is
+    47.6 GB in fp32, half that as bf16 frozen weights; the row turns to a warning with advice below it."""
+    from xeontune import doctor, placement
+    from xeontune.train.ranks import reference_lora_bytes
+
+    fp32, bf16 = reference_lora_bytes("flux", "fp32", 1024), reference_lora_bytes("flux", "bf16", 1024)
+    assert fp32 > 11.9e9 * 4 and fp32 > bf16 > 11.9e9 * 2
+    assert reference_lora_bytes("sd3", "bf16", 1024) < bf16
+    monkeypatch.setattr(placement, "available_memory_bytes", lambda: bf16 + 1)
+    fits = {row.item: row for row in doctor.fits_rows("bf16")}["Flux.1-dev LoRA, 1024 px (bf16)"]
+    short = {row.item: row for row in doctor.fits_rows("fp32")}["Flux.1-dev LoRA, 1024 px (fp32)"]
+    assert fits.ok and not short.ok and short.advice and f"{fp32 / 1e9:.0f} GB" in short.value

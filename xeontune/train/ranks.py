@@ -51,14 +51,15 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     ``trained`` (methods.PARTS) is held in fp32 with its gradients and optimizer state, never packed.
     ``text_encoders``: False where the run frees them once their outputs are cached (``keeps_text_encoders``).
     ``shares``: of a trained part's (weights, gradients, optimizer state), what a rank keeps
-    (``shares``: 1/N of the state with --shard optimizer on N ranks, of all three with FSDP)."""
-    root = Path(model).expanduser()
+    (``shares``: 1/N of the state with --shard optimizer on N ranks, of all three with FSDP).
+    ``model`` "": the family's reference model (its default sizes)."""
+    root = Path(model).expanduser() if model else None
     if family is None:  # a local pipeline's own (its model_index.json), else SD's
         from xeontune.train.components import pipeline_family
 
-        family = pipeline_family(str(root)).name if root.is_dir() else "sd"
+        family = pipeline_family(str(root)).name if root is not None and root.is_dir() else "sd"
     kind = families.get(family)
-    if not root.is_dir():  # the family's reference model's sizes (``family``: where the hub said which)
+    if root is None or not root.is_dir():  # the family's reference model's sizes (``family``: where the hub said which)
         stored = kind.default_bytes()
     else:
         stored = {part: _folder_bytes(root / part) for part in (kind.denoiser, "vae", *kind.encoder_names)}
@@ -137,12 +138,33 @@ def memory_plan(opts: TrainOptions, precision: str, world: int, local_ranks: int
     """Whether this node's ranks fit in its available memory, by the rank plan's figures (the family's model
     sizes, its activations, the method's training state), and a line that says so: told before any weight
     loads, so a model too large for the node (Flux.1 in fp32 on 64 GB, say) costs no load."""
-    need = rank_memory(opts, precision, world=world) * local_ranks
+    steady = rank_memory(opts, precision, world=world)
+    # at load every text encoder is held too, even those freed once the prompts are cached (T5-XXL: 19 GB in fp32)
+    loading = frozen_weight_bytes(str(opts.model), precision, family=_family_of(opts))
+    need = max(steady, loading) * local_ranks
     have = placement.available_memory_bytes()
     fits = need <= have
     ranks = f"{local_ranks} ranks" if local_ranks > 1 else "this run"
     return fits, (f"memory plan: {ranks} need about {need / 1e9:.1f} GB ({precision}); this node has "
                   f"{have / 1e9:.1f} GB available{'' if fits else ': it does not fit'}")
+
+
+def _family_of(opts: TrainOptions) -> str:
+    from xeontune.train.components import pipeline_family
+
+    return pipeline_family(str(opts.model), opts.revision).name
+
+
+def reference_lora_bytes(family: str, precision: str, resolution: int) -> int:
+    """What a LoRA run of ``family``'s reference model (its default sizes: Flux.1-dev's, SD3.5 Medium's...)
+    holds at its peak, one rank, batch 1: the larger of the load (every part, the frozen ones in the training
+    dtype) and the steps (the text encoders freed, the activations added). From the family's figures, which
+    are estimates where the family module says so."""
+    kind = families.get(family)
+    loading = frozen_weight_bytes("", precision, family=family)
+    steady = placement.rank_memory_bytes(frozen_weight_bytes("", precision, family=family, text_encoders=False),
+                                         kind.activation_bytes(resolution, precision), 1)
+    return max(loading, steady)
 
 
 def keeps_text_encoders(method: Any, opts: TrainOptions) -> bool:
