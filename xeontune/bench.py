@@ -352,6 +352,10 @@ def variant_options(model: Path, data: Path, out: Path, args: argparse.Namespace
     method = methods.get(getattr(args, "method", "textual_inversion"))
     assert method.bench is not None, f"--method {method.name} declares no bench baseline"
     own = method.bench.options(variant == "baseline", args)
+    if variant == "baseline":  # where the family's example script differs from the method's (SD3's encodes once)
+        from xeontune.train.components import pipeline_family
+
+        own |= pipeline_family(str(model)).bench_baseline.get(method.name, {})
     if method.prior_preservation and getattr(args, "with_prior_preservation", False):
         own |= {"with_prior_preservation": True, "class_data_dir": str(class_images_beside(data)),
                 "class_prompt": CLASS_PROMPT, "num_class_images": len(list(data.iterdir()))}

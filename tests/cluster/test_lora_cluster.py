@@ -131,6 +131,37 @@ def test_run_on_three_nodes_trains_a_lora_and_fetches_both_files(root_home, clus
     assert_nothing_left(cluster_name)
 
 
+def test_run_on_three_nodes_trains_sd3_and_flux_as_one_process_does(root_home, cluster_name, sd3_model, flux_model,
+                                                                   sample_images, tmp_path):
+    """The flow-matching families through `run --provider local -n 3`: an SD3 LoRA and a Flux full fine-tune,
+    3 ranks of batch 1, each what one process of batch 3 trains (fp32), after moving 100x the tolerance."""
+    from diffusers import FluxTransformer2DModel
+
+    from tests.trainlib import full_args
+
+    sd3 = run_lora_args(sd3_model, sample_images, tmp_path / "sd3", 1, 3)
+    flux = full_args(flux_model, sample_images, tmp_path / "flux", 1, 2, "--no-random-flip")
+    for name, args in (("sd3", sd3), ("flux", flux)):
+        proc = cli("run", "--provider", "local", "-n", "3", "--name", cluster_name, "--", *args, env=OFFLINE)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert json.loads((tmp_path / name / "train_config.json").read_text())["world_size"] == 3
+        assert_nothing_left(cluster_name)  # run deletes its cluster: the name is free for the next
+    train_in_process(run_lora_args(sd3_model, sample_images, tmp_path / "sd3-one", 3, 3))
+    got, want = load_file(tmp_path / "sd3" / DIFFUSERS_FILE), load_file(tmp_path / "sd3-one" / DIFFUSERS_FILE)
+    assert got.keys() == want.keys() and all(k.startswith("transformer.") for k in want)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
+    assert max(float(v.abs().max()) for k, v in want.items() if ".lora_B." in k) >= 100 * 1e-5
+    train_in_process(full_args(flux_model, sample_images, tmp_path / "flux-one", 3, 2, "--no-random-flip"))
+
+    def transformer(folder):
+        return FluxTransformer2DModel.from_pretrained(str(folder), subfolder="transformer").state_dict()
+
+    base, got, want = (transformer(f) for f in (flux_model, tmp_path / "flux" / "pipeline", tmp_path / "flux-one" / "pipeline"))
+    scale = max(float(v.abs().max()) for v in want.values())
+    assert max(float((want[k] - base[k]).abs().max()) for k in want) >= 100 * 1e-5 * scale
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5 * scale
+
+
 def test_run_on_slurm_trains_a_lora_on_three_ranks(slurm, xeontune_home, monkeypatch, families, sample_images,
                                                    tmp_path, capsys):
     from xeontune.cli import main

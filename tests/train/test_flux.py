@@ -102,6 +102,19 @@ def test_lora_files_load_into_flux_and_comfyui_layout(flux_model, sample_images,
     assert len([k for k in comfy if k.startswith("lora_transformer_")]) == 3 * len(adapters)
 
 
+def test_both_text_encoders_are_freed_before_the_first_step(flux_model, sample_images, tmp_path, monkeypatch):
+    seen = []
+    step = loop.train_step
+
+    def first(run, index):
+        seen.append((run.components.text_encoder, run.components.text_encoder_2, run.text_cache is not None))
+        return step(run, index)
+
+    monkeypatch.setattr(loop, "train_step", first)
+    loop.train(parse_args(sd3_args(flux_model, sample_images, tmp_path / "o", "--max-train-steps", "1")))
+    assert seen == [(None, None, True)]
+
+
 def test_full_fine_tuning_trains_the_transformer_and_clip_not_t5(flux_model, sample_images, tmp_path, capsys):
     from diffusers import FluxPipeline
 

@@ -67,6 +67,8 @@ class Family:
     denoiser_params: ClassVar[float]  # the denoiser's parameters, for the memory plan of a model not on disk
     vae_bytes: ClassVar[float]
     bench_targets: ClassVar[Mapping[str, Mapping[str, Any]]] = {}  # per method: targets overriding the method's
+    # per method: the bench baseline's options where this family's example script differs from the method's
+    bench_baseline: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     refuses: ClassVar[Mapping[str, str]] = {}  # the methods that do not apply to it, each with why
     single_file: ClassVar[bool] = True  # whether a full fine-tune is also written in the original single-file layout
 

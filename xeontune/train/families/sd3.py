@@ -46,6 +46,9 @@ class StableDiffusion3(Family):
     kohya_denoiser_prefix = "lora_transformer_"
     weighting = "logit_normal"  # --weighting-scheme's default: train_dreambooth_lora_sd3.py's
     precondition = True  # --precondition-outputs' default: the example's (``for_run`` sets the run's)
+    # train_dreambooth_lora_sd3.py (and _flux.py) encode the instance prompt once when the text encoders are
+    # frozen; the SD LoRA script encodes it every step
+    bench_baseline: ClassVar[Mapping[str, Mapping[str, Any]]] = {"lora": {"cache_text": True}}
     refuses: ClassVar[Mapping[str, str]] = {
         "textual_inversion": "its prompts reach the transformer through T5 as well, which a CLIP token does not "
                              "teach; train a LoRA (--method lora)"}
