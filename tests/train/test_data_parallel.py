@@ -1,7 +1,7 @@
 """Full fine-tuning's ranks beyond plain DDP (issue 49), on real processes over gloo: the training state
 sharded over the ranks (--shard optimizer: ZeRO-1; gradients and full: FSDP) trains what one process does,
 and each level's checkpoint resumes on another number of ranks at another level, or unsharded; gradients sent as bf16 (--grad-compression bf16)
-halve the bytes and stay within a stated bound of fp32 over 100 steps."""
+halve the bytes and stay within a stated bound of fp32 over 50 steps."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from xeontune.train import data_parallel
 REPO = Path(__file__).resolve().parents[2]
 # Measured on the tiny model, 2 ranks x batch 1, 100 steps at lr 1e-4 with the text encoder (AVX2 EPYC and
 # any CPU alike: fp32 kernels): bf16 on the wire left the UNet's and the text encoder's weights 0.20 % (DDP's
-# buckets) and 0.15 % (FSDP's reduce-scatters) of the distance they moved from the fp32 run's (L2). The
-# bound is 10x that.
+# buckets) and 0.15 % (FSDP's reduce-scatters) of the distance they moved from the fp32 run's (L2); after 50
+# steps (the test's, for make test's time) 0.193 % and 0.145 %. The bound is 10x the 100 steps' figure.
 BF16_WIRE_BOUND = 0.02
+STEPS = 50
 
 
 def ranks(count: int, args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -121,14 +122,14 @@ def test_fsdp_trains_sdxl_with_both_text_encoders_as_one_process_does(sdxl_model
 
 
 @pytest.mark.slow
-def test_bf16_gradients_on_the_wire_halve_the_bytes_and_stay_within_the_bound_over_100_steps(
+def test_bf16_gradients_on_the_wire_halve_the_bytes_and_stay_within_the_bound_over_50_steps(
         tiny_model, sample_images, tmp_path):
     """Two ranks, the UNet in DDP buckets and the text encoder's gradients exchanged flat, and two ranks
     under FSDP (--shard full: every gradient reduce-scattered as bf16, summed in fp32): bf16 on the wire
     ends within BF16_WIRE_BOUND of fp32 (L2, relative to how far the weights moved), and further from it
     than the fp32 sums' order moves anything (so bf16 was sent). The fp32 run: one process with both
     ranks' batch, which 2 ranks in fp32 equal (the test above, test_full_cluster.py)."""
-    args = lambda out, batch, *extra: full_args(tiny_model, sample_images, tmp_path / out, batch, 100,  # noqa: E731
+    args = lambda out, batch, *extra: full_args(tiny_model, sample_images, tmp_path / out, batch, STEPS,  # noqa: E731
                                                 "--learning-rate", "1e-4", "--train-text-encoder", *extra)
     train_in_process(args("fp32", 2))
     ranks(2, args("bf16", 1, "--grad-compression", "bf16"))
@@ -137,13 +138,13 @@ def test_bf16_gradients_on_the_wire_halve_the_bytes_and_stay_within_the_bound_ov
     moved = float((fp32 - base).norm())
     for run in ("bf16", "fsdp"):
         apart = float((trained(tmp_path / run / "pipeline") - fp32).norm())
-        print(f"{run}: bf16 on the wire: {apart / moved:.3%} of the distance moved apart from fp32 after 100 steps")
+        print(f"{run}: bf16 on the wire: {apart / moved:.3%} of the distance moved apart from fp32 after {STEPS} steps")
         assert 1e-4 * moved < apart <= BF16_WIRE_BOUND * moved, (run, apart, moved)
     weights = 4 * len(base)
     # DDP: the UNet's and the text encoder's gradients, 2 bytes each, and the loss; FSDP: the gradients in
     # bf16 and the weights (fp32) gathered twice a step
-    assert sent(tmp_path / "bf16") == [weights // 2 + 4] * 100
-    assert sent(tmp_path / "fsdp") == [weights // 2 + 2 * weights + 4] * 100
+    assert sent(tmp_path / "bf16") == [weights // 2 + 4] * STEPS
+    assert sent(tmp_path / "fsdp") == [weights // 2 + 2 * weights + 4] * STEPS
 
 
 def test_shard_auto_takes_the_first_level_at_which_the_ranks_fit():

@@ -199,5 +199,6 @@ def test_what_does_not_apply_to_sd3_is_one_line(sd3_model, tiny_model, sample_im
     ti = line(sd3_model, "--method", "textual_inversion", "--placeholder-token", "<t>", "--initializer-token", "toy")
     assert "--method textual_inversion does not apply to" in ti and "a sd3 model" in ti
     assert "--weighting-scheme" in line(sd3_model, "--snr-gamma", "5")
+    assert "pivotal tuning" in line(sd3_model, "--placeholder-token", "<t>", "--initializer-token", "toy")
     assert "--snr-gamma" in line(tiny_model, "--weighting-scheme", "cosmap")
     assert not (tmp_path / "o").exists()

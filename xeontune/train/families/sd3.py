@@ -61,6 +61,10 @@ class StableDiffusion3(Family):
     single_file = False  # its full fine-tune is the pipeline folder alone
 
     def check_options(self, opts: Any) -> None:
+        if opts.placeholder_token and opts.method != "textual_inversion":  # (textual inversion: ``refuses``)
+            raise UserError(f"--placeholder-token: pivotal tuning trains a CLIP token, which does not apply to "
+                            f"{self.summary} (its prompts reach the transformer through T5 as well); train the "
+                            "LoRA alone")
         if opts.snr_gamma is not None:
             raise UserError(f"--snr-gamma weighs DDPM timesteps; {self.summary} trains by flow matching: weigh them "
                             "with --weighting-scheme (sigma_sqrt, cosmap, logit_normal, mode)")
