@@ -22,7 +22,12 @@ scripts/install-test-deps.sh >"$logs/deps" 2>&1 &
 deps=$!
 background+=("$deps")
 if [ "${SKIP_IPEX:-}" != 1 ]; then
-    nice -n 19 scripts/ipex-venv.sh >"$logs/ipex" 2>&1 &
+    # the IPEX venv, then its suite, both niced: they take what the main suite leaves of the cores (its
+    # tests wait on Slurm, Ray and SSH at times), and are done when it is; the solo tests wait for them
+    (
+        nice -n 19 scripts/ipex-venv.sh >"$logs/ipex" 2>&1 || { echo build >"$logs/ipex-failed"; exit 1; }
+        nice -n 19 scripts/test-ipex.sh >"$logs/ipex-tests" 2>&1 || { echo tests >"$logs/ipex-failed"; exit 1; }
+    ) &
     ipex=$!
     background+=("$ipex")
 fi
@@ -35,16 +40,20 @@ failed=""
 # test takes (docs/architecture.md, "Conventions", on tests). The `solo` tests need the machine alone: after.
 HF_HUB_OFFLINE=1 "$BIN/python" -m pytest -q -ra --durations=10 -n 2 --dist loadgroup -m "not solo" \
     || failed="$failed main(tests/)"
-HF_HUB_OFFLINE=1 "$BIN/python" -m pytest -q -ra -m solo || failed="$failed main-solo(tests/)"
 if [ "${SKIP_IPEX:-}" = 1 ]; then
     echo "SKIP_IPEX=1: not running make test-ipex"
 elif wait "$ipex"; then
-    cat "$logs/ipex"
-    scripts/test-ipex.sh || failed="$failed ipex(tests/ipex, .venv-ipex)"
+    cat "$logs/ipex" "$logs/ipex-tests"
 else
-    cat "$logs/ipex" >&2
-    failed="$failed ipex(building .venv-ipex)"
+    if [ "$(cat "$logs/ipex-failed" 2>/dev/null)" = tests ]; then
+        cat "$logs/ipex" "$logs/ipex-tests" >&2
+        failed="$failed ipex(tests/ipex, .venv-ipex)"
+    else
+        cat "$logs/ipex" >&2
+        failed="$failed ipex(building .venv-ipex)"
+    fi
 fi
+HF_HUB_OFFLINE=1 "$BIN/python" -m pytest -q -ra -m solo || failed="$failed main-solo(tests/)"
 if [ -n "$failed" ]; then
     echo "make test: FAILED suites:$failed" >&2
     exit 1
