@@ -613,3 +613,24 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_one_line_and_no_traceback
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM, rest[-2000:]
     assert "Traceback" not in rest and "death signal" not in rest, rest[-3000:]
     assert rest.strip().splitlines()[-1] == "interrupted (SIGTERM): every rank was stopped", rest[-1000:]
+
+
+def test_half_precision_files_count_as_the_fp32_weights_they_load_as(tiny_model, tmp_path):
+    """SD3.5's and Flux.1's files are bf16 (and many SDXL copies fp16): the trainer upcasts them, so the plan
+    counts a half-precision tensor at 4 bytes, read from the safetensors header; a variant's files count only
+    where the plain ones are absent."""
+    import shutil
+
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    half = tmp_path / "half"
+    StableDiffusionPipeline.from_pretrained(str(tiny_model), torch_dtype=torch.bfloat16).save_pretrained(half)
+    fp32 = frozen_weight_bytes(str(tiny_model), "fp32")
+    assert abs(frozen_weight_bytes(str(half), "fp32") - fp32) <= 0.01 * fp32
+    both = tmp_path / "both"
+    shutil.copytree(tiny_model, both)
+    for part in ("unet", "vae", "text_encoder"):  # a --variant fp16 beside the fp32 files
+        for f in (half / part).glob("*.safetensors"):
+            shutil.copy(f, both / part / f.name.replace(".safetensors", ".fp16.safetensors"))
+    assert frozen_weight_bytes(str(both), "fp32") == fp32

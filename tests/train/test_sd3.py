@@ -176,7 +176,19 @@ def test_lora_files_load_into_stable_diffusion_3_and_comfyui_layout(sd3_model, s
 
 def test_t5_is_freed_once_the_prompts_are_cached_and_never_trains(sd3_model, sample_images, tmp_path, runs):
     loop.train(parse_args(sd3_args(sd3_model, sample_images, tmp_path / "lora")))
-    assert runs[0].components.text_encoder_3 is None and runs[0].text_cache is not None
+    run = runs[0]
+    assert run.components.text_encoder_3 is None and run.text_cache is not None
+    # the latents as the example makes them: (x - shift_factor) * scaling_factor of the VAE's draw
+    part, batch = run.latents.parts[0], run.plan.batch([0, 1])
+    shift, scale = part.shift, part.scaling
+    assert shift > 0 and scale > 1  # SD3's VAE's (0.0609, 1.5305)
+    got = part.sample(batch)
+    part.shift = 0.0
+    assert torch.allclose(got, part.sample(batch) - shift * scale, atol=1e-6)
+    # and the timesteps drawn from the weighting scheme's density (logit-normal: few near either end)
+    drawn = torch.cat([run.plan.batch([i]).timesteps for i in range(400)]).float() / 1000
+    assert run.plan.timestep_density is not None and 0.4 < float(drawn.mean()) < 0.6
+    assert float(((drawn < 0.05) | (drawn > 0.95)).float().mean()) < 0.05  # uniform: 10 %
     loop.train(parse_args(sd3_args(sd3_model, sample_images, tmp_path / "full", "--method", "full",
                                    "--train-text-encoder", "--learning-rate", "1e-4")))
     full = runs[1]
@@ -192,6 +204,21 @@ def test_t5_is_freed_once_the_prompts_are_cached_and_never_trains(sd3_model, sam
     assert max_diff(state(base.text_encoder_3), state(saved.text_encoder_3)) == 0
 
 
+def test_sample_images_and_class_images_leave_the_training_schedule_as_it_was(sd3_model, sample_images, tmp_path,
+                                                                              runs):
+    """The pipelines that draw validation and class images set their own timesteps; the run's training
+    scheduler keeps its 1000 (an index past a sampler's few raised IndexError)."""
+    loop.train(parse_args(sd3_args(
+        sd3_model, sample_images, tmp_path / "o", "--max-train-steps", "2", "--validation-prompt", PROMPT,
+        "--validation-steps", "1", "--num-validation-images", "1", "--with-prior-preservation",
+        "--class-data-dir", str(tmp_path / "class"), "--class-prompt", "a photo of toy", "--num-class-images", "2",
+        "--class-inference-steps", "2")))
+    scheduler = runs[0].components.noise_scheduler
+    assert len(scheduler.timesteps) == len(scheduler.sigmas) == 1000
+    assert len(list((tmp_path / "class").glob("*.png"))) == 2
+    assert len(list((tmp_path / "o" / "validation").glob("*.png"))) == 2
+
+
 def test_what_does_not_apply_to_sd3_is_one_line(sd3_model, tiny_model, sample_images, tmp_path, capsys):
     def line(model, *more: str) -> str:
         return one_line(capsys, ["train", *sd3_args(model, sample_images, tmp_path / "o"), *more])
@@ -200,5 +227,7 @@ def test_what_does_not_apply_to_sd3_is_one_line(sd3_model, tiny_model, sample_im
     assert "--method textual_inversion does not apply to" in ti and "a sd3 model" in ti
     assert "--weighting-scheme" in line(sd3_model, "--snr-gamma", "5")
     assert "pivotal tuning" in line(sd3_model, "--placeholder-token", "<t>", "--initializer-token", "toy")
+    assert "multiples of 16" in line(sd3_model, "--resolution", "72")
+    assert "multiples of 16" in line(sd3_model, "--bucket-step", "24")
     assert "--snr-gamma" in line(tiny_model, "--weighting-scheme", "cosmap")
     assert not (tmp_path / "o").exists()

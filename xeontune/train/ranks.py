@@ -9,7 +9,9 @@ per-rank batch, as across nodes.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -32,7 +34,28 @@ def inside_a_launch(env: dict[str, str] | os._Environ = os.environ) -> bool:
 
 
 def _folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.glob("*") if p.name.endswith(WEIGHT_SUFFIXES)) if folder.is_dir() else 0
+    """A part's weights as the trainer loads them, in fp32: a safetensors file's half-precision tensors count
+    twice their size (SD3.5's and Flux.1's transformer and T5 ship in bf16; the loader upcasts them), read
+    from its header. A variant's files (``*.fp16.safetensors``) count only where the plain ones are absent."""
+    if not folder.is_dir():
+        return 0
+    files = [p for p in folder.glob("*") if p.name.endswith(WEIGHT_SUFFIXES)]
+    plain = [p for p in files if p.name.count(".") == 1]
+    return sum(_as_fp32_bytes(p) for p in (plain or files))
+
+
+def _as_fp32_bytes(path: Path) -> int:
+    size = path.stat().st_size
+    if path.suffix != ".safetensors":
+        return size
+    try:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    except (OSError, ValueError):
+        return size
+    half = sum(int(math.prod(t["shape"])) * 2 for name, t in header.items()
+               if name != "__metadata__" and t.get("dtype") in ("F16", "BF16"))
+    return size + half
 
 
 # A trained part's fp32 weights and gradients, and its optimizer state, as multiples of its fp32 weights:

@@ -152,8 +152,9 @@ class Family:
         return self.pipeline_type()(**parts, **self.pipeline_options)
 
     def sampling_scheduler(self, training: Any) -> Any:
-        """The scheduler that samples images (validation, class images) from the training one's config."""
-        return training
+        """A scheduler that samples images (validation, class images), made from the training one's config:
+        never the training one itself, whose timesteps and sigmas a pipeline's set_timesteps replaces."""
+        return type(training).from_config(training.config)
 
     def pipeline_type(self) -> Any:
         """The diffusers pipeline class (its ``save_lora_weights`` writes LoRA files this family loads)."""

@@ -61,6 +61,14 @@ class StableDiffusion3(Family):
     single_file = False  # its full fine-tune is the pipeline folder alone
 
     def check_options(self, opts: Any) -> None:
+        # the transformer takes 2x2 patches of latents (SD3's patch size, Flux's packing): image sides are
+        # multiples of 16 pixels
+        if opts.resolution % 16:
+            raise UserError(f"--resolution {opts.resolution}: {self.summary} takes image sides in multiples of 16 "
+                            f"pixels (its transformer reads 2x2 patches of latents); try {opts.resolution // 16 * 16}")
+        if opts.bucket_step % 16:
+            raise UserError(f"--bucket-step {opts.bucket_step}: {self.summary} takes image sides in multiples of 16 "
+                            "pixels (its transformer reads 2x2 patches of latents)")
         if opts.placeholder_token and opts.method != "textual_inversion":  # (textual inversion: ``refuses``)
             raise UserError(f"--placeholder-token: pivotal tuning trains a CLIP token, which does not apply to "
                             f"{self.summary} (its prompts reach the transformer through T5 as well); train the "

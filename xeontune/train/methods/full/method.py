@@ -186,7 +186,6 @@ class FullFineTuning(Method):
         from xeontune.train import saving
 
         self._require_finite()
-        pipe = saving.assemble_pipeline(self.components, self.opts, self)
         if not self.components.family.single_file:  # the pipeline folder alone, at the end
             target = output_dir / "pipeline"
             if not final:
@@ -196,7 +195,8 @@ class FullFineTuning(Method):
                     self.said_no_copies = True
                 return target
             with self.ema_weights():
-                return saving.save_pipeline(self.components, self.opts, self, target, pipe)
+                return saving.save_pipeline(self.components, self.opts, self, target)
+        pipe = saving.assemble_pipeline(self.components, self.opts, self)
         path = output_dir / learned_file(STEM, None if final else step)
         with self.ema_weights():  # the EMA's weights are what the examples save
             saving.save_single_file(pipe, self.components.family, path, self.opts)
