@@ -295,10 +295,34 @@ def build_t5_tokenizer(max_length: int = 77, vocab_size: int | None = None):
     return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=max_length)
 
 
+def _t5(dims: MMDiTDims, max_length: int) -> tuple:
+    """T5's tokenizer and encoder (T5 v1.1's gated GELU) at ``dims.t5``'s sizes."""
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = build_t5_tokenizer(max_length, dims.t5_vocab)
+    d_model, layers, heads, d_kv, d_ff = dims.t5
+    return tokenizer, T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=layers, num_heads=heads,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+
+
+def _flow_vae(dims: MMDiTDims, scaling: float, shift: float):
+    """SD3's and Flux's VAE: 16 latent channels, no quant convs, a latent scale and shift."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16,
+        down_block_types=("DownEncoderBlock2D",) * len(dims.vae_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(dims.vae_channels),
+        block_out_channels=dims.vae_channels, layers_per_block=dims.vae_layers, norm_num_groups=dims.vae_groups,
+        sample_size=dims.sample_size, scaling_factor=scaling, shift_factor=shift,
+        use_quant_conv=False, use_post_quant_conv=False)
+
+
 def build_sd3_modules(dims: MMDiTDims) -> dict:
     """SD3's pipeline parts with random weights, as keyword arguments of StableDiffusion3Pipeline."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     tokenizer, tokenizer_2 = build_tokenizer(dims), build_tokenizer(dims, pad_token="!")
     vocab = tokenizer.get_vocab()
@@ -311,12 +335,8 @@ def build_sd3_modules(dims: MMDiTDims) -> dict:
             vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
             num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=hidden, **ids))
 
-    tokenizer_3 = build_t5_tokenizer(77, dims.t5_vocab)
-    d_model, t5_layers, t5_heads, d_kv, d_ff = dims.t5
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=len(tokenizer_3), d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=t5_layers, num_heads=t5_heads,
-        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    latent_channels = 16
+    tokenizer_3, t5 = _t5(dims, 77)
+    d_model, latent_channels = dims.t5[0], 16
     return {
         "tokenizer": tokenizer, "text_encoder": clip(dims.clip_l, "quick_gelu"),
         "tokenizer_2": tokenizer_2, "text_encoder_2": clip(dims.clip_g, "gelu"),
@@ -328,21 +348,15 @@ def build_sd3_modules(dims: MMDiTDims) -> dict:
             pooled_projection_dim=dims.clip_l[0] + dims.clip_g[0], qk_norm="rms_norm",
             dual_attention_layers=dims.dual_attention_layers,
             pos_embed_max_size=dims.pos_embed_max or dims.sample_size // 8),
-        "vae": AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=latent_channels,
-            down_block_types=("DownEncoderBlock2D",) * len(dims.vae_channels),
-            up_block_types=("UpDecoderBlock2D",) * len(dims.vae_channels),
-            block_out_channels=dims.vae_channels, layers_per_block=dims.vae_layers, norm_num_groups=dims.vae_groups,
-            sample_size=dims.sample_size, scaling_factor=1.5305, shift_factor=0.0609,
-            use_quant_conv=False, use_post_quant_conv=False),
+        "vae": _flow_vae(dims, scaling=1.5305, shift=0.0609),
         "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
     }
 
 
 def build_flux_modules(dims: MMDiTDims) -> dict:
     """Flux.1-dev's pipeline parts with random weights, as keyword arguments of FluxPipeline."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     tokenizer = build_tokenizer(dims)
     vocab = tokenizer.get_vocab()
@@ -351,25 +365,15 @@ def build_flux_modules(dims: MMDiTDims) -> dict:
         vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=hidden,
         bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"]))
-    tokenizer_2 = build_t5_tokenizer(512, dims.t5_vocab)
-    d_model, t5_layers, t5_heads, d_kv, d_ff = dims.t5
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=len(tokenizer_2), d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=t5_layers, num_heads=t5_heads,
-        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    latent_channels = 16
+    tokenizer_2, t5 = _t5(dims, 512)
+    d_model, latent_channels = dims.t5[0], 16
     return {
         "tokenizer": tokenizer, "text_encoder": clip, "tokenizer_2": tokenizer_2, "text_encoder_2": t5,
         "transformer": FluxTransformer2DModel(
             patch_size=1, in_channels=latent_channels * 4, num_layers=dims.layers, num_single_layers=dims.single_layers,
             attention_head_dim=dims.head_dim, num_attention_heads=dims.heads, joint_attention_dim=d_model,
             pooled_projection_dim=hidden, guidance_embeds=True, axes_dims_rope=dims.rope_axes),
-        "vae": AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=latent_channels,
-            down_block_types=("DownEncoderBlock2D",) * len(dims.vae_channels),
-            up_block_types=("UpDecoderBlock2D",) * len(dims.vae_channels),
-            block_out_channels=dims.vae_channels, layers_per_block=dims.vae_layers, norm_num_groups=dims.vae_groups,
-            sample_size=dims.sample_size, scaling_factor=0.3611, shift_factor=0.1159,
-            use_quant_conv=False, use_post_quant_conv=False),
+        "vae": _flow_vae(dims, scaling=0.3611, shift=0.1159),
         "scheduler": FlowMatchEulerDiscreteScheduler(
             num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
             base_image_seq_len=256, max_image_seq_len=4096),

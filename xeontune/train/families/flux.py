@@ -38,6 +38,7 @@ class Flux(StableDiffusion3):
     # the example's defaults: both streams' attention and feed-forward layers
     lora_targets = (*StableDiffusion3.lora_targets, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                     "ff_context.net.2")
+    activation_1024px: ClassVar[Mapping[str, float]] = ACTIVATION_BYTES_1024PX
     weighting = "none"
     precondition = False
     guidance_scale = 3.5
@@ -78,13 +79,6 @@ class Flux(StableDiffusion3):
 
     def kohya_version(self, unet_config: Any, scheduler_config: Any) -> str:
         return "flux1"
-
-    def activation_bytes(self, resolution: int, precision: str) -> float:
-        return ACTIVATION_BYTES_1024PX["bf16" if precision == "bf16" else "fp32"] * (resolution / 1024) ** 2
-
-    def example_bf16(self, method: str) -> tuple[str, ...]:
-        # train_dreambooth_lora_flux.py casts every frozen model (the VAE too) to the weight dtype
-        return {"lora": ("denoiser", "vae", "text_encoder", "text_encoder_2")}.get(method, ())
 
 
 FAMILY = Flux()

@@ -44,6 +44,7 @@ class StableDiffusion3(Family):
                     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
     # ComfyUI reads SD3 LoRAs in diffusers' layout and in this one (OneTrainer's): the module path with "_"
     kohya_denoiser_prefix = "lora_transformer_"
+    activation_1024px: ClassVar[Mapping[str, float]] = ACTIVATION_BYTES_1024PX
     weighting = "logit_normal"  # --weighting-scheme's default: train_dreambooth_lora_sd3.py's
     precondition = True  # --precondition-outputs' default: the example's (``for_run`` sets the run's)
     # train_dreambooth_lora_sd3.py (and _flux.py) encode the instance prompt once when the text encoders are
@@ -159,11 +160,11 @@ class StableDiffusion3(Family):
         return "sd3"
 
     def activation_bytes(self, resolution: int, precision: str) -> float:
-        return ACTIVATION_BYTES_1024PX["bf16" if precision == "bf16" else "fp32"] * (resolution / 1024) ** 2
+        return self.activation_1024px["bf16" if precision == "bf16" else "fp32"] * (resolution / 1024) ** 2
 
     def example_bf16(self, method: str) -> tuple[str, ...]:
-        # train_dreambooth_lora_sd3.py casts every frozen model (the VAE too) to the weight dtype
-        return {"lora": ("denoiser", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")}.get(method, ())
+        # the SD3 and Flux LoRA scripts cast every frozen model (the VAE too) to the weight dtype
+        return ("denoiser", "vae", *self.encoder_names) if method == "lora" else ()
 
 
 FAMILY = StableDiffusion3()
