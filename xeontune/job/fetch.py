@@ -434,7 +434,8 @@ def print_report(record: ClusterRecord, report: FetchReport) -> None:
         print(f"{report.moved_from} refused the outputs; they went to {report.dest} instead")
     print(f"fetched {len(report.files)} item(s) from {record.head.name} of cluster {record.name!r} into {report.dest}: "
           f"{highlights(report.files)}")
-    if not RESULTS & set(report.files):
+    # a full fine-tune of a family without a single-file layout (SD3, Flux) ends in its pipeline folder alone
+    if not RESULTS & set(report.files) and not any(f.startswith("pipeline/") for f in report.files):
         print(f"no {' or '.join(sorted(RESULTS))} yet: the job has not finished (or did not get that far)")
 
 
