@@ -28,6 +28,7 @@ def main(base: str, data: str, prompt: str, resolution: int, files: list[str]) -
     from xeontune.train.components import pipeline_family
 
     family = pipeline_family(base)
+    family_run = family.for_run(_Plain())  # the raw prediction: the velocity
     paths = sorted(p for p in Path(data).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
     pixels = torch.stack([torch.from_numpy(np.asarray(Image.open(p).convert("RGB").resize((resolution, resolution)),
                                                       dtype=np.float32) / 127.5 - 1).permute(2, 0, 1) for p in paths])
@@ -43,6 +44,7 @@ def main(base: str, data: str, prompt: str, resolution: int, files: list[str]) -
                                          max_sequence_length=77) if family.name == "sd3" else \
                 pipe.encode_prompt(prompt, prompt, max_sequence_length=512)
             hidden, pooled = (encoded[0], encoded[2]) if family.name == "sd3" else (encoded[0], encoded[1])
+            conditions = family_run.conditions(pooled, None)
             losses = []
             for i in range(TRIPLES):
                 k = i % len(paths)
@@ -52,9 +54,8 @@ def main(base: str, data: str, prompt: str, resolution: int, files: list[str]) -
                 index = torch.randint(scheduler.config.num_train_timesteps, (1,), generator=gen)
                 sigma = scheduler.sigmas[index].reshape(-1, 1, 1, 1)
                 noisy = (1 - sigma) * latent + sigma * noise
-                family_run = family.for_run(_Plain())
                 pred = family_run.predict(scheduler, getattr(pipe, family.denoiser), noisy, index, hidden,
-                                          family_run.conditions(pooled, None))
+                                          conditions)
                 losses.append(float(torch.nn.functional.mse_loss(pred, noise - latent)))
         print(f"{np.mean(losses):.6f} {file}", flush=True)
 

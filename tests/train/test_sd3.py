@@ -204,6 +204,18 @@ def test_t5_is_freed_once_the_prompts_are_cached_and_never_trains(sd3_model, sam
     assert max_diff(state(base.text_encoder_3), state(saved.text_encoder_3)) == 0
 
 
+def test_bf16_trains_sd3_on_every_cpu(sd3_model, sample_images, tmp_path, runs):
+    """--mixed-precision bf16 (the precision an AMX or AVX512-BF16 CPU picks): the frozen transformer from its
+    bf16 copy, the adapters fp32, and they move."""
+    loop.train(parse_args(sd3_args(sd3_model, sample_images, tmp_path / "o", "--mixed-precision", "bf16")))
+    run = runs[0]
+    assert run.precision == "bf16"
+    assert next(run.components.denoiser_for_inference.parameters()).dtype == torch.bfloat16
+    adapters = run.method.adapters()
+    assert {t.dtype for t in adapters.values()} == {torch.float32}
+    assert max(float(t.abs().max()) for k, t in adapters.items() if ".lora_B." in k) > 1e-4
+
+
 def test_sample_images_and_class_images_leave_the_training_schedule_as_it_was(sd3_model, sample_images, tmp_path,
                                                                               runs):
     """The pipelines that draw validation and class images set their own timesteps; the run's training
