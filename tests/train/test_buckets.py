@@ -23,10 +23,13 @@ from safetensors.torch import load_file
 from tests.trainlib import lora_args
 from xeontune.cli import main
 from xeontune.errors import UserError
-from xeontune.train.buckets import bucket_sizes, fit_to_bucket, load_training_images, nearest_bucket
-from xeontune.train.data import SamplePlan, read_image_sizes
+from xeontune.train.buckets import fit_to_bucket, load_training_images
+from xeontune.train.data import SamplePlan
+from xeontune.train.data_check import check_training_data
+from xeontune.train.images import read_image_sizes
 from xeontune.train.latent_cache import Latents
-from xeontune.train.loop import check_training_data, read_training_data
+from xeontune.train.layout import bucket_sizes, nearest_bucket
+from xeontune.train.loop import read_training_data
 from xeontune.train.options import parse_args
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -126,6 +129,43 @@ def test_class_images_join_every_bucket_fitted_to_it_as_they_come(sample_images,
         for row, img in zip(range(before[part.size], before[part.size] + 2), drawn, strict=True):
             pixels, crop = fit_to_bucket(img, part.size)
             assert torch.equal(part.pixels[row], pixels) and part.crops[row].tolist() == list(crop)
+
+
+def test_runs_folder_check_imports_no_torch(sample_images, tmp_path):
+    """`xeontune run` checks the folder in its own process (job/run.read_data_here) without importing torch
+    (2-3 s of a core for each call): the sizes, buckets, masks and the method's declared prompt check. Its
+    one-line errors still come: a folder whose every mask is black, a caption without the token."""
+    folder = shaped_folder(sample_images, tmp_path, MIXED)
+    for image in sorted(folder.glob("*.png")):
+        Image.new("L", Image.open(image).size, 0).save(folder / f"{image.stem}.mask.png")
+    black, untokened = tmp_path / "black", tmp_path / "captions"
+    shutil.copytree(folder, black)
+    for mask in folder.glob("*.mask.png"):
+        mask.unlink()
+    shutil.copytree(folder, untokened)
+    for i, image in enumerate(sorted(untokened.glob("*.png"))):
+        image.with_suffix(".txt").write_text("a photo of a toy" if i == 0 else "a photo of <t>")
+    code = (
+        "import sys\n"
+        "from xeontune.errors import UserError\n"
+        "from xeontune.job.run import read_data_here\n"
+        "from xeontune.train.options import parse_args\n"
+        "for folder in sys.argv[1:]:\n"
+        "    opts = parse_args(['--model', 'm', '--data-dir', folder, '--placeholder-token', '<t>',\n"
+        "                       '--initializer-token', 'toy', '--resolution', '64', '--bucket-step', '16'])\n"
+        "    try:\n"
+        "        read_data_here(opts)\n"
+        "        print('ok')\n"
+        "    except UserError as exc:\n"
+        "        print(str(exc).replace(chr(10), ' '))\n"
+        "print('torch imported' if 'torch' in sys.modules else 'no torch')\n")
+    done = subprocess.run([sys.executable, "-c", code, str(folder), str(black), str(untokened)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = done.stdout.splitlines()
+    assert said[0] == "ok" and said[-1] == "no torch", said
+    assert said[1].startswith(f"every image's mask in {black} is black all over"), said
+    assert "does not contain --placeholder-token <t>" in said[2], said
 
 
 def test_runs_folder_check_decodes_no_image_and_lays_it_out_as_the_ranks_read_does(sample_images, tmp_path,

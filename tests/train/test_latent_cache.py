@@ -15,7 +15,8 @@ from PIL import Image
 from tests.trainlib import ThreadRanks
 from xeontune.errors import UserError
 from xeontune.train import latent_cache
-from xeontune.train.data import Pixels, crop_of, fit_square, preprocess, square_box
+from xeontune.train.data import Pixels, fit_square, preprocess
+from xeontune.train.images import crop_of, square_box
 from xeontune.train.latent_cache import Latents, encode_latents
 
 

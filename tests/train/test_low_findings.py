@@ -16,8 +16,9 @@ import pytest
 from PIL import ExifTags, Image
 
 from xeontune.cluster import bootstrap, ssh
-from xeontune.train.data import decode_upright, open_image, read_image_sizes
-from xeontune.train.loop import check_training_data, read_training_data
+from xeontune.train.data_check import check_training_data
+from xeontune.train.images import decode_upright, open_image, read_image_sizes
+from xeontune.train.loop import read_training_data
 from xeontune.train.options import parse_args
 
 
@@ -203,6 +204,6 @@ def test_the_data_sync_follows_symlinked_files_and_names_what_it_skips(tmp_path,
 
 
 def test_the_syncs_data_suffixes_are_what_training_reads():
-    from xeontune.train.data import IMAGE_SUFFIXES
+    from xeontune.train.images import IMAGE_SUFFIXES
 
     assert IMAGE_SUFFIXES | {".txt", ".jsonl"} == bootstrap.DATA_FILE_SUFFIXES

@@ -34,10 +34,6 @@ class FakeMethod(methods.Method):
         self.bias = nn.Parameter(torch.zeros(conv_out.out_channels, 1, 1))
         conv_out.register_forward_hook(lambda _m, _i, out: out + self.bias.to(out.dtype))
 
-    @property
-    def trains_text_encoders(self) -> bool:
-        return False  # so the loop caches the encoders' outputs for it
-
     def prompts(self, given) -> list[str]:
         CALLS["prompts"] += 1
         return ["a photo of a toy", "a good photo of the toy"]
@@ -83,7 +79,8 @@ class FakeMethod(methods.Method):
 
 METHOD = declaration.Declaration(
     name="fake", summary="a bias on the UNet's output", implementation=FakeMethod, group="fake",
-    files=("fake",), defaults={"learning_rate": 2e-3, "output_dir": "fake_output", "random_flip": False})
+    files=("fake",), defaults={"learning_rate": 2e-3, "output_dir": "fake_output", "random_flip": False},
+    trains_text_encoders=lambda opts: False)  # so the loop caches the encoders' outputs for it
 
 
 @pytest.fixture

@@ -20,7 +20,9 @@ from safetensors.torch import load_file
 from tests.one_line import one_line_error
 from xeontune.cli import main
 from xeontune.errors import UserError
-from xeontune.train.data import Batch, SamplePlan, read_images, sample_loss
+from xeontune.train.data import Batch, SamplePlan, sample_loss
+from xeontune.train.data_check import check_training_data
+from xeontune.train.images import read_images
 from xeontune.train.options import parse_args
 from xeontune.train.prior import GENERATED, class_image_names, missing_names
 
@@ -186,7 +188,7 @@ def test_a_folder_named_like_a_class_image_is_refused_before_the_model_loads(tin
     line = one_line_error(capsys, args)
     assert f"holds a folder named like an image, {class_dir / GENERATED.format(0)}" in line
     with pytest.raises(UserError, match="folder named like an image"):
-        loop.check_training_data(parse_args(args[1:]))  # `xeontune run`'s check on the user's machine
+        check_training_data(parse_args(args[1:]))  # `xeontune run`'s check on the user's machine
     assert sorted(p.name for p in class_dir.iterdir()) == [GENERATED.format(0), "mine.png"]
 
 @pytest.mark.slow

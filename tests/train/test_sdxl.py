@@ -25,7 +25,8 @@ from tests.held_out import held_out_loss as shared_held_out_loss
 from tests.trainlib import train
 from xeontune.errors import TrainingError, UserError
 from xeontune.train import components, loop, tokens
-from xeontune.train.data import SamplePlan, crop_of, load_images_with_crops
+from xeontune.train.data import SamplePlan, load_images_with_crops
+from xeontune.train.images import crop_of
 from xeontune.train.latent_cache import Latents
 from xeontune.train.options import parse_args
 

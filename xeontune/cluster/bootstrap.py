@@ -128,7 +128,7 @@ def data_target(record: ClusterRecord, data_dir: str) -> str:
     return posixpath.join(record.work_dir, "data", f"{path.name}-{digest}")
 
 
-# What training reads of a data folder (train.data.IMAGE_SUFFIXES, masks among them, and IMAGE.txt /
+# What training reads of a data folder (train.images.IMAGE_SUFFIXES, masks among them, and IMAGE.txt /
 # metadata.jsonl captions), named here without importing the trainer: a symlink to such a file is synced
 # as the file; tests/train/test_low_findings.py checks the two lists agree.
 DATA_FILE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".txt", ".jsonl"})

@@ -292,7 +292,7 @@ def tree_plan(local_dir: str | os.PathLike[str], follow_file_links: frozenset[st
     link to $HOME would send ~/.ssh to every node).
 
     ``follow_file_links`` (a training data folder, ``bootstrap.sync_data``: the suffixes of the files
-    training reads): the rule the training reader has (``train.data.is_image_file``: ``Path.is_file``,
+    training reads): the rule the training reader has (``train.images.is_image_file``: ``Path.is_file``,
     which follows links): a link to a file of those suffixes, wherever it points, is sent as the file's
     bytes (a linked dataset trains on the nodes as it does here), unless it points inside the tree (then
     it is a link, as above); a link to any other file outside the tree, to a folder, or to nothing, is

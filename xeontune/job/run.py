@@ -3,7 +3,7 @@
 1. everything checkable is checked before anything bills (job/spec.py: the training options as a
    rank reads them, --ppn, --dist-backend, --env, --config, a local --model, --data-dir,
    --resume-from-checkpoint; the destination; the --data-dir folder's images, captions and masks with a
-   rank's rules, from the images' headers (train/loop.check_training_data), where the provider says so:
+   rank's rules, from the images' headers (train/data_check.check_training_data), where the provider says so:
    not on this machine's own clusters, whose ranks start at once);
 2. a cluster: created (`cluster up`), or the one named with --name when it exists (reused);
 3. its data: `cluster up` syncs --data-dir to every node of a remote cluster (a reused one gets
@@ -156,7 +156,7 @@ def read_data_here(options: TrainOptions) -> None:
     mistakes are one-line errors before a cluster exists, and a file that is no image (which a rank
     skips) is a warning here, as every other warning of the CLI is. A file whose header reads but
     whose pixels do not is found by the rank that decodes it (skipped, with a warning in its log)."""
-    from xeontune.train.loop import check_training_data
+    from xeontune.train.data_check import check_training_data
 
     logger = logging.getLogger("xeontune.train")
     said = logging.StreamHandler(sys.stderr)

@@ -12,7 +12,6 @@ each image's original size, its crop and its bucket's size.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,39 +22,18 @@ import torch
 from PIL import Image
 
 from xeontune.errors import UserError
-from xeontune.train.data import (
-    Batch,
-    Pixels,
+from xeontune.train.data import Batch, Pixels, fit_square
+from xeontune.train.images import (
     cover_box,
     crop_of,
     decode_upright,
     eight_bit,
-    fit_square,
     no_readable_image,
     open_image,
     read_image_sizes,
 )
 from xeontune.train.latent_cache import Latents
-
-
-def bucket_sizes(resolution: int, step: int, max_ratio: float = 2.0) -> list[tuple[int, int]]:
-    """The buckets' (width, height): multiples of ``step`` of about ``resolution`` squared pixels (not
-    more), from 1:``max_ratio`` to ``max_ratio``:1, each landscape shape with its portrait twin; the
-    square one first, then by width."""
-    area = resolution * resolution
-    square = (resolution, resolution)
-    sizes = {square} if resolution % step == 0 else set()
-    for width in range(step, int(resolution * max_ratio) + 1, step):
-        height = area // width // step * step  # the most pixels within the area
-        if step <= height <= width and width / height <= max_ratio:
-            sizes |= {(width, height), (height, width)}
-    return sorted(sizes, key=lambda size: (size != square, size[0]))
-
-
-def nearest_bucket(width: int, height: int, sizes: list[tuple[int, int]]) -> tuple[int, int]:
-    """The bucket whose aspect ratio is nearest the image's (on a log scale; the larger on a tie)."""
-    aspect = math.log(width / height)
-    return min(sizes, key=lambda s: (abs(math.log(s[0] / s[1]) - aspect), -s[0] * s[1]))
+from xeontune.train.layout import bucket_layout, random_crop_seed
 
 
 def fit_to_bucket(img: Image.Image, size: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
@@ -68,7 +46,7 @@ def fit_to_bucket(img: Image.Image, size: tuple[int, int]) -> tuple[torch.Tensor
 
 
 def bucket_crop(width: int, height: int, size: tuple[int, int]) -> tuple[int, int, int, int, int]:
-    """``fit_to_bucket``'s crop of a width x height image in SDXL's terms (as data.crop_of: original height
+    """``fit_to_bucket``'s crop of a width x height image in SDXL's terms (as images.crop_of: original height
     and width, crop top and left in the scaled image, the mirrored image's crop left)."""
     box, scale = cover_box(width, height, size)
     top, left = round(box[1] * scale), round(box[0] * scale)
@@ -110,34 +88,6 @@ class TrainingImages:
         return len(paths)
 
 
-Parts = list[tuple[tuple[int, int], list[int]]]  # each part's (width, height) and its images' indices
-Layout = tuple[bool, Parts]  # bucketed?, the parts
-
-
-def bucket_layout(sizes: list[tuple[int, int]], opts: Any) -> Layout:
-    """How images of these upright sizes train: in buckets when --buckets says so (auto: when some image's
-    nearest bucket is not the square one), each bucket with the indices of its images; else one square part
-    at --resolution. From the sizes alone, so the user's machine decides it as a rank does (job/run.py)."""
-    every = list(range(len(sizes)))
-    square = (opts.resolution, opts.resolution)
-    bucket_list = bucket_sizes(opts.resolution, opts.bucket_step)
-    if opts.buckets == "on" and square not in bucket_list:
-        raise UserError(f"--buckets on: --resolution {opts.resolution} must be a multiple of --bucket-step "
-                        f"{opts.bucket_step}")
-    chosen = [nearest_bucket(w, h, bucket_list) for w, h in sizes] if bucket_list else []
-    # auto: square images stay square at --resolution, even where it is no multiple of --bucket-step
-    # (the buckets then hold no square one: a square image's nearest would be an oblong one, such as
-    # 960x1024 at --resolution 1000)
-    squarest = nearest_bucket(1, 1, bucket_list) if bucket_list else square
-    if opts.buckets == "off" or not chosen or (opts.buckets == "auto" and all(c == squarest for c in chosen)):
-        return False, [(square, every)]
-    if square not in bucket_list:  # auto, images of several shapes: without a square bucket a square photo is cut oblong
-        raise UserError(f"the images are of several shapes, so --buckets auto puts them in aspect-ratio buckets, "
-                        f"whose sides are multiples of --bucket-step {opts.bucket_step}: give a --resolution "
-                        f"that is one too, a smaller --bucket-step, or --buckets off (square crops)")
-    return True, [(size, members) for size in bucket_list if (members := [i for i in every if chosen[i] == size])]
-
-
 def load_training_images(opts: Any) -> TrainingImages:
     """--data-dir's images as ``bucket_layout`` lays them out, each decoded once here to check it and take
     its crop, one at a time (a full-size photo held at a time, not all), and decoded again when trained
@@ -171,13 +121,8 @@ def load_training_images(opts: Any) -> TrainingImages:
             raise UserError(no_readable_image(Path(opts.data_dir)))
 
 
-def random_crop_seed(opts: Any) -> int | None:
-    """The seed of --random-crop's places (data.square_box), None without it."""
-    return opts.seed if getattr(opts, "random_crop", False) else None
-
-
 def _crop(upright: Image.Image, name: str, size: tuple[int, int], bucketed: bool, opts: Any) -> list[int]:
-    """An image's crop (data.crop_of) as ``fitter``'s pixels take it, from its size alone."""
+    """An image's crop (images.crop_of) as ``fitter``'s pixels take it, from its size alone."""
     if bucketed:
         return list(bucket_crop(upright.width, upright.height, size))
     return list(crop_of(upright.width, upright.height, opts.resolution, opts.center_crop, random_crop_seed(opts), name))

@@ -70,7 +70,7 @@ EXPORT_RECORD = ".xeontune-dataset.json"  # in every complete export: what it ho
 EXPORT_FORMAT = 1  # part of the key: a change to what an export holds makes a new one
 METADATA_FILE = "metadata.jsonl"  # prompts.METADATA_FILE (not imported: it imports torch)
 DATA_SUFFIXES = (".parquet", ".arrow")
-# PIL's format names -> the suffix the folder reader takes (data.IMAGE_SUFFIXES)
+# PIL's format names -> the suffix the folder reader takes (images.IMAGE_SUFFIXES)
 FORMAT_SUFFIX = {"PNG": ".png", "JPEG": ".jpg", "MPO": ".jpg", "WEBP": ".webp", "BMP": ".bmp", "TIFF": ".tif"}
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -429,7 +429,7 @@ def _sniffed_suffix(head: io.BufferedIOBase | io.BytesIO) -> str | None:
 
 
 def _suffix_of(name: str | None) -> str | None:
-    from xeontune.train.data import IMAGE_SUFFIXES
+    from xeontune.train.images import IMAGE_SUFFIXES
 
     suffix = Path(name).suffix.lower() if name else ""
     return suffix if suffix in IMAGE_SUFFIXES else None

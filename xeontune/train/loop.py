@@ -42,11 +42,8 @@ from xeontune.train import (
 )
 from xeontune.train.buckets import (
     BucketLatents,
-    Parts,
     TrainingImages,
-    bucket_layout,
     load_training_images,
-    random_crop_seed,
 )
 from xeontune.train.components import (
     Components,
@@ -60,20 +57,19 @@ from xeontune.train.components import (
 from xeontune.train.data import (
     Batch,
     SamplePlan,
-    check_mask_files,
     image_set_digest,
-    load_masks,
+    mask_tensor,
     offset_noise,
-    read_image_sizes,
-    read_images,
     sample_loss,
     seed_global_rng,
 )
+from xeontune.train.data_check import masks_and_prompts
 from xeontune.train.forecast import Forecast
+from xeontune.train.images import read_images
 from xeontune.train.latent_cache import Latents, encode_latents
 from xeontune.train.options import TrainOptions, fsdp_refusal
 from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, VALIDATION_IMAGE_RE
-from xeontune.train.prompts import ImagePrompts, image_prompts, prompts_digest
+from xeontune.train.prompts import ImagePrompts, prompts_digest
 from xeontune.train.ranks import keeps_text_encoders, memory_plan, rank_memory
 
 log = logging.getLogger("xeontune.train")
@@ -385,44 +381,15 @@ def read_training_data(opts: TrainOptions) -> tuple[TrainingImages, list[torch.T
                                                     methods.Method]:
     """--data-dir as the run trains on it: its images (in buckets where --buckets says so), their masks
     and prompts, and the method that checked the prompts. Every mistake in the folder is a one-line
-    error here, before a model loads (``check_training_data`` finds the same ones without decoding)."""
+    error here, before a model loads (data_check.check_training_data finds the same ones without decoding)."""
     if opts.with_prior_preservation:
         prior.check_class_dir(opts)
     if opts.cache_latents and (base := latent_cache_base(opts)) is not None:
         latent_cache.check_dir(base)
     images = load_training_images(opts)
     layout = [(part.size, part.members) for part in images.parts]
-    masks, given, method = _masks_and_prompts(opts, images.paths, images.sizes, layout, images.bucketed)
-    return images, masks, given, method
-
-
-def check_training_data(opts: TrainOptions) -> None:
-    """``read_training_data``'s checks from the images' headers, decoding none (the masks alone are read):
-    `xeontune run` calls this on the user's machine before it creates a cluster, so a mistake in the folder
-    costs no machine, and 200 photos cost neither gigabytes of memory nor minutes of decoding here. What
-    only a decode finds (pixels damaged past a sound header) is left to the rank, which skips the file."""
-    if opts.with_prior_preservation:
-        prior.check_class_dir(opts)
-    found = list(read_image_sizes(opts.data_dir))
-    paths, sizes = [p for p, _ in found], [s for _, s in found]
-    bucketed, layout = bucket_layout(sizes, opts)
-    _masks_and_prompts(opts, paths, sizes, layout, bucketed)
-
-
-def _masks_and_prompts(opts: TrainOptions, paths: list[Path], sizes: list[tuple[int, int]], layout: Parts,
-                       bucketed: bool) -> tuple[list[torch.Tensor | None], ImagePrompts | None, methods.Method]:
-    check_mask_files(opts.data_dir)
-    masks = [load_masks([paths[i] for i in members], [sizes[i] for i in members], opts.resolution,
-                        opts.center_crop, size if bucketed else None, random_crop_seed(opts))
-             for size, members in layout]
-    if all(m is not None and not m.any() for m in masks):
-        raise UserError(f"every image's mask in {opts.data_dir} is black all over, so nothing would train: "
-                        "white marks what the loss counts (IMAGE.mask.png)")
-    given = image_prompts(opts.data_dir, paths, instance_prompt=opts.instance_prompt,
-                          caption_column=opts.caption_column)
-    method = methods.create(opts)
-    method.check_prompts(given)
-    return masks, given, method
+    weights, given = masks_and_prompts(opts, images.paths, images.sizes, layout, images.bucketed)
+    return images, [mask_tensor(w) for w in weights], given, methods.create(opts)
 
 
 def check_output_dir(opts: TrainOptions) -> Path:
@@ -640,7 +607,7 @@ def _setup(
     )
     if not method.trains_text_encoders and opts.cache_text:
         run.text_cache = TextCache(run)
-    if not shared and not keeps_text_encoders(method, opts):
+    if not shared and not keeps_text_encoders(opts):
         release_text_encoders(components)
     sync.wait()  # every rank has its models (each node loads at its own pace) before the first collective
     if world > 1:

@@ -19,12 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from PIL import Image
 
 from xeontune.errors import UserError
 from xeontune.io import atomic_path
-from xeontune.train.data import IMAGE_SUFFIXES, is_image_file, sample_generator
+from xeontune.train.images import IMAGE_SUFFIXES, is_image_file
 
 log = logging.getLogger("xeontune.train")
 
@@ -80,7 +79,10 @@ def _generated_index(name: str) -> int | None:
 def ensure_class_images(components: Any, method: Any, opts: Any, sync: Any, autocast: Any) -> None:
     """Generate what DIR lacks (on any node) of ``--num-class-images``, each rank its share, then give
     every node every image."""
+    import torch  # here: the folder's checks above are `run`'s too, in a process without torch (data_check.py)
     from tqdm.auto import tqdm
+
+    from xeontune.train.data import sample_generator
 
     class_dir = Path(opts.class_data_dir)
     rank, world = sync.rank, sync.world

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xeontune.errors import UserError
-from xeontune.train.data import is_image_file
+from xeontune.train.images import is_image_file
 
 METADATA_FILE = "metadata.jsonl"
 CAPTION_SUFFIX = ".txt"

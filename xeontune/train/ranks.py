@@ -16,11 +16,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from xeontune import placement
 from xeontune.errors import UserError
 from xeontune.train import families
+from xeontune.train.methods.declaration import get as declared
 from xeontune.train.options import TrainOptions
 
 log = logging.getLogger(__name__)
@@ -142,15 +142,13 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True, world: in
     ``here``: the ranks run on this machine's CPU (see packs()). ``world``: the job's ranks, which
     --shard divides the training state by (1, the safe side, where it is not known yet); ``shard``: the
     level to count at (--shard's own where it is not auto)."""
-    from xeontune.train import methods
     from xeontune.train.components import pipeline_family
 
     kind = pipeline_family(str(opts.model), opts.revision)
     family = kind.name
-    method = methods.create(opts)
     level = shard or opts.shard
     weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family,
-                                  text_encoders=keeps_text_encoders(method, opts), trained=method.trains,
+                                  text_encoders=keeps_text_encoders(opts), trained=declared(opts.method).trains(opts),
                                   optimizer=opts.optimizer, ema=opts.use_ema,
                                   shares=shares(level if level != "auto" else "none", world))
     return placement.rank_memory_bytes(weights, kind.activation_bytes(opts.resolution, precision),
@@ -190,12 +188,12 @@ def reference_lora_bytes(family: str, precision: str, resolution: int) -> int:
     return max(loading, steady)
 
 
-def keeps_text_encoders(method: Any, opts: TrainOptions) -> bool:
+def keeps_text_encoders(opts: TrainOptions) -> bool:
     """Whether a rank holds the text encoders through the steps: the one rule the loop frees them by and
     ``rank_memory`` counts them by. Not where the method trains none of them and their outputs are
     computed once (loop.TextCache), unless sample images or a saved pipeline need them again.
     (A LoRA's own adapters and their optimizer state are a few to ~100 MB: within the activations' margin.)"""
-    if method.trains_text_encoders or not opts.cache_text:
+    if declared(opts.method).trains_text_encoders(opts) or not opts.cache_text:
         return True
     return bool(opts.validation_prompt or opts.save_as_full_pipeline)
 
@@ -219,9 +217,7 @@ def prepare_shared_weights(opts: TrainOptions, precision: str) -> None:
     file (its pages held once for the node) and none converts. In a child process, so that nothing
     it reads stays in this launcher for the whole run: the copies are written a tensor at a time (0.66 GB
     peak for SDXL), but a UNet in an old pickled .bin is still converted at its fp32 size."""
-    from xeontune.train import methods
-
-    if precision != "bf16" or families.DENOISER in methods.create(opts).trains:  # a trained one is no bf16 copy
+    if precision != "bf16" or families.DENOISER in declared(opts.method).trains(opts):  # a trained one is no bf16 copy
         return
     code = "import sys; from xeontune.train.components import ensure_bf16_copies; ensure_bf16_copies(*sys.argv[1:])"
     done = subprocess.run([sys.executable, "-c", code, str(opts.model), opts.revision or "", opts.variant or ""],

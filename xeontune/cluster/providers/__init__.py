@@ -109,7 +109,7 @@ class Provider:
     # this machine). False where a scheduler shares the nodes out among jobs (Slurm's queue, Ray's
     # resources).
     one_job_at_a_time: bool = True
-    # `run` checks --data-dir here with a rank's rules (train/loop.check_training_data), before the cluster
+    # `run` checks --data-dir here with a rank's rules (train/data_check.check_training_data), before the cluster
     # exists: a mistake in the folder then costs no machine, bootstrap or queue wait. False where the
     # cluster is this machine and its ranks start within seconds (they find the same mistake), so
     # that `run` there does not pay the check's import of torch (4 s).

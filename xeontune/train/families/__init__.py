@@ -31,6 +31,9 @@ from xeontune.errors import UserError
 from xeontune.registry import Registry
 
 DENOISER = "denoiser"  # a method's name for the part that denoises in ``trains`` (``Family.denoiser``: its folder)
+# the pipeline parts a method may train (``Declaration.trains``): the denoiser (a UNet or a transformer, as the
+# family has it) and the text encoders by their folders
+PARTS = (DENOISER, "text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from xeontune.train.families import DENOISER
+from xeontune.train import families
 from xeontune.train.methods.declaration import get
 
 if TYPE_CHECKING:
@@ -49,9 +49,7 @@ if TYPE_CHECKING:
     from xeontune.train.options import TrainOptions
     from xeontune.train.prompts import ImagePrompts
 
-# the pipeline parts a method may train (``trains``): the denoiser (a UNet or a transformer, as the family
-# has it) and the text encoders by their folders
-PARTS = (DENOISER, "text_encoder", "text_encoder_2", "text_encoder_3")
+PARTS = families.PARTS  # the pipeline parts a method may train (``trains``)
 
 
 class Method:
@@ -67,15 +65,13 @@ class Method:
 
     @property
     def trains(self) -> frozenset[str]:
-        """The pipeline parts (of ``PARTS``) whose own weights train; none for a method that trains
-        beside frozen models (a token's rows, adapters)."""
-        return frozenset()
+        """The pipeline parts (of ``PARTS``) whose own weights train: declared (``Declaration.trains``)."""
+        return get(self.name).trains(self.opts)
 
     @property
     def trains_text_encoders(self) -> bool:
-        """Whether gradients flow into the text encoders; when not, their outputs depend on the prompt
-        alone and the loop computes them once per prompt."""
-        return True
+        """Whether gradients flow into the text encoders: declared (``Declaration.trains_text_encoders``)."""
+        return get(self.name).trains_text_encoders(self.opts)
 
     @property
     def modified_parts(self) -> set[str]:
@@ -87,8 +83,8 @@ class Method:
         raise NotImplementedError
 
     def check_prompts(self, given: ImagePrompts | None) -> None:
-        """Before any model loads: raise UserError (one line) unless the images' prompts (captions or
-        --instance-prompt, train/prompts.py; None when they have none) suit the method."""
+        """Before any model loads: the declared check of the images' prompts (``Declaration.check_prompts``)."""
+        get(self.name).check_prompts(self.opts, given)
 
     def prompts(self, given: ImagePrompts | None) -> list[str]:
         """The prompts the samples draw from, as the tokenizers should read them: ``given.texts`` (same

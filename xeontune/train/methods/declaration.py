@@ -38,6 +38,14 @@ class Declaration:
     borrows: tuple[str, ...] = ()  # options of another method's group that it takes too
     prior_preservation: bool = False  # takes the shared "prior preservation" group (DreamBooth's class images)
     bench: Bench | None = field(default=None, compare=False)
+    # what trains, from the options alone (torch-free, so that `xeontune run` sizes the ranks and checks the
+    # prompts without importing the method): the pipeline parts of methods.PARTS whose own weights train
+    # (none for a method that trains beside frozen models), whether gradients flow into the text encoders
+    # (when not, the loop computes their outputs once per prompt), and a check of the images' prompts
+    # (train/prompts.ImagePrompts, None when they have none) that raises UserError in one line
+    trains: Callable[[Any], frozenset[str]] = field(default=lambda opts: frozenset(), compare=False)
+    trains_text_encoders: Callable[[Any], bool] = field(default=lambda opts: True, compare=False)
+    check_prompts: Callable[[Any, Any], None] = field(default=lambda opts, given: None, compare=False)
 
 
 _REGISTRY: Registry[Declaration] = Registry("method", "METHOD", Declaration)

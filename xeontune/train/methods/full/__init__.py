@@ -6,11 +6,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from xeontune.errors import UserError
+from xeontune.train.families import DENOISER, PARTS
 from xeontune.train.methods.declaration import Bench, Declaration
+
+ENCODERS = tuple(p for p in PARTS if p != DENOISER)  # whatever the family holds (``trains`` is told before it loads)
 
 
 def _bench_options(baseline: bool, args: Any) -> dict[str, Any]:
     return {"instance_prompt": "a photo of sks toy", "cache_text": not baseline}
+
+
+def _trains(opts: Any) -> frozenset[str]:
+    return frozenset({DENOISER, *(ENCODERS if opts.train_text_encoder else ())})
+
+
+def _check_prompts(opts: Any, given: Any) -> None:
+    if given is None:
+        raise UserError("--method full needs a caption per image (IMAGE.txt or metadata.jsonl in the data dir, "
+                        "or --caption-column of a dataset) or --instance-prompt; see docs/training.md")
 
 
 METHOD = Declaration(
@@ -28,4 +42,7 @@ METHOD = Declaration(
     # AVX2), peak RSS <= 0.8x its own
     bench=Bench(example="train_text_to_image.py", targets={"speedup_min": 1.4, "rss_ratio_max": 0.8},
                 options=_bench_options),
+    trains=_trains,
+    trains_text_encoders=lambda opts: opts.train_text_encoder,
+    check_prompts=_check_prompts,
 )

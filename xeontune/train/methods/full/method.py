@@ -24,14 +24,13 @@ import torch
 from torch import nn
 
 from xeontune.errors import TrainingError, UserError
-from xeontune.train.families import DENOISER
-from xeontune.train.methods import PARTS, Method
+from xeontune.train.methods import Method
+from xeontune.train.methods.full import ENCODERS
 from xeontune.train.methods.full import METHOD as DECLARED
 from xeontune.train.outputs import learned_file
 
 STEM = DECLARED.files[0]
 log = logging.getLogger("xeontune.train")
-ENCODERS = tuple(p for p in PARTS if p != DENOISER)  # whatever the family holds (``trains`` is told before it loads)
 
 
 class FullFineTuning(Method):
@@ -41,14 +40,6 @@ class FullFineTuning(Method):
 
     # the denoiser by its folder ("unet"), and "text_encoder"(, "text_encoder_2"...) with --train-text-encoder
     models: dict[str, nn.Module]
-
-    @property
-    def trains(self) -> frozenset[str]:
-        return frozenset({DENOISER, *(ENCODERS if self.opts.train_text_encoder else ())})
-
-    @property
-    def trains_text_encoders(self) -> bool:
-        return self.opts.train_text_encoder
 
     def install(self, components: Any) -> None:
         self.components = components
@@ -66,11 +57,6 @@ class FullFineTuning(Method):
             denoiser = self.models[self.denoiser_name]
             self.ema = EMAModel(denoiser.parameters(), decay=self.opts.ema_decay, model_cls=type(denoiser),
                                 model_config=denoiser.config)
-
-    def check_prompts(self, given: Any) -> None:
-        if given is None:
-            raise UserError("--method full needs a caption per image (IMAGE.txt or metadata.jsonl in the data dir, "
-                            "or --caption-column of a dataset) or --instance-prompt; see docs/training.md")
 
     def prompts(self, given: Any) -> list[str]:
         return list(given.texts)

@@ -6,12 +6,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from xeontune.errors import UserError
 from xeontune.train.methods.declaration import Bench, Declaration
 
 
 def _bench_options(baseline: bool, args: Any) -> dict[str, Any]:
     # the example runs its frozen text encoder every step
     return {"instance_prompt": "a photo of sks toy", "rank": args.rank, "cache_text": not baseline}
+
+
+def _check_prompts(opts: Any, given: Any) -> None:
+    """Captions or an instance prompt; with a pivotal token, at least one of them must name it (else
+    textual inversion's templates, which do)."""
+    token = opts.placeholder_token
+    if not token and given is None:
+        raise UserError("--method lora needs --instance-prompt, or a caption per image (IMAGE.txt or "
+                        "metadata.jsonl in the data dir; see docs/training.md)")
+    if token and given and not any(token in text for text in given.texts):
+        raise UserError(f"pivotal tuning: no prompt contains --placeholder-token {token} ({given.where[0]}: "
+                        f"{given.texts[0]!r}), so the token would never train")
 
 
 METHOD = Declaration(
@@ -30,4 +43,7 @@ METHOD = Declaration(
     bench=Bench(example="train_dreambooth_lora.py (SDXL: train_dreambooth_lora_sdxl.py)",
                 targets={"speedup_min": {"bf16": 1.5, "fp32": 1.8}, "rss_ratio_max": 0.6},
                 options=_bench_options),
+    # adapters beside frozen models; a pivotal token trains in the text encoders
+    trains_text_encoders=lambda opts: bool(opts.train_text_encoder or opts.placeholder_token),
+    check_prompts=_check_prompts,
 )

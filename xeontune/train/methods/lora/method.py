@@ -89,10 +89,6 @@ class Lora(Method):
         return float(self.opts.lora_alpha or self.opts.rank)
 
     @property
-    def trains_text_encoders(self) -> bool:
-        return self.opts.train_text_encoder or self.token is not None
-
-    @property
     def modified_parts(self) -> set[str]:
         return set(self.models)
 
@@ -141,17 +137,6 @@ class Lora(Method):
         """The adapters' parameters (not a pivotal token's rows, which live in a text encoder too)."""
         return [(f"{model_name}.{name}", p) for model_name, model in self.models.items()
                 for name, p in model.named_parameters() if p.requires_grad and ".lora_" in name]
-
-    def check_prompts(self, given: Any) -> None:
-        """Captions or an instance prompt; with a pivotal token, at least one of them must name it (else
-        textual inversion's templates, which do)."""
-        if self.token is None and given is None:
-            raise UserError("--method lora needs --instance-prompt, or a caption per image (IMAGE.txt or "
-                            "metadata.jsonl in the data dir; see docs/training.md)")
-        token = self.opts.placeholder_token
-        if self.token and given and not any(token in text for text in given.texts):
-            raise UserError(f"pivotal tuning: no prompt contains --placeholder-token {token} ({given.where[0]}: "
-                            f"{given.texts[0]!r}), so the token would never train")
 
     def prompts(self, given: Any) -> list[str]:
         return self.token.prompts(given) if self.token else list(given.texts)

@@ -42,15 +42,6 @@ class TextualInversion(Method):
                 components.text_encoder_2, self.placeholder_2, full_table=opts.train_full_table))
         self.embedding = embedding
 
-    def check_prompts(self, given: Any) -> None:
-        """Every caption (or the instance prompt) must name the token: the vectors learn only through
-        prompts that contain it."""
-        token = self.opts.placeholder_token
-        for text, where in zip(given.texts, given.where, strict=True) if given else ():
-            if token not in text:
-                raise UserError(f"the prompt {text!r} ({where}) does not contain --placeholder-token {token}: "
-                                "textual inversion learns only from prompts that name the token")
-
     def prompts(self, given: Any) -> list[str]:
         texts = given.texts if given else [t.format(self.opts.placeholder_token)
                                            for t in templates_for(self.opts.learnable_property)]
