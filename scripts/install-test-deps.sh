@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # System packages the tests use: sshd and iproute2 for the network-namespace cluster, tcmalloc
 # (libgoogle-perftools4) for the allocator detection and preload, Slurm (slurm-wlm: slurmctld, slurmd
-# and the client commands; the tests run them without munge) for the Slurm tests.
+# and the client commands; the tests run them without munge) for the Slurm tests, and a C++ compiler (g++)
+# for xeontune's attention kernel, which torch's extension builder compiles on first use.
 # Installed only when running as root (CI does); otherwise we say what is missing.
 set -euo pipefail
-PKGS=(openssh-server openssh-client iproute2 procps libgoogle-perftools4 slurm-wlm)
+PKGS=(openssh-server openssh-client iproute2 procps libgoogle-perftools4 slurm-wlm g++)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

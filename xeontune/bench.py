@@ -198,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "here as much slower as a node here is (docs/cluster.md)")
     nodes.add_argument("--predict-rate", metavar="RATE", help="predict clusters whose links run at RATE (e.g. 25gbit)")
     nodes.add_argument("--predict-nodes", default="8,16,32,64", metavar="LIST", help="their node counts (8,16,32,64)")
+    attention = p.add_argument_group("attention (--attention): xeontune's kernel against torch's SDPA")
+    attention.add_argument("--attention", action="store_true",
+                           help="time the attention alone, forward and backward, at SD1.5's and SDXL's shapes "
+                           "(in --mixed-precision: fp32 where auto finds no bf16 instructions)")
+    attention.add_argument("--threads", default="1,2,all", metavar="LIST",
+                           help="thread counts to time at (default 1,2,all: all = the physical cores)")
+    attention.add_argument("--repeats", type=int, default=3, help="timed calls per measurement; the best counts (3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
     p.add_argument("--matmul-size", type=int, default=2048, help=argparse.SUPPRESS)
@@ -217,6 +224,15 @@ def _check(args: argparse.Namespace) -> None:
     if args.resolution < 32 or args.resolution % 8:
         raise UserError(f"--resolution must be a multiple of 8 and at least 32, got {args.resolution}")
     rank_counts(args.ranks_per_node, physical_cores())  # fails now on a bad list, not after minutes of steps
+    if args.attention:
+        from xeontune.attention_bench import thread_counts
+
+        if args.repeats < 1:
+            raise UserError("--repeats must be at least 1")
+        try:
+            thread_counts(args.threads, physical_cores())
+        except ValueError:
+            raise UserError(f"--threads {args.threads}: a comma-separated list of thread counts and 'all'") from None
     _check_nodes(args)
 
 
@@ -990,6 +1006,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text if args.json else scaling.render(figures))
         return 0
     hardware.reexec_with_allocator(["-m", "xeontune.bench", *argv], args.allocator)
+    if args.attention:
+        from xeontune import attention_bench
+
+        precision = hardware.choose_precision(args.mixed_precision)[0]
+        try:
+            figures = attention_bench.measure(precision, attention_bench.thread_counts(args.threads, physical_cores()),
+                                              args.repeats, log, machine_peak_gflops)
+        except RuntimeError as exc:
+            raise UserError(str(exc)) from None
+        text = json.dumps(figures, indent=2)
+        _write_json_out(args, text)
+        print(text if args.json else attention_bench.render(figures))
+        return 0
 
     if args.class_images:
         figures = bench_class_images(args, log)

@@ -143,3 +143,135 @@ def test_every_attention_of_the_trainers_unet_matches_fp64(kind, precision, tmp_
             hidden, context = random_inputs(hidden_shape, context_shape, scale, seed=index)
             assert_within(relative_errors(attentions[name], hidden, context, precision), precision,
                           f"{kind} {name}, inputs x{scale:g}")
+
+
+# --- xeontune's attention kernel (issue 51): the same gate, the kernel called directly and through the UNet's
+# processor, then what falls back to torch's SDPA
+
+KERNEL_HEADS = (40, 64, 80, 160)  # SD1.5's levels (40, 80, 160) and SDXL's (64)
+
+
+def kernel_errors(q, k, v, precision: str) -> dict[str, float]:
+    """The kernel's output and q/k/v gradients against fp64 on the same (rounded) inputs."""
+    from xeontune.train import attention
+
+    dtype = DTYPES[precision]
+    ours = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+    exact = [t.detach().double().requires_grad_(True) for t in ours]
+    cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out = attention.attention(*ours)
+    (out.double() * cotangent).sum().backward()
+    qe, ke, ve = exact
+    want = torch.softmax(qe @ ke.transpose(-1, -2) * q.shape[-1] ** -0.5, dim=-1) @ ve
+    (want * cotangent).sum().backward()
+
+    def error(have: torch.Tensor, expected: torch.Tensor) -> float:
+        return ((have.double() - expected).norm() / expected.norm()).item()
+
+    errors = {"output": error(out, want)}
+    errors.update({f"{name} gradient": error(t.grad, e.grad) for name, t, e in zip("qkv", ours, exact, strict=True)})
+    return errors
+
+
+@pytest.fixture(scope="module")
+def kernel_built():
+    from xeontune.train import attention
+
+    why = attention.kernel()
+    assert why is None, f"the kernel did not build here (CI installs a compiler): {why}"
+
+
+@pytest.mark.parametrize("precision", sorted(BOUNDS))
+@pytest.mark.parametrize("head", KERNEL_HEADS)
+def test_the_kernel_matches_fp64_at_every_head_size(kernel_built, head, precision):
+    """Self-attention over 1024 tokens and cross-attention over 77 keys, heads as the processor lays them out
+    ((batch, tokens, heads, head) memory): output and all three gradients within torch's own bounds, at unit
+    and 4x inputs. The batch of 2 and 130 queries leave ragged last blocks."""
+    g = torch.Generator().manual_seed(head)
+    for queries, keys, batch in ((1024, 1024, 1), (130, 77, 2)):
+        for scale in INPUT_SCALES:
+            q, k, v = (torch.randn(batch, tokens, 4, head, generator=g).transpose(1, 2) * scale
+                       for tokens in (queries, keys, keys))
+            assert_within(kernel_errors(q, k, v, precision), precision,
+                          f"kernel, {queries}x{keys} tokens, heads of {head}, inputs x{scale:g}")
+
+
+@pytest.mark.parametrize("precision", sorted(BOUNDS))
+def test_the_processor_runs_the_real_models_attention_through_the_kernel(kernel_built, precision, monkeypatch):
+    """The UNet's attention blocks with the kernel's processor, as `--attention xeontune` installs it, meet
+    the gate at SD1.5's and SDXL's shapes; every call reached the kernel."""
+    from xeontune.train import attention
+
+    calls = []
+    real = attention.attention
+    monkeypatch.setattr(attention, "attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    for model, (dim, heads, head, context_dim) in sorted(FULL_SIZE.items()):
+        torch.manual_seed(0)
+        blocks = nn.ModuleDict({
+            "self": Attention(dim, None, heads=heads, dim_head=head),
+            "cross": Attention(dim, context_dim, heads=heads, dim_head=head),
+        }).to(DTYPES[precision]).requires_grad_(False)
+        assert attention.install(blocks) == 2
+        blocks, _, _ = prepare_frozen_models(blocks, nn.Identity(), precision=precision)
+        for kind, attn in blocks.items():
+            hidden, context = random_inputs((1, 1024, dim), (1, 77, context_dim) if kind == "cross" else None,
+                                            4.0, seed=4)
+            assert_within(relative_errors(attn, hidden, context, precision), precision,
+                          f"{model} {kind}-attention through the kernel")
+    assert len(calls) == 4 and all(shape[2] == 1024 for shape in calls), calls
+
+
+def test_calls_the_kernel_does_not_handle_go_to_torchs_sdpa_unchanged(kernel_built, monkeypatch):
+    """A mask, dropout, a causal mask, fp16, 3-D inputs: torch's SDPA, with its very result (mixed dtypes: its
+    error); the kernel is not called."""
+    from xeontune.train import attention
+
+    monkeypatch.setattr(attention, "attention", lambda *a, **k: pytest.fail("the kernel was called"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    mask = torch.rand(16, 16, generator=g) > 0.3
+    for args, kwargs in (((q, k, v), {"attn_mask": mask}), ((q, k, v), {"is_causal": True}),
+                         ((q.half(), k.half(), v.half()), {}), ((q[0], k[0], v[0]), {})):
+        with torch.random.fork_rng():
+            want = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+        assert torch.equal(attention.sdpa(*args, **kwargs), want)
+    with pytest.raises(RuntimeError, match="Expected query, key, and value to have the same dtype"):
+        attention.sdpa(q, k.bfloat16(), v.bfloat16())  # torch's own refusal
+    torch.manual_seed(3)
+    dropped = attention.sdpa(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    assert torch.equal(dropped, torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5))
+    # the stock processor keeps a block that carries a mask
+    blocks = Attention(16, None, heads=2, dim_head=8)
+    attention.install(blocks)
+    hidden = torch.randn(1, 5, 16, generator=g)
+    masked = torch.zeros(1, 1, 5)
+    assert torch.equal(blocks(hidden, attention_mask=masked), blocks.processor.stock(blocks, hidden, attention_mask=masked))
+
+
+AVX2 = frozenset({"avx2", "fma"})
+ZEN4 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+AMX = ZEN4 | {"amx_bf16", "amx_tile"}
+
+
+def test_auto_follows_the_measured_rule_on_each_cpu_kind(kernel_built):
+    """--attention auto by the CPU's flags (faked): torch's SDPA where the CPU has bf16 instructions (not
+    measured there yet); on an AVX2-only CPU the kernel for every bf16 call, and in fp32 for self-attention
+    over 1024 keys or more, torch's for cross-attention. torch and xeontune say what they are."""
+    from xeontune.train import attention
+
+    for flags in (ZEN4, AMX):
+        for precision in ("bf16", "fp32"):
+            mode, note = attention.use_kernel("auto", precision, flags)
+            assert mode is None and "not measured yet on a CPU with bf16 instructions" in note
+        assert not attention.prefers_kernel(torch.bfloat16, 4096, flags)
+        assert attention.use_kernel("xeontune", "bf16", flags)[0] == "always"
+    assert attention.use_kernel("auto", "bf16", AVX2) == (
+        "auto", "xeontune's kernel for every call (--attention auto: this CPU emulates torch's bf16 attention)")
+    assert attention.use_kernel("auto", "fp32", AVX2)[0] == "auto"
+    assert attention.prefers_kernel(torch.bfloat16, 77, AVX2)
+    assert attention.prefers_kernel(torch.float32, 1024, AVX2) and attention.prefers_kernel(torch.float32, 4096, AVX2)
+    assert not attention.prefers_kernel(torch.float32, 77, AVX2)
+    assert attention.use_kernel("torch", "bf16", AVX2) == (None, "torch's SDPA (--attention torch)")
+    with pytest.raises(ValueError, match="--attention must be one of"):
+        attention.use_kernel("flash", "fp32", AVX2)

@@ -28,6 +28,7 @@ from xeontune import hardware
 from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_write_json, atomic_write_text, cache_root, disk_errors, file_in_the_way
 from xeontune.train import (
+    attention,
     checkpoint,
     data_parallel,
     families,
@@ -529,6 +530,9 @@ def _setup(
         if ipex == "on":
             raise UserError(f"--ipex on: --method {opts.method} does not run on IPEX; use --ipex off")
         ipex, ipex_off_because = "off", f"--method {opts.method} does not run on it"
+    kernel_mode, attention_note = attention.use_kernel(opts.attention, precision)
+    if kernel_mode:  # before compile and packing: they see the processors
+        attention.install(components.denoiser, kernel_mode)
     if not shared:
         components.denoiser, components.vae, notes = prepare_frozen_models(
             components.denoiser, components.vae, precision=precision, ipex=ipex, compile=opts.compile,
@@ -539,6 +543,7 @@ def _setup(
             family=components.family.name, agree=sync.all_true, ipex_off_because=ipex_off_because,
         )
     method.on_ipex = ipex_applied(notes)  # a broken gradient path then names IPEX as the likely cause
+    notes.append(f"attention: {attention_note}")
     if main:
         log.info("precision %s (%s)%s", precision, reason, "".join(f"; {n}" for n in notes))
 

@@ -190,6 +190,10 @@ class TrainOptions:
                             "than 4 threads a rank (stock was 1.28x faster with 16); costs about twice the UNet's size in the "
                             "training dtype in memory per rank", choices=("auto", "on", "off"), group="hardware")
     compile: bool = opt(False, "torch.compile the UNet (inductor); measure before relying on it", group="hardware")
+    attention: str = opt("auto", "the UNet's attention: torch's SDPA, or xeontune's CPU kernel (compiled for this CPU "
+                         "on first use into $XEONTUNE_CACHE/kernels; torch's where it cannot be built, or for a call it "
+                         "does not handle); auto picks by the rules measured in docs/performance.md",
+                         choices=("auto", "torch", "xeontune"), group="hardware")
     gradient_checkpointing: bool = opt(
         False, "keep only each block's input of the frozen UNet through the forward pass and recompute the rest "
         "during the backward: trades memory for time (the UNet's forward runs twice a step: 1.22x the s/step "

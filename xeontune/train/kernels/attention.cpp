@@ -1,0 +1,395 @@
+// Blocked (flash-style) attention for the CPU, forward and backward, registered as the torch ops
+// xeontune::attention_forward and xeontune::attention_backward (autograd: train/attention.py).
+//
+// softmax(q k^T * scale) v over q, k, v of shape (batch, heads, tokens, head) whose last dimension is
+// contiguous (the layout a diffusers processor's view/transpose gives). The products run in fp32 through
+// torch's own brgemm micro-kernel (at::native::cpublas::brgemm: oneDNN's ukernel where this torch has it,
+// else torch's gemm); bf16 inputs are widened to fp32 once per head, the softmax statistics are fp32.
+//
+// Why not torch's SDPA: its backward runs in parallel over batch x heads only, so at batch 1 a node
+// with more cores than heads leaves the rest idle. Here the backward of each head runs in parallel over
+// key blocks (each task owns its rows of dK and dV, dQ is summed from per-thread copies), or over query
+// blocks where the keys are few (cross-attention's 77: each task owns its rows of dQ, dK and dV summed).
+// The forward runs in parallel over batch x heads x query blocks, as torch's does.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+#ifndef XT_QB
+#define XT_QB 64
+#endif
+#ifndef XT_KB
+#define XT_KB 256
+#endif
+#ifndef XT_BKB
+#define XT_BKB 64
+#endif
+#ifndef XT_BQB
+#define XT_BQB 64
+#endif
+constexpr int64_t kQueryBlock = XT_QB;  // rows of a forward task
+constexpr int64_t kKeyBlock = XT_KB;   // keys per forward step
+constexpr int64_t kBackwardKeyBlock = XT_BKB;
+constexpr int64_t kBackwardQueryBlock = XT_BQB;
+
+// C (M x N, ld_c) = A (M x K, ld_a) B (K x N, ld_b) [+ C]: row-major fp32
+inline void matmul(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+                   float* c, int64_t ldc, bool accumulate) {
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
+}
+
+// A (batch, heads, tokens, head) tensor's rows as pointers: row r of head (b, h)
+template <typename T>
+struct Rows {
+  const T* data;
+  int64_t batch_stride, head_stride, row_stride;
+  Rows(const at::Tensor& t)
+      : data(t.const_data_ptr<T>()), batch_stride(t.stride(0)), head_stride(t.stride(1)), row_stride(t.stride(2)) {}
+  const T* row(int64_t b, int64_t h, int64_t r) const {
+    return data + b * batch_stride + h * head_stride + r * row_stride;
+  }
+};
+
+// rows [first, last) of head (b, h), widened to fp32, row by row from ``dst`` on (ld ``head``)
+template <typename T>
+void widen_rows(const Rows<T>& src, int64_t b, int64_t h, int64_t first, int64_t last, int64_t head, float* dst) {
+  for (int64_t r = first; r < last; ++r) {
+    const T* in = src.row(b, h, r);
+    for (int64_t d = 0; d < head; ++d) dst[(r - first) * head + d] = static_cast<float>(in[d]);
+  }
+}
+
+// Transposed copies are kept in panels: the ``panel`` tokens from token j0 on are one (head x n) matrix at
+// ``j0 * head``, ld n (n = panel, or what the last one holds). A product then reads its block with a stride
+// of n floats, not of all the tokens (4096 floats: 16 KB apart, the same cache sets row after row).
+inline int64_t panel_at(int64_t r, int64_t head, int64_t tokens, int64_t panel, int64_t d) {
+  const int64_t j0 = r - r % panel, n = std::min(panel, tokens - j0);
+  return j0 * head + d * n + (r - j0);
+}
+
+// rows [first, last) of head (b, h), widened to fp32 and transposed into ``dst``'s panels
+template <typename T>
+void widen_panels(const Rows<T>& src, int64_t b, int64_t h, int64_t first, int64_t last, int64_t head, float* dst,
+                  int64_t tokens, int64_t panel) {
+  for (int64_t r = first; r < last; ++r) {
+    const T* in = src.row(b, h, r);
+    for (int64_t d = 0; d < head; ++d) dst[panel_at(r, head, tokens, panel, d)] = static_cast<float>(in[d]);
+  }
+}
+
+// p[i] = exp(s[i] * scale - shift), returned: their sum
+inline float exp_row(float* p, const float* s, int64_t n, float scale, float shift) {
+  const Vec vscale(scale), vshift(shift);
+  Vec sum(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    Vec x = (Vec::loadu(s + i) * vscale - vshift).exp_u20();
+    x.store(p + i);
+    sum = sum + x;
+  }
+  float total = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
+  for (; i < n; ++i) {
+    p[i] = std::exp(s[i] * scale - shift);
+    total += p[i];
+  }
+  return total;
+}
+
+inline float max_row(const float* s, int64_t n) {
+  Vec top(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) top = at::vec::maximum(top, Vec::loadu(s + i));
+  float m = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, top);
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  return m;
+}
+
+template <typename T>
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+             float scale) {
+  const int64_t batch = q.size(0), heads = q.size(1), lq = q.size(2), head = q.size(3), lk = k.size(2);
+  const Rows<T> qr(q), kr(k), vr(v);
+  // per head: k transposed (head x lk) and v (lk x head), in fp32, made once and read by every query block
+  std::vector<float> kt(batch * heads * head * lk), vf(batch * heads * lk * head);
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      widen_panels(kr, bh / heads, bh % heads, 0, lk, head, kt.data() + bh * head * lk, lk, kKeyBlock);
+      widen_rows(vr, bh / heads, bh % heads, 0, lk, head, vf.data() + bh * lk * head);
+    }
+  });
+  const int64_t blocks = (lq + kQueryBlock - 1) / kQueryBlock;
+  T* o = out.data_ptr<T>();  // (batch, lq, heads, head) in memory
+  float* l_out = lse.data_ptr<float>();  // (batch, heads, lq)
+  at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(kQueryBlock * head), s(kQueryBlock * kKeyBlock), acc(kQueryBlock * head);
+    std::vector<float> m(kQueryBlock), l(kQueryBlock);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / blocks, b = bh / heads, h = bh % heads;
+      const int64_t first = (task % blocks) * kQueryBlock, rows = std::min(kQueryBlock, lq - first);
+      widen_rows(qr, b, h, first, first + rows, head, qf.data());
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const float* kt_h = kt.data() + bh * head * lk;
+      const float* v_h = vf.data() + bh * lk * head;
+      for (int64_t j = 0; j < lk; j += kKeyBlock) {
+        const int64_t keys = std::min(kKeyBlock, lk - j);
+        matmul(rows, keys, head, qf.data(), head, kt_h + j * head, keys, s.data(), keys, false);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* sr = s.data() + r * keys;
+          const float top = std::max(m[r], max_row(sr, keys) * scale);
+          const float kept = std::exp(m[r] - top);  // 0 at the first block (m = -inf)
+          l[r] = l[r] * kept + exp_row(sr, sr, keys, scale, top);
+          m[r] = top;
+          if (j > 0) {
+            float* ar = acc.data() + r * head;
+            for (int64_t d = 0; d < head; ++d) ar[d] *= kept;
+          }
+        }
+        matmul(rows, head, keys, s.data(), keys, v_h + j * head, head, acc.data(), head, true);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / l[r];
+        T* dst = o + ((b * lq + first + r) * heads + h) * head;
+        for (int64_t d = 0; d < head; ++d) dst[d] = static_cast<T>(acc[r * head + d] * inv);
+        l_out[(b * heads + h) * lq + first + r] = m[r] + std::log(l[r]);
+      }
+    }
+  });
+}
+
+// One (query block, key block) pair of the backward, from fp32 copies of one head:
+//   S^T = K_j Q_i^T, P^T = exp(S^T * scale - lse_i), dV_j += P^T dO_i, dP^T = V_j dO_i^T,
+//   dS^T = P^T (dP^T - delta_i), dK_j += dS^T Q_i, dQ_i^T += K_j^T dS^T (dK, dQ scaled once at the end; dQ
+// is summed transposed, head x tokens, so that every product reads dS^T as it is made: no transpose a pair)
+struct HeadCopies {
+  int64_t lq, lk, head;
+  const float *q, *q_t, *k, *k_t, *v, *dout, *dout_t, *lse, *delta;
+};
+
+struct PairBuffers {
+  std::vector<float> pt, dpt;
+  explicit PairBuffers(int64_t size) : pt(size), dpt(size) {}
+};
+
+void backward_pair(const HeadCopies& c, int64_t qi, int64_t rows, int64_t kj, int64_t keys, float scale,
+                   PairBuffers& buf, float* dq_t, float* dk, float* dv) {
+  const int64_t head = c.head;
+  float* pt = buf.pt.data();
+  float* dpt = buf.dpt.data();
+  matmul(keys, rows, head, c.k + kj * head, head, c.q_t + qi * head, rows, pt, rows, false);
+  matmul(keys, rows, head, c.v + kj * head, head, c.dout_t + qi * head, rows, dpt, rows, false);
+  const float* lse = c.lse + qi;
+  const float* delta = c.delta + qi;
+  const Vec vscale(scale);
+  for (int64_t r = 0; r < keys; ++r) {
+    float* p = pt + r * rows;
+    float* dp = dpt + r * rows;
+    int64_t i = 0;
+    for (; i + Vec::size() <= rows; i += Vec::size()) {
+      Vec x = (Vec::loadu(p + i) * vscale - Vec::loadu(lse + i)).exp_u20();
+      x.store(p + i);
+      (x * (Vec::loadu(dp + i) - Vec::loadu(delta + i))).store(dp + i);  // dS^T, in place of dP^T
+    }
+    for (; i < rows; ++i) {
+      p[i] = std::exp(p[i] * scale - lse[i]);
+      dp[i] = p[i] * (dp[i] - delta[i]);
+    }
+  }
+  matmul(keys, head, rows, pt, rows, c.dout + qi * head, head, dv, head, true);
+  matmul(keys, head, rows, dpt, rows, c.q + qi * head, head, dk, head, true);
+  matmul(head, rows, keys, c.k_t + kj * head, keys, dpt, rows, dq_t + qi * head, rows, true);
+}
+
+template <typename T>
+void write_rows(T* dst, int64_t b, int64_t h, int64_t heads, int64_t tokens, int64_t head, const float* src,
+                int64_t first, int64_t last, float scale) {  // into (batch, tokens, heads, head) memory
+  for (int64_t r = first; r < last; ++r) {
+    T* out = dst + ((b * tokens + r) * heads + h) * head;
+    for (int64_t d = 0; d < head; ++d) out[d] = static_cast<T>(src[r * head + d] * scale);
+  }
+}
+
+template <typename T>
+void write_panels(T* dst, int64_t b, int64_t h, int64_t heads, int64_t tokens, int64_t head, const float* src,
+                  int64_t panel, float scale) {  // transposed panels (widen_panels) into (batch, tokens, heads, head)
+  at::parallel_for(0, tokens, 256, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      T* out = dst + ((b * tokens + r) * heads + h) * head;
+      for (int64_t d = 0; d < head; ++d) out[d] = static_cast<T>(src[panel_at(r, head, tokens, panel, d)] * scale);
+    }
+  });
+}
+
+template <typename T>
+void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& out, const at::Tensor& lse, float scale, at::Tensor& dq, at::Tensor& dk,
+              at::Tensor& dv) {
+  const int64_t batch = q.size(0), heads = q.size(1), lq = q.size(2), head = q.size(3), lk = k.size(2);
+  const Rows<T> qr(q), kr(k), vr(v), dor(dout), outr(out);
+  const int64_t threads = at::get_num_threads();
+  const int64_t q_blocks = (lq + kBackwardQueryBlock - 1) / kBackwardQueryBlock;
+  const int64_t k_blocks = (lk + kBackwardKeyBlock - 1) / kBackwardKeyBlock;
+  // over key blocks where they are enough to keep every thread busy (self-attention), else over query
+  // blocks (few keys: cross-attention)
+  const bool by_keys = k_blocks >= std::min(threads, q_blocks);
+  std::vector<float> qf(lq * head), q_t(head * lq), kf(lk * head), k_t(head * lk), vf(lk * head), dof(lq * head),
+      do_t(head * lq);
+  std::vector<float> delta(lq), dqf(lq * head), dkf(lk * head), dvf(lk * head);
+  // per-thread sums of what several tasks add to: dQ (by key blocks) or dK and dV (by query blocks)
+  const int64_t shared_rows = by_keys ? lq : lk;
+  std::vector<std::vector<float>> partial(threads, std::vector<float>(shared_rows * head * (by_keys ? 1 : 2)));
+  std::vector<char> used(threads);
+  const float* lse_all = lse.const_data_ptr<float>();
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      at::parallel_for(0, std::max(lq, lk), 64, [&](int64_t first, int64_t last) {
+        const int64_t q0 = std::min(first, lq), q1 = std::min(last, lq), k0 = std::min(first, lk);
+        const int64_t k1 = std::min(last, lk);
+        widen_rows(qr, b, h, q0, q1, head, qf.data() + q0 * head);
+        widen_panels(qr, b, h, q0, q1, head, q_t.data(), lq, kBackwardQueryBlock);
+        widen_rows(dor, b, h, q0, q1, head, dof.data() + q0 * head);
+        widen_panels(dor, b, h, q0, q1, head, do_t.data(), lq, kBackwardQueryBlock);
+        widen_rows(kr, b, h, k0, k1, head, kf.data() + k0 * head);
+        widen_panels(kr, b, h, k0, k1, head, k_t.data(), lk, kBackwardKeyBlock);
+        widen_rows(vr, b, h, k0, k1, head, vf.data() + k0 * head);
+        for (int64_t r = first; r < std::min(last, lq); ++r) {
+          const T* o = outr.row(b, h, r);
+          float sum = 0.f;
+          for (int64_t d = 0; d < head; ++d) sum += static_cast<float>(o[d]) * dof[r * head + d];
+          delta[r] = sum;
+        }
+      });
+      const HeadCopies c{lq, lk, head, qf.data(), q_t.data(), kf.data(), k_t.data(), vf.data(), dof.data(),
+                         do_t.data(), lse_all + (b * heads + h) * lq, delta.data()};
+      std::fill(used.begin(), used.end(), 0);
+      if (by_keys) {
+        std::fill(dkf.begin(), dkf.end(), 0.f);
+        std::fill(dvf.begin(), dvf.end(), 0.f);
+        at::parallel_for(0, k_blocks, 1, [&](int64_t begin, int64_t end) {
+          PairBuffers buf(kBackwardQueryBlock * kBackwardKeyBlock);
+          const int64_t tid = at::get_thread_num();
+          float* dq_mine = partial[tid].data();
+          if (!used[tid]) std::fill(partial[tid].begin(), partial[tid].end(), 0.f);
+          used[tid] = 1;
+          for (int64_t jb = begin; jb < end; ++jb) {
+            const int64_t kj = jb * kBackwardKeyBlock, keys = std::min(kBackwardKeyBlock, lk - kj);
+            for (int64_t qi = 0; qi < lq; qi += kBackwardQueryBlock) {
+              backward_pair(c, qi, std::min(kBackwardQueryBlock, lq - qi), kj, keys, scale, buf, dq_mine,
+                            dkf.data() + kj * head, dvf.data() + kj * head);
+            }
+          }
+        });
+        std::fill(dqf.begin(), dqf.end(), 0.f);
+        at::parallel_for(0, lq * head, 4096, [&](int64_t first, int64_t last) {
+          for (int64_t t = 0; t < threads; ++t)
+            if (used[t])
+              for (int64_t i = first; i < last; ++i) dqf[i] += partial[t][i];
+        });
+      } else {
+        std::fill(dqf.begin(), dqf.end(), 0.f);
+        at::parallel_for(0, q_blocks, 1, [&](int64_t begin, int64_t end) {
+          PairBuffers buf(kBackwardQueryBlock * kBackwardKeyBlock);
+          const int64_t tid = at::get_thread_num();
+          float* dk_mine = partial[tid].data();
+          float* dv_mine = dk_mine + lk * head;
+          if (!used[tid]) std::fill(partial[tid].begin(), partial[tid].end(), 0.f);
+          used[tid] = 1;
+          for (int64_t ib = begin; ib < end; ++ib) {
+            const int64_t qi = ib * kBackwardQueryBlock, rows = std::min(kBackwardQueryBlock, lq - qi);
+            for (int64_t kj = 0; kj < lk; kj += kBackwardKeyBlock) {
+              backward_pair(c, qi, rows, kj, std::min(kBackwardKeyBlock, lk - kj), scale, buf,
+                            dqf.data(), dk_mine + kj * head, dv_mine + kj * head);
+            }
+          }
+        });
+        std::fill(dkf.begin(), dkf.end(), 0.f);
+        std::fill(dvf.begin(), dvf.end(), 0.f);
+        for (int64_t t = 0; t < threads; ++t) {
+          if (!used[t]) continue;
+          for (int64_t i = 0; i < lk * head; ++i) {
+            dkf[i] += partial[t][i];
+            dvf[i] += partial[t][lk * head + i];
+          }
+        }
+      }
+      write_panels(dq.data_ptr<T>(), b, h, heads, lq, head, dqf.data(), kBackwardQueryBlock, scale);
+      write_rows(dk.data_ptr<T>(), b, h, heads, lk, head, dkf.data(), 0, lk, scale);
+      write_rows(dv.data_ptr<T>(), b, h, heads, lk, head, dvf.data(), 0, lk, 1.f);
+    }
+  }
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "xeontune attention: q, k, v must be 4-D");
+  TORCH_CHECK(q.device().is_cpu(), "xeontune attention: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "xeontune attention: q, k, v of one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "xeontune attention: fp32 or bf16");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3) && k.sizes() == v.sizes(),
+              "xeontune attention: shapes do not match");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "xeontune attention: the last dimension must be contiguous");
+}
+
+// (batch, heads, tokens, head) whose memory is (batch, tokens, heads, head): what the processor reshapes
+// back to (batch, tokens, heads * head) without a copy
+at::Tensor like_heads_last(const at::Tensor& q, int64_t tokens) {
+  return at::empty({q.size(0), tokens, q.size(1), q.size(3)}, q.options()).transpose(1, 2);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     double scale) {
+  check_inputs(q, k, v);
+  at::Tensor out = like_heads_last(q, q.size(2));
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kFloat)
+    forward<float>(q, k, v, out, lse, static_cast<float>(scale));
+  else
+    forward<c10::BFloat16>(q, k, v, out, lse, static_cast<float>(scale));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                  const at::Tensor& k, const at::Tensor& v,
+                                                                  const at::Tensor& out, const at::Tensor& lse,
+                                                                  double scale) {
+  check_inputs(q, k, v);
+  at::Tensor g = grad_out.stride(3) == 1 ? grad_out : grad_out.contiguous();
+  at::Tensor o = out.stride(3) == 1 ? out : out.contiguous();
+  at::Tensor l = lse.contiguous();
+  at::Tensor dq = like_heads_last(q, q.size(2)), dk = like_heads_last(k, k.size(2)), dv = like_heads_last(v, v.size(2));
+  if (q.scalar_type() == at::kFloat)
+    backward<float>(g.to(at::kFloat), q, k, v, o, l, static_cast<float>(scale), dq, dk, dv);
+  else
+    backward<c10::BFloat16>(g.to(at::kBFloat16), q, k, v, o, l, static_cast<float>(scale), dq, dk, dv);
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(xeontune, m) {
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale)"
+        " -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(xeontune, CPU, m) {
+  m.impl("attention_forward", &attention_forward);
+  m.impl("attention_backward", &attention_backward);
+}
