@@ -382,3 +382,26 @@ def test_real_node_step_shapes_the_links_as_much_slower_as_a_node_here_is(monkey
     assert one["s_per_step"] == pytest.approx(2.0)
     assert eight["s_per_step"] == pytest.approx(2.0 + 2 * 7 / 8 * 8e9 / 10e9 - 0.25)
     assert eight["efficiency"] == pytest.approx(2.0 / eight["s_per_step"])
+
+
+def test_attention_bench_times_the_kernel_against_torchs_sdpa(capsys, monkeypatch, tmp_path):
+    """`bench --attention` (shapes cut down to run in seconds): for each thread count and shape, forward and
+    backward times of both, GFLOP/s, the share of the matmul peak and the speedup, as JSON and in --json-out."""
+    from xeontune import attention_bench
+
+    monkeypatch.setattr(attention_bench, "SHAPES", (("small self", 1, 2, 256, 256, 40), ("small cross", 1, 2, 256, 77, 64)))
+    out = tmp_path / "attention.json"
+    assert main(["bench", "--attention", "--threads", "1,all", "--repeats", "1", "--mixed-precision", "fp32",
+                 "--allocator", "none", "--json", "--json-out", str(out)]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures == json.loads(out.read_text()) and figures["precision"] == "fp32"
+    counts = sorted({1, bench.physical_cores()})
+    assert [(r["threads"], r["shape"]) for r in figures["rows"]] == [
+        (n, s) for n in counts for s in ("small self", "small cross")]
+    for row in figures["rows"]:
+        for who in ("torch", "xeontune"):
+            assert row[who]["forward_ms"] > 0 and row[who]["backward_ms"] > 0 and row[who]["peak_share"] > 0
+        ours, theirs = (row[w]["forward_ms"] + row[w]["backward_ms"] for w in ("xeontune", "torch"))
+        assert row["speedup"] == pytest.approx(theirs / ours)
+    assert main(["bench", "--attention", "--threads", "0,2"]) == 2
+    assert "--threads 0,2: a comma-separated list" in capsys.readouterr().err

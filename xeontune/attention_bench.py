@@ -1,6 +1,6 @@
 """`xeontune bench --attention`: xeontune's attention kernel against torch's SDPA at SD1.5's and SDXL's shapes,
 forward and backward, at several thread counts: time, GFLOP/s and share of this CPU's matmul peak at the
-same threads (bench.py gives it: bench.machine_peak_gflops). The backward's FLOPs are counted as 2.5x the forward's (its five
+same threads (fp32's on a CPU without bf16 instructions) (bench.py gives it: bench.machine_peak_gflops). The backward's FLOPs are counted as 2.5x the forward's (its five
 products against two)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _best(run: Callable[[], Any], repeats: int) -> float:
 
 def measure(precision: str, threads: list[int], repeats: int, log: Callable[[str], None],
             peak_gflops: Callable[[str], float],
-            shapes: tuple[tuple[str, int, int, int, int, int], ...] = SHAPES) -> dict[str, Any]:
+            shapes: tuple[tuple[str, int, int, int, int, int], ...] | None = None) -> dict[str, Any]:
     """Each shape at each thread count; ``peak_gflops(precision)``: this CPU's matmul peak at the threads set."""
     import torch
     import torch.nn.functional as F
@@ -63,8 +63,10 @@ def measure(precision: str, threads: list[int], repeats: int, log: Callable[[str
     try:
         for count in threads:
             torch.set_num_threads(count)
-            peak = peak_gflops(precision)
-            for name, batch, heads, queries, keys, head in shapes:
+            # the matmul peak in the precision where the CPU has bf16 instructions; else fp32's (the
+            # kernel computes in fp32, and an emulated bf16 matmul's "peak" measures the emulation)
+            peak = peak_gflops(precision if attention.native_bf16() else "fp32")
+            for name, batch, heads, queries, keys, head in shapes or SHAPES:
                 row = _one_shape(dtype, batch, heads, queries, keys, head, repeats, peak, F, attention)
                 row.update(shape=name, threads=count)
                 rows.append(row)
