@@ -392,7 +392,7 @@ def test_attention_bench_times_the_kernel_against_torchs_sdpa(capsys, monkeypatc
     monkeypatch.setattr(attention_bench, "SHAPES", (("small self", 1, 2, 256, 256, 40), ("small cross", 1, 2, 256, 77, 64)))
     out = tmp_path / "attention.json"
     assert main(["bench", "--attention", "--threads", "1,all", "--repeats", "1", "--mixed-precision", "fp32",
-                 "--allocator", "none", "--json", "--json-out", str(out)]) == 0
+                 "--matmul-size", "512", "--allocator", "none", "--json", "--json-out", str(out)]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert figures == json.loads(out.read_text()) and figures["precision"] == "fp32"
     counts = sorted({1, bench.physical_cores()})

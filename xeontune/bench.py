@@ -1012,7 +1012,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         precision = hardware.choose_precision(args.mixed_precision)[0]
         try:
             figures = attention_bench.measure(precision, attention_bench.thread_counts(args.threads, physical_cores()),
-                                              args.repeats, log, machine_peak_gflops)
+                                              args.repeats, log,
+                                              lambda precision: machine_peak_gflops(precision, args.matmul_size))
         except RuntimeError as exc:
             raise UserError(str(exc)) from None
         text = json.dumps(figures, indent=2)

@@ -256,8 +256,8 @@ AMX = ZEN4 | {"amx_bf16", "amx_tile"}
 
 def test_auto_follows_the_measured_rule_on_each_cpu_kind(kernel_built):
     """--attention auto by the CPU's flags (faked): torch's SDPA where the CPU has bf16 instructions (not
-    measured there yet); on an AVX2-only CPU the kernel for every bf16 call, and in fp32 for self-attention
-    over 1024 keys or more, torch's for cross-attention. torch and xeontune say what they are."""
+    measured there yet); on an AVX2-only CPU the kernel in fp32 for self-attention over 1024 keys or more,
+    torch's for cross-attention and in bf16 (docs/performance.md). torch and xeontune say what they are."""
     from xeontune.train import attention
 
     for flags in (ZEN4, AMX):
@@ -266,10 +266,14 @@ def test_auto_follows_the_measured_rule_on_each_cpu_kind(kernel_built):
             assert mode is None and "not measured yet on a CPU with bf16 instructions" in note
         assert not attention.prefers_kernel(torch.bfloat16, 4096, flags)
         assert attention.use_kernel("xeontune", "bf16", flags)[0] == "always"
-    assert attention.use_kernel("auto", "bf16", AVX2) == (
-        "auto", "xeontune's kernel for every call (--attention auto: this CPU emulates torch's bf16 attention)")
-    assert attention.use_kernel("auto", "fp32", AVX2)[0] == "auto"
-    assert attention.prefers_kernel(torch.bfloat16, 77, AVX2)
+    mode, note = attention.use_kernel("auto", "bf16", AVX2)
+    assert mode is None and "in bf16 the kernel is not chosen yet" in note
+    assert attention.use_kernel("auto", "fp32", AVX2) == (
+        "auto", "xeontune's kernel for self-attention over 1024+ keys, torch's SDPA for the rest (--attention auto)")
+    assert not attention.prefers_kernel(torch.bfloat16, 4096, AVX2)
+    mode, note = attention.use_kernel("auto", "fp32", AVX2, tokens=64)  # the tiny model at 64 px: nothing to build
+    assert mode is None and "64 tokens at most, the kernel wins from 1024" in note
+    assert attention.use_kernel("auto", "fp32", AVX2, tokens=4096)[0] == "auto"
     assert attention.prefers_kernel(torch.float32, 1024, AVX2) and attention.prefers_kernel(torch.float32, 4096, AVX2)
     assert not attention.prefers_kernel(torch.float32, 77, AVX2)
     assert attention.use_kernel("torch", "bf16", AVX2) == (None, "torch's SDPA (--attention torch)")

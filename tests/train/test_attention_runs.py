@@ -38,8 +38,8 @@ def test_a_run_through_the_kernel_trains_as_one_through_torchs_sdpa(base_args, t
 
 def test_without_a_compiler_the_run_says_so_once_and_trains_on_torchs_sdpa(base_args, tmp_path):
     """`--attention xeontune` where nothing can compile (CC and CXX are `false`, an empty cache): one warning
-    line, the run's note says torch's SDPA ran, and the vectors are those of an `--attention torch` run, bit
-    for bit (fp32)."""
+    line, the run's note says torch's SDPA ran, and the vectors are those of an `--attention torch` run (fp32;
+    within 1e-6, not bit for bit: under xdist this process and the child may run other thread counts)."""
     out, reference = tmp_path / "no-compiler", tmp_path / "torch"
     env = {**os.environ, **OFFLINE, "CC": "false", "CXX": "false", "XEONTUNE_CACHE": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-m", "xeontune.cli", "train", *base_args, "--output-dir", str(out),
@@ -51,4 +51,4 @@ def test_without_a_compiler_the_run_says_so_once_and_trains_on_torchs_sdpa(base_
     assert len(warned) == 1 and "Traceback" not in said, said[-3000:]
     assert "attention: torch's SDPA (the kernel could not be built" in said
     train_in_process([*base_args, "--output-dir", str(reference), "--mixed-precision", "fp32", "--attention", "torch"])
-    assert_same_vectors(out, reference, atol=0)
+    assert_same_vectors(out, reference, atol=1e-6)

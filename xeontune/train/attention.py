@@ -123,9 +123,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = Non
 
 
 # --attention auto's rule, from `xeontune bench --attention` (docs/performance.md, "Attention kernel"): on a
-# CPU without bf16 instructions torch's bf16 attention is emulated and the kernel was 2.3-8x faster; in fp32
-# it won over 1024 keys and more (self-attention) and tied over 77 (cross-attention). Not measured yet on a
-# CPU with AVX512-BF16 or AMX, where torch's bf16 kernels are native: torch's there until it is.
+# CPU without bf16 instructions the kernel won in fp32 over 1024 keys and more (self-attention, 1.1-1.3x) and
+# lost or tied over fewer (cross-attention's 77, 256-token levels). In bf16 there it was 3.7-10.6x faster than
+# torch's emulated bf16, but 3 ranks drifted from one process with 3x the batch 8x further than on torch's
+# (0.238 against 0.030 of the distance moved, bound 0.2; fp32 within 1e-5 on both): unexplained, so auto keeps
+# torch's in bf16 until it is. Not measured yet on a CPU with AVX512-BF16 or AMX: torch's there.
 AUTO_MIN_FP32_KEYS = 1024
 
 
@@ -138,7 +140,7 @@ def prefers_kernel(dtype: torch.dtype, keys: int, flags: frozenset[str] | None =
     """--attention auto: whether the kernel computes a call of ``dtype`` over ``keys`` keys on this CPU."""
     if native_bf16(flags if flags is not None else _flags()):
         return False
-    return dtype == torch.bfloat16 or keys >= AUTO_MIN_FP32_KEYS
+    return dtype == torch.float32 and keys >= AUTO_MIN_FP32_KEYS
 
 
 @functools.cache
@@ -175,10 +177,13 @@ class Processor:
         return out / attn.rescale_output_factor
 
 
-def use_kernel(choice: str, precision: str, flags: frozenset[str] | None = None) -> tuple[str | None, str]:
+def use_kernel(choice: str, precision: str, flags: frozenset[str] | None = None,
+               tokens: int | None = None) -> tuple[str | None, str]:
     """What --attention CHOICE runs on this CPU in ``precision``: "always" (the kernel for every call it
     handles), "auto" (where ``prefers_kernel`` says) or None (torch's SDPA), and the note that says so. The
-    kernel is built here when it will be used (a minute, once per CPU kind)."""
+    kernel is built here when it will be used (15-60 s, once per CPU kind). ``tokens``: the most any attention
+    of the run sees (the latent's pixels at --resolution), where known: auto builds nothing for a run whose
+    every call stays below the rule's keys."""
     if choice not in CHOICES:
         raise ValueError(f"--attention must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "torch":
@@ -187,10 +192,13 @@ def use_kernel(choice: str, precision: str, flags: frozenset[str] | None = None)
     if choice == "auto" and native_bf16(flags):
         return None, ("torch's SDPA (--attention auto: the kernel is not measured yet on a CPU with bf16 "
                       "instructions; --attention xeontune forces it)")
-    if choice == "auto" and precision == "fp32":
+    if choice == "auto" and precision != "fp32":
+        return None, ("torch's SDPA (--attention auto: in bf16 the kernel is not chosen yet, docs/performance.md; "
+                      "--attention xeontune forces it)")
+    if choice == "auto" and tokens is not None and tokens < AUTO_MIN_FP32_KEYS:
+        return None, f"torch's SDPA (--attention auto: {tokens} tokens at most, the kernel wins from {AUTO_MIN_FP32_KEYS})"
+    if choice == "auto":
         said = f"for self-attention over {AUTO_MIN_FP32_KEYS}+ keys, torch's SDPA for the rest (--attention auto)"
-    elif choice == "auto":
-        said = "for every call (--attention auto: this CPU emulates torch's bf16 attention)"
     else:
         said = "for every call it handles (--attention xeontune)"
     why = kernel()
@@ -199,12 +207,18 @@ def use_kernel(choice: str, precision: str, flags: frozenset[str] | None = None)
     return ("always" if choice == "xeontune" else "auto"), f"xeontune's kernel {said}"
 
 
-def install(denoiser: torch.nn.Module, mode: str = "always") -> int:
-    """Put ``Processor`` in place of every stock ``AttnProcessor2_0`` of a diffusers model (a UNet's blocks;
-    a transformer's joint attention keeps its own processors); how many. ``mode``: ``use_kernel``'s."""
+def stock_blocks(denoiser: torch.nn.Module) -> list[Any]:
+    """The attention blocks of a diffusers model that run the stock ``AttnProcessor2_0`` (a UNet's; a
+    transformer's joint attention has processors of its own)."""
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
-    blocks = [m for m in denoiser.modules() if isinstance(m, Attention) and type(m.processor) is AttnProcessor2_0]
+    return [m for m in denoiser.modules() if isinstance(m, Attention) and type(m.processor) is AttnProcessor2_0]
+
+
+def install(denoiser: torch.nn.Module, mode: str = "always") -> int:
+    """Put ``Processor`` in place of every stock ``AttnProcessor2_0`` of a diffusers model (``stock_blocks``);
+    how many. ``mode``: ``use_kernel``'s."""
+    blocks = stock_blocks(denoiser)
     for block in blocks:
         block.set_processor(Processor(always=mode == "always"))
     return len(blocks)

@@ -530,7 +530,11 @@ def _setup(
         if ipex == "on":
             raise UserError(f"--ipex on: --method {opts.method} does not run on IPEX; use --ipex off")
         ipex, ipex_off_because = "off", f"--method {opts.method} does not run on it"
-    kernel_mode, attention_note = attention.use_kernel(opts.attention, precision)
+    # the latent's pixels at --resolution: the most tokens an attention of the UNet sees
+    tokens = (opts.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)) ** 2
+    kernel_mode, attention_note = (attention.use_kernel(opts.attention, precision, tokens=tokens)
+                                   if attention.stock_blocks(components.denoiser) else
+                                   (None, "the model's own attention processors (--attention applies to a UNet's)"))
     if kernel_mode:  # before compile and packing: they see the processors
         attention.install(components.denoiser, kernel_mode)
     if not shared:
