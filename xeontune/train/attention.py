@@ -60,7 +60,7 @@ def kernel() -> str | None:
 
         folder = build_directory()
         folder.mkdir(parents=True, exist_ok=True)
-        capability, defines = _capability()
+        _, defines = _capability()
         cpp_extension.load(name="xeontune_attention", sources=[str(SOURCE)], build_directory=str(folder),
                            extra_cflags=["-O3", "-march=native", "-fopenmp", *defines], is_python_module=False,
                            verbose=False)

@@ -91,6 +91,23 @@ void widen_panels(const Rows<T>& src, int64_t b, int64_t h, int64_t first, int64
   }
 }
 
+// a vector's lanes summed / their largest (by hand: at::vec::vec_reduce_all's signature differs by ISA)
+inline float sum_lanes(const Vec& x) {
+  float lanes[Vec::size()];
+  x.store(lanes);
+  float total = 0.f;
+  for (int64_t i = 0; i < Vec::size(); ++i) total += lanes[i];
+  return total;
+}
+
+inline float max_lanes(const Vec& x) {
+  float lanes[Vec::size()];
+  x.store(lanes);
+  float top = lanes[0];
+  for (int64_t i = 1; i < Vec::size(); ++i) top = std::max(top, lanes[i]);
+  return top;
+}
+
 // p[i] = exp(s[i] * scale - shift), returned: their sum
 inline float exp_row(float* p, const float* s, int64_t n, float scale, float shift) {
   const Vec vscale(scale), vshift(shift);
@@ -101,7 +118,7 @@ inline float exp_row(float* p, const float* s, int64_t n, float scale, float shi
     x.store(p + i);
     sum = sum + x;
   }
-  float total = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
+  float total = sum_lanes(sum);
   for (; i < n; ++i) {
     p[i] = std::exp(s[i] * scale - shift);
     total += p[i];
@@ -113,7 +130,7 @@ inline float max_row(const float* s, int64_t n) {
   Vec top(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) top = at::vec::maximum(top, Vec::loadu(s + i));
-  float m = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, top);
+  float m = max_lanes(top);
   for (; i < n; ++i) m = std::max(m, s[i]);
   return m;
 }
