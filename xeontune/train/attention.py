@@ -125,9 +125,10 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = Non
 # --attention auto's rule, from `xeontune bench --attention` (docs/performance.md, "Attention kernel"): on a
 # CPU without bf16 instructions the kernel won in fp32 over 1024 keys and more (self-attention, 1.1-1.3x) and
 # lost or tied over fewer (cross-attention's 77, 256-token levels). In bf16 there it was 3.7-10.6x faster than
-# torch's emulated bf16, but 3 ranks drifted from one process with 3x the batch 8x further than on torch's
-# (0.238 against 0.030 of the distance moved, bound 0.2; fp32 within 1e-5 on both): unexplained, so auto keeps
-# torch's in bf16 until it is. Not measured yet on a CPU with AVX512-BF16 or AMX: torch's there.
+# torch's emulated bf16, but test_three_ranks_match_one_process_in_bf16 then drifted past its bound by one
+# flipped Adam step of one element of the tiny model's 32-wide vector (the kernel is batch- and thread-
+# invariant, and as close to fp32 as torch's): auto keeps bf16 on torch's until that test tells a flip from a
+# wrong sample plan. Not measured yet on a CPU with AVX512-BF16 or AMX: torch's there.
 AUTO_MIN_FP32_KEYS = 1024
 
 
