@@ -46,8 +46,7 @@ def _best(run: Callable[[], Any], repeats: int) -> float:
 
 
 def measure(precision: str, threads: list[int], repeats: int, log: Callable[[str], None],
-            peak_gflops: Callable[[str], float],
-            shapes: tuple[tuple[str, int, int, int, int, int], ...] | None = None) -> dict[str, Any]:
+            peak_gflops: Callable[[str], float]) -> dict[str, Any]:
     """Each shape at each thread count; ``peak_gflops(precision)``: this CPU's matmul peak at the threads set."""
     import torch
     import torch.nn.functional as F
@@ -66,7 +65,7 @@ def measure(precision: str, threads: list[int], repeats: int, log: Callable[[str
             # the matmul peak in the precision where the CPU has bf16 instructions; else fp32's (the
             # kernel computes in fp32, and an emulated bf16 matmul's "peak" measures the emulation)
             peak = peak_gflops(precision if attention.native_bf16() else "fp32")
-            for name, batch, heads, queries, keys, head in shapes or SHAPES:
+            for name, batch, heads, queries, keys, head in SHAPES:
                 row = _one_shape(dtype, batch, heads, queries, keys, head, repeats, peak, F, attention)
                 row.update(shape=name, threads=count)
                 rows.append(row)

@@ -279,3 +279,18 @@ def test_auto_follows_the_measured_rule_on_each_cpu_kind(kernel_built):
     assert attention.use_kernel("torch", "bf16", AVX2) == (None, "torch's SDPA (--attention torch)")
     with pytest.raises(ValueError, match="--attention must be one of"):
         attention.use_kernel("flash", "fp32", AVX2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ops_fake_kernels_and_autograd_agree_with_the_real_ones(kernel_built, dtype):
+    """torch.library.opcheck on both ops: schema, autograd registration and the fake kernels that
+    --compile traces with, whose outputs must have the real ones' strides ((batch, tokens, heads, head)
+    memory: the processor's reshape reads them as such)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, tokens, 3, 40, generator=g).transpose(1, 2).to(dtype).requires_grad_(True)
+               for tokens in (70, 77, 77))
+    torch.library.opcheck(torch.ops.xeontune.attention_forward.default, (q, k, v, 40 ** -0.5))
+    out, lse = torch.ops.xeontune.attention_forward(q.detach(), k.detach(), v.detach(), 40 ** -0.5)
+    grad = torch.randn(out.shape, generator=g).to(dtype)
+    torch.library.opcheck(torch.ops.xeontune.attention_backward.default,
+                          (grad, q.detach(), k.detach(), v.detach(), out, lse, 40 ** -0.5))

@@ -14,7 +14,8 @@ from PIL import Image
 from tests.one_line import one_line_error
 from xeontune.errors import UserError
 from xeontune.train.buckets import load_training_images
-from xeontune.train.data import load_images_with_crops, load_masks
+from xeontune.train.data import load_images_with_crops, mask_tensor
+from xeontune.train.images import mask_weights
 from xeontune.train.options import parse_args
 from xeontune.train.prompts import MAX_CAPTION_CHARS, image_prompts
 
@@ -62,7 +63,7 @@ def test_wide_images_decode_to_mid_grey_in_buckets(tmp_path, mode, value, name):
 def test_a_16_bit_mask_weighs_by_its_range(tmp_path):
     folder = one_image_folder(tmp_path, Image.new("RGB", (16, 16)), "toy.png")
     grey("I;16", MID_16).save(folder / "toy.mask.png")
-    masks = load_masks([folder / "toy.png"], [(16, 16)], 16, False)
+    masks = mask_tensor(mask_weights([folder / "toy.png"], [(16, 16)], 16, False))
     assert masks is not None and abs(float(masks.mean()) - 128 / 255) < 0.01
 
 
@@ -85,7 +86,7 @@ def test_a_float_mask_out_of_range_is_refused_naming_the_mask(tmp_path):
     grey("F", 2.0).save(folder / "toy.mask.tif")
     shutil.move(folder / "toy.mask.tif", folder / "toy.mask.png")  # a TIFF named .png: PIL reads it by content
     with pytest.raises(UserError, match=f"mask {folder / 'toy.mask.png'} holds float pixels from 2 to 2"):
-        load_masks([folder / "toy.png"], [(16, 16)], 16, False)
+        mask_tensor(mask_weights([folder / "toy.png"], [(16, 16)], 16, False))
 
 
 def test_the_cli_refuses_a_float_image_out_of_range_in_one_line(capsys, base_args, tmp_path):

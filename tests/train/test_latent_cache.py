@@ -16,7 +16,7 @@ from tests.trainlib import ThreadRanks
 from xeontune.errors import UserError
 from xeontune.train import latent_cache
 from xeontune.train.data import Pixels, fit_square, preprocess
-from xeontune.train.images import crop_of, square_box
+from xeontune.train.images import crop_of, mask_weights, square_box
 from xeontune.train.latent_cache import Latents, encode_latents
 
 
@@ -177,7 +177,7 @@ def test_random_crop_draws_one_place_per_image_from_the_seed_and_crops_its_mask_
 
 def test_random_crop_trains_the_drawn_square_and_its_mask(tmp_path):
     from xeontune.train.buckets import load_training_images
-    from xeontune.train.data import load_masks
+    from xeontune.train.data import mask_tensor
     from xeontune.train.options import TrainOptions, validate
 
     data = tmp_path / "data"
@@ -193,7 +193,7 @@ def test_random_crop_trains_the_drawn_square_and_its_mask(tmp_path):
     left, _, _ = square_box(96, 48, False, 11, "wide.png")
     pixels = images.parts[0].pixels[0]
     assert abs(float((pixels[0, 0, 0] + 1) * 127.5) - left) <= 1  # the first column is the crop's
-    masks = load_masks(images.paths, images.sizes, 48, False, random_crop=11)
+    masks = mask_tensor(mask_weights(images.paths, images.sizes, 48, False, random_crop=11))
     white = torch.tensor([sum(c < 48 for c in range(left + 8 * j, left + 8 * j + 8)) / 8 for j in range(6)])
     assert masks is not None and torch.allclose(masks[0, 0, 0], white, atol=0.02)
     with pytest.raises(UserError, match="--center-crop and --random-crop each choose the square"):

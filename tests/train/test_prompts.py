@@ -16,7 +16,8 @@ from tests.one_line import one_line_error
 from xeontune.cli import main
 from xeontune.errors import UserError
 from xeontune.train import loop
-from xeontune.train.data import Batch, SamplePlan, load_images_with_crops, load_masks, masked_mse
+from xeontune.train.data import Batch, SamplePlan, load_images_with_crops, mask_tensor, masked_mse
+from xeontune.train.images import mask_weights
 from xeontune.train.latent_cache import Latents
 from xeontune.train.prompts import image_prompts
 
@@ -189,7 +190,7 @@ def test_masks_are_cropped_and_scaled_as_their_images_and_mirrored_with_them(fol
     left_black.save(folder / "toy_01.mask.png")
     _, paths, _ = load_images_with_crops(folder, 64, False)
     assert [p.name for p in paths] == [f"toy_0{i}.png" for i in range(6)]  # a mask is not a training image
-    masks = load_masks(paths, sizes_of(paths), 64, False)
+    masks = mask_tensor(mask_weights(paths, sizes_of(paths), 64, False))
     assert masks.shape == (6, 1, 8, 8)
     assert torch.equal(masks[1, 0, :, :4], torch.zeros(8, 4)) and torch.equal(masks[1, 0, :, 4:], torch.ones(8, 4))
     assert torch.equal(masks[[0, 2, 3, 4, 5]], torch.ones(5, 1, 8, 8))  # no mask: all of it counts
@@ -203,10 +204,10 @@ def test_masks_are_cropped_and_scaled_as_their_images_and_mirrored_with_them(fol
     assert torch.equal(weights[0], masks[1]) and torch.equal(weights[1], masks[1].flip(-1))
     assert torch.equal(weights[1, 0, :, 4:], torch.zeros(8, 4))
     rest = [p for p in paths if p.name != "toy_01.png"]
-    assert load_masks(rest, sizes_of(rest), 64, False) is None
+    assert mask_tensor(mask_weights(rest, sizes_of(rest), 64, False)) is None
     Image.new("L", (32, 32), 255).save(folder / "toy_02.mask.png")
     with pytest.raises(UserError, match="a mask must match its image's size"):
-        load_masks(paths, sizes_of(paths), 64, False)
+        mask_tensor(mask_weights(paths, sizes_of(paths), 64, False))
 
 
 def test_mask_mistakes_are_one_line_errors_before_the_model_loads(tiny_model, folder, tmp_path, capsys, caplog):
@@ -227,7 +228,7 @@ def test_mask_mistakes_are_one_line_errors_before_the_model_loads(tiny_model, fo
         (folder / f"toy_0{i}.mask.png").unlink()
     caplog.clear()
     caplog.set_level("WARNING", logger="xeontune.train.data")  # bench, run earlier in this process, quiets xeontune.train
-    assert load_masks(paths, sizes_of(paths), 64, False) is not None and "toy_00.mask.png is black all over" in caplog.text
+    assert mask_tensor(mask_weights(paths, sizes_of(paths), 64, False)) is not None and "toy_00.mask.png is black all over" in caplog.text
 
 
 @pytest.mark.slow

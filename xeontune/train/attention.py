@@ -9,7 +9,8 @@ used and one log line says why; nothing else changes.
 
 ``Processor`` is a diffusers attention processor that runs the UNet's attention through ``attention``:
 the kernel where the call is one it handles (no mask, no dropout, not causal, fp32 or bf16, the last
-dimension contiguous), torch's SDPA otherwise, silently.
+dimension contiguous), torch's SDPA otherwise, silently. ``--attention auto`` narrows that to the calls
+``prefers_kernel`` picks on this CPU (fp32 over 1024 keys and more where the CPU has no bf16 instructions).
 """
 
 from __future__ import annotations
@@ -82,18 +83,25 @@ def _register_autograd() -> None:
 
     def backward(ctx: Any, grad_out: torch.Tensor, _grad_lse: Any) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.xeontune.attention_backward(grad_out.to(q.dtype), q, k, v, out, lse, ctx.scale)
+        dq, dk, dv = torch.ops.xeontune.attention_backward(grad_out, q, k, v, out, lse, ctx.scale)
         return dq, dk, dv, None
 
     torch.library.register_autograd("xeontune::attention_forward", backward, setup_context=setup_context)
 
     @torch.library.register_fake("xeontune::attention_forward")
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return _heads_last(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @torch.library.register_fake("xeontune::attention_backward")
     def _(grad_out, q, k, v, out, lse, scale):  # noqa: ANN001, ANN202 (the op's own schema)
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        return _heads_last(q), _heads_last(k), _heads_last(v)
+
+
+def _heads_last(like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped as ``like`` whose memory is (batch, tokens, heads, head), as the kernel's outputs
+    are (its ``like_heads_last``): a compiler plans its buffers by these strides."""
+    batch, heads, tokens, head = like.shape
+    return like.new_empty(batch, tokens, heads, head).transpose(1, 2)
 
 
 def handles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
@@ -139,14 +147,9 @@ def native_bf16(flags: frozenset[str] | None = None) -> bool:
 
 def prefers_kernel(dtype: torch.dtype, keys: int, flags: frozenset[str] | None = None) -> bool:
     """--attention auto: whether the kernel computes a call of ``dtype`` over ``keys`` keys on this CPU."""
-    if native_bf16(flags if flags is not None else _flags()):
+    if native_bf16(flags):
         return False
     return dtype == torch.float32 and keys >= AUTO_MIN_FP32_KEYS
-
-
-@functools.cache
-def _flags() -> frozenset[str]:
-    return hardware.cpu_flags()
 
 
 class Processor:
@@ -171,7 +174,7 @@ class Processor:
         batch, tokens, inner = query.shape
         head = inner // attn.heads
         query, key, value = (t.view(batch, -1, attn.heads, head).transpose(1, 2) for t in (query, key, value))
-        out = sdpa(query, key, value, always=self.always).transpose(1, 2).reshape(batch, tokens, inner).to(query.dtype)
+        out = sdpa(query, key, value, always=self.always).transpose(1, 2).reshape(batch, tokens, inner)
         out = attn.to_out[1](attn.to_out[0](out))  # the projection, then its dropout
         if attn.residual_connection:
             out = out + hidden_states

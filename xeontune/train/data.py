@@ -28,7 +28,6 @@ from xeontune.train.images import (
     crop_of,
     decode_upright,
     eight_bit,
-    mask_weights,
     mixed_seed,
     open_image,
     read_images,
@@ -124,13 +123,8 @@ class Pixels:
         return torch.stack([self._one(i) for i in rows]) if len(rows) else torch.empty(0, 3, self.height, self.width)
 
 
-def load_masks(paths: list[Path], sizes: list[tuple[int, int]], resolution: int, center_crop: bool,
-               bucket: tuple[int, int] | None = None, random_crop: int | None = None) -> torch.Tensor | None:
-    """``images.mask_weights`` as one (N, 1, R/8, R/8) tensor, None when no image has a mask."""
-    return mask_tensor(mask_weights(paths, sizes, resolution, center_crop, bucket, random_crop))
-
-
 def mask_tensor(weights: list[np.ndarray] | None) -> torch.Tensor | None:
+    """``images.mask_weights`` as one (N, 1, R/8, R/8) tensor, None when no image has a mask."""
     return None if weights is None else torch.stack([torch.from_numpy(w) for w in weights])
 
 

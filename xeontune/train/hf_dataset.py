@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from xeontune.errors import UserError
 from xeontune.io import atomic_dir, cache_root, disk_errors
+from xeontune.train.prompts import METADATA_FILE
 
 if TYPE_CHECKING:
     from xeontune.train.options import TrainOptions
@@ -68,7 +69,6 @@ log = logging.getLogger("xeontune.train")
 EXPORT_ENV = "XEONTUNE_DATASET_EXPORT"  # {"source": ..., "dir": ...}: the export a parent process made
 EXPORT_RECORD = ".xeontune-dataset.json"  # in every complete export: what it holds
 EXPORT_FORMAT = 1  # part of the key: a change to what an export holds makes a new one
-METADATA_FILE = "metadata.jsonl"  # prompts.METADATA_FILE (not imported: it imports torch)
 DATA_SUFFIXES = (".parquet", ".arrow")
 # PIL's format names -> the suffix the folder reader takes (images.IMAGE_SUFFIXES)
 FORMAT_SUFFIX = {"PNG": ".png", "JPEG": ".jpg", "MPO": ".jpg", "WEBP": ".webp", "BMP": ".bmp", "TIFF": ".tif"}

@@ -121,7 +121,7 @@ class Latents:
         self.vae: torch.nn.Module | None = vae  # None once the caller frees it (cached mode)
         self.images = images
         self.cached = cached
-        # loss weights of [originals, mirrored] (from load_masks), as the square roots masked_mse takes
+        # loss weights of [originals, mirrored] (data.mask_tensor), as the square roots masked_mse takes
         self.masks = None if masks is None else torch.cat([masks, masks.flip(-1)]).sqrt()
         if crops is None:
             n, _, h, w = images.shape

@@ -381,7 +381,7 @@ def make_accelerator(opts: TrainOptions):
 def read_training_data(opts: TrainOptions) -> tuple[TrainingImages, list[torch.Tensor | None], ImagePrompts | None,
                                                     methods.Method]:
     """--data-dir as the run trains on it: its images (in buckets where --buckets says so), their masks
-    and prompts, and the method that checked the prompts. Every mistake in the folder is a one-line
+    and prompts (checked by the method's declaration), and the method. Every mistake in the folder is a one-line
     error here, before a model loads (data_check.check_training_data finds the same ones without decoding)."""
     if opts.with_prior_preservation:
         prior.check_class_dir(opts)
@@ -530,7 +530,8 @@ def _setup(
         if ipex == "on":
             raise UserError(f"--ipex on: --method {opts.method} does not run on IPEX; use --ipex off")
         ipex, ipex_off_because = "off", f"--method {opts.method} does not run on it"
-    # the latent's pixels at --resolution: the most tokens an attention of the UNet sees
+    # the latent's pixels at --resolution: no attention of the UNet sees more tokens (SDXL's first level,
+    # without attention, sees them; its attentions a quarter)
     tokens = (opts.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)) ** 2
     kernel_mode, attention_note = (attention.use_kernel(opts.attention, precision, tokens=tokens)
                                    if attention.stock_blocks(components.denoiser) else

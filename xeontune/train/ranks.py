@@ -71,7 +71,7 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) a frozen UNet
     counts twice: its layers are held reordered for the forward and again for the input gradient, each
     rank its own, while the plain weights' pages are handed back once reordered. A part the method
-    ``trained`` (methods.PARTS) is held in fp32 with its gradients and optimizer state, never packed.
+    ``trained`` (families.PARTS) is held in fp32 with its gradients and optimizer state, never packed.
     ``text_encoders``: False where the run frees them once their outputs are cached (``keeps_text_encoders``).
     ``shares``: of a trained part's (weights, gradients, optimizer state), what a rank keeps
     (``shares``: 1/N of the state with --shard optimizer on N ranks, of all three with FSDP).
@@ -165,8 +165,8 @@ def memory_plan(opts: TrainOptions, precision: str, world: int, local_ranks: int
     need = max(steady, loading) * local_ranks
     have = placement.available_memory_bytes()
     fits = need <= have
-    ranks = f"{local_ranks} ranks" if local_ranks > 1 else "this run"
-    return fits, (f"memory plan: {ranks} need about {need / 1e9:.1f} GB ({precision}); this node has "
+    ranks = f"{local_ranks} ranks need" if local_ranks > 1 else "this run needs"
+    return fits, (f"memory plan: {ranks} about {need / 1e9:.1f} GB ({precision}); this node has "
                   f"{have / 1e9:.1f} GB available{'' if fits else ': it does not fit'}")
 
 

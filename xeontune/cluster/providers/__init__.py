@@ -111,8 +111,7 @@ class Provider:
     one_job_at_a_time: bool = True
     # `run` checks --data-dir here with a rank's rules (train/data_check.check_training_data), before the cluster
     # exists: a mistake in the folder then costs no machine, bootstrap or queue wait. False where the
-    # cluster is this machine and its ranks start within seconds (they find the same mistake), so
-    # that `run` there does not pay the check's import of torch (4 s).
+    # cluster is this machine and its ranks start within seconds: they find the same mistake.
     reads_data_first: bool = True
     # The flags only this provider reads (``ProviderOption``), delivered in ``ClusterSpec.options``.
     options: tuple[ProviderOption, ...] = ()

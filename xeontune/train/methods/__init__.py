@@ -21,8 +21,8 @@ its text-encoder Linear layers never cast), runs under bf16 autocast where the r
 in DDP, and the rank/memory plan counts its gradients and optimizer state (ranks.py).
 
 A method is made from the options (``create``) and then, in this order, asked to ``install`` itself
-into the loaded models (having checked the images' prompts with ``check_prompts`` before anything
-loaded), for the ``prompts`` the samples draw from, for its trainable ``parameters``
+into the loaded models (its declaration having checked the images' prompts, ``Declaration.check_prompts``,
+before anything loaded), for the ``prompts`` the samples draw from, for its trainable ``parameters``
 (the optimizer's) and the modules DDP wraps (``ddp_modules`` / ``use_ddp``; parameters outside them
 are all-reduced by the loop; ``sharded_modules`` / ``stand_in`` where it shards them), once for ``check_gradient`` after the first backward, before every
 optimizer step (``before_update``) and after it (``after_step``, ``finite``), for its checkpoint ``state`` /
@@ -39,7 +39,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from xeontune.train import families
 from xeontune.train.methods.declaration import get
 
 if TYPE_CHECKING:
@@ -48,9 +47,6 @@ if TYPE_CHECKING:
     from xeontune.train.components import Components
     from xeontune.train.options import TrainOptions
     from xeontune.train.prompts import ImagePrompts
-
-PARTS = families.PARTS  # the pipeline parts a method may train (``trains``)
-
 
 class Method:
     """The contract; see the module's docstring for when the loop calls what."""
@@ -81,10 +77,6 @@ class Method:
 
     def install(self, components: Components) -> None:
         raise NotImplementedError
-
-    def check_prompts(self, given: ImagePrompts | None) -> None:
-        """Before any model loads: the declared check of the images' prompts (``Declaration.check_prompts``)."""
-        get(self.name).check_prompts(self.opts, given)
 
     def prompts(self, given: ImagePrompts | None) -> list[str]:
         """The prompts the samples draw from, as the tokenizers should read them: ``given.texts`` (same

@@ -39,7 +39,7 @@ class Declaration:
     prior_preservation: bool = False  # takes the shared "prior preservation" group (DreamBooth's class images)
     bench: Bench | None = field(default=None, compare=False)
     # what trains, from the options alone (torch-free, so that `xeontune run` sizes the ranks and checks the
-    # prompts without importing the method): the pipeline parts of methods.PARTS whose own weights train
+    # prompts without importing the method): the pipeline parts of families.PARTS whose own weights train
     # (none for a method that trains beside frozen models), whether gradients flow into the text encoders
     # (when not, the loop computes their outputs once per prompt), and a check of the images' prompts
     # (train/prompts.ImagePrompts, None when they have none) that raises UserError in one line
