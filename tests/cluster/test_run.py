@@ -103,6 +103,17 @@ def test_run_refuses_bad_env_before_creating_anything(root_home, cluster_name, t
     assert leftovers(cluster_name) == [] and not state.exists(cluster_name)
 
 
+def test_run_refuses_fused_backward_pass_on_several_ranks_before_creating_anything(root_home, cluster_name, tiny,
+                                                                                   tmp_path):
+    args = ["--method", "full", "--model", str(tiny["model"]), "--data-dir", str(tiny["data"]), "--instance-prompt",
+            "a toy", "--output-dir", str(tmp_path / "out"), "--fused-backward-pass"]
+    for sizes in (["-n", "2"], ["-n", "1", "--ppn", "2"]):
+        proc = cli("run", "--provider", "local", *sizes, "--name", cluster_name, "--", *args, env=OFFLINE)
+        assert proc.returncode == 2 and "--fused-backward-pass runs in one process: -n 1 --ppn 1" in proc.stderr, \
+            proc.stderr
+        assert "Traceback" not in proc.stderr and leftovers(cluster_name) == [] and not state.exists(cluster_name)
+
+
 def test_autostop_is_on_by_default_only_where_a_cloud_head_can_stop_itself():
     from xeontune.job.run import DEFAULT_AUTOSTOP_MIN, RunOptions, autostop_minutes
 

@@ -279,6 +279,10 @@ def test_the_noise_offset_changes_the_noise_alike_on_any_batching(full_args, tin
     (["--method", "full", "--optimizer", "adafactor", "--adam-beta1", "0.8"], "--adam-beta1 is AdamW's"),
     (["--method", "full", "--snr-gamma", "0"], "--snr-gamma must be positive"),
     (["--method", "full", "--noise-offset", "-1"], "--noise-offset must be >= 0"),
+    (["--method", "lora", "--fused-backward-pass"], "--fused-backward-pass is an option of --method full"),
+    (["--method", "full", "--fused-backward-pass", "--max-grad-norm", "1"],
+     "--fused-backward-pass steps each weight as soon as its gradient is ready: not with --max-grad-norm"),
+    (["--method", "full", "--fused_backward_pass", "--shard", "optimizer"], "not with --shard optimizer"),
 ])
 def test_the_features_bad_input_is_one_line(capsys, tiny_model, sample_images, tmp_path, flags, said):
     from tests.one_line import one_line_error
@@ -367,3 +371,46 @@ def test_weights_that_overflow_are_never_written(capsys, full_args, tiny_model, 
     assert main(["train", *full_args("out", tiny_model, "--max-train-steps", "1")]) == 1
     assert "error: the weights became non-finite; lower --learning-rate" in capsys.readouterr().err
     assert not (tmp_path / "out" / "model.safetensors").exists() and not (tmp_path / "out" / "pipeline").exists()
+
+
+def test_fused_backward_pass_steps_as_the_optimizer_does_holding_one_gradient_at_a_time(full_args, tiny_model,
+                                                                                        monkeypatch):
+    """--fused-backward-pass: the same weights as the plain step (AdamW over the UNet and the text encoder;
+    Adafactor over 2 accumulated micro-steps), and while the backward runs no parameter holds a gradient
+    but the one stepping."""
+    from xeontune.train.fused_backward import FusedBackward
+
+    held: list[int] = []
+    step = FusedBackward._step
+
+    def counting(self, p):
+        if self.final:
+            held.append(sum(q.grad is not None for group in self.optimizer.param_groups for q in group["params"]))
+        step(self, p)
+
+    monkeypatch.setattr(FusedBackward, "_step", counting)
+    base = base_parts(tiny_model)
+    for extra in (("--train-text-encoder",), ("--optimizer", "adafactor", "--gradient-accumulation-steps", "2",
+                                              "--learning-rate", "1e-3")):
+        plain = loop.train(parse_args(full_args(f"plain{len(extra)}", tiny_model, *extra)))
+        held.clear()
+        fused = loop.train(parse_args(full_args(f"fused{len(extra)}", tiny_model, *extra, "--fused-backward-pass")))
+        for part in ("unet", "text_encoder") if "--train-text-encoder" in extra else ("unet",):
+            a, b = weights(plain, part), weights(fused, part)
+            assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6, part
+            assert moved_share(b, base[part], 1e-5) > 0.9, part
+        if "--train-text-encoder" in extra:
+            assert len(held) == 3 * len(plain.learned) and max(held) == 1, (len(held), max(held))
+
+
+def test_the_rank_plan_counts_no_gradients_under_fused_backward_pass(tiny_model, sample_images):
+    from xeontune.train import ranks
+
+    def need(*extra: str) -> int:
+        return ranks.rank_memory(parse_args(["--method", "full", "--model", str(tiny_model), "--data-dir",
+                                             str(sample_images), "--instance-prompt", PROMPT, *extra]), "fp32")
+
+    stored_unet = sum(p.stat().st_size for p in (tiny_model / "unet").glob("*.safetensors"))
+    assert need() - need("--fused-backward-pass") == stored_unet  # its fp32 gradients
+    # accumulated over micro-steps, the gradients are held until the last one
+    assert need("--gradient-accumulation-steps", "2") == need("--fused-backward-pass", "--gradient-accumulation-steps", "2")

@@ -66,6 +66,7 @@ from xeontune.train.data import (
 )
 from xeontune.train.data_check import masks_and_prompts
 from xeontune.train.forecast import Forecast
+from xeontune.train.fused_backward import FusedBackward
 from xeontune.train.images import read_images
 from xeontune.train.latent_cache import Latents, encode_latents
 from xeontune.train.options import TrainOptions, fsdp_refusal
@@ -211,6 +212,7 @@ class Run:
     reduced: list[torch.nn.Parameter] = field(default_factory=list)  # trainable, outside DDP: all-reduced here
     checkpoint_on_disk: Path | None = None  # the checkpoint this state is already in (resumed from or saved)
     model_identity: dict[str, str] | None = None  # components.model_identity, for the checkpoints (rank 0)
+    fused: FusedBackward | None = None  # --fused-backward-pass: the optimizer steps inside the backward
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "method":  # copy/pickle probes; a method not set yet
@@ -263,7 +265,10 @@ class Run:
         if self.gradient_checked:
             return
         self.gradient_checked = True
-        self.method.check_gradient()
+        if self.fused is not None:  # the gradients are gone: what the hooks saw of them
+            self.method.check_gradient(self.fused.first_summary())
+        else:
+            self.method.check_gradient()
 
     @contextlib.contextmanager
     def outputs(self, checkpoint_due: bool) -> Iterator[None]:
@@ -303,6 +308,8 @@ def train_step(run: Run, step: int) -> torch.Tensor:
     losses = []
     for micro in range(run.opts.gradient_accumulation_steps):
         data_parallel.sync_gradients(run.sharded, micro == run.opts.gradient_accumulation_steps - 1)
+        if run.fused is not None:  # the weights step in this backward's hooks on the last micro-step only
+            run.fused.final = micro == run.opts.gradient_accumulation_steps - 1
         with run.accelerator.accumulate(*run.ddp_modules):
             with phase("data"):
                 batch = run.plan.batch(run.positions(step, micro))
@@ -328,10 +335,11 @@ def train_step(run: Run, step: int) -> torch.Tensor:
         run.reduce_gradients()
     with phase("optimizer"):
         run.check_gradient_once()
-        run.method.before_update(step, run.max_steps)
-        if run.opts.max_grad_norm:  # torch's, over FSDP's sharded gradients as well
-            run.accelerator.clip_grad_norm_(run.method.parameters(), run.opts.max_grad_norm)
-        run.optimizer.step()
+        if run.fused is None:  # else every weight stepped already, in the backward
+            run.method.before_update(step, run.max_steps)
+            if run.opts.max_grad_norm:  # torch's, over FSDP's sharded gradients as well
+                run.accelerator.clip_grad_norm_(run.method.parameters(), run.opts.max_grad_norm)
+            run.optimizer.step()
         run.lr_scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.method.after_step()
@@ -480,6 +488,9 @@ def _setup(
     from xeontune.train.backends import ipex_applied, module_bytes, prepare_frozen_models
 
     main, world = accelerator.is_main_process, accelerator.num_processes
+    if opts.fused_backward_pass and world > 1:
+        raise UserError(f"--fused-backward-pass runs in one process, not {world} ranks (DDP averages the gradients "
+                        "after the weights would have stepped); across ranks --shard saves memory instead")
     sync = Sync.create(world, opts.dist_wait_timeout)
     # Everything that can fail on the user's input is checked before anything is written. The output
     # dir and the checkpoint are rank 0's: without a shared filesystem the other ranks have neither.
@@ -615,6 +626,8 @@ def _setup(
         reduced=[p for p in method.parameters() if id(p) not in under_ddp], shard=shard,
         sharded=sharded,
     )
+    if opts.fused_backward_pass:
+        run.fused = FusedBackward(optimizer, method.parameters())
     if not method.trains_text_encoders and opts.cache_text:
         run.text_cache = TextCache(run)
     if not shared and not keeps_text_encoders(opts):

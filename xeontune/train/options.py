@@ -112,6 +112,12 @@ class TrainOptions:
                      "memory, most traffic); auto takes the first of these that fits the node's ranks; none: every "
                      "rank holds all of it", choices=("none", "optimizer", "gradients", "full", "auto"),
                      group="full fine-tuning")
+    fused_backward_pass: bool = opt(False, "step each weight inside the backward as soon as its gradient is ready "
+                                    "and free that gradient (kohya's --fused_backward_pass): no whole set of "
+                                    "gradients is held, 4 bytes a parameter less at the peak (3.4 GB for SD1.5's "
+                                    "UNet); the same update; one process, without --max-grad-norm (clipping needs "
+                                    "every gradient first)", aliases=("--fused_backward_pass",),
+                                    group="full fine-tuning")
     grad_compression: str = opt("none", "across ranks: the gradients' dtype on the wire; bf16 sends half the bytes "
                                 "and adds them up in fp32 (docs/cluster.md)", choices=("none", "bf16"),
                                 group="full fine-tuning")
@@ -594,6 +600,9 @@ def validate(o: TrainOptions) -> TrainOptions:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    if o.fused_backward_pass and (o.max_grad_norm or o.shard not in ("none", "auto")):
+        raise UserError("--fused-backward-pass steps each weight as soon as its gradient is ready: not with "
+                        f"{'--max-grad-norm (clipping needs every gradient first)' if o.max_grad_norm else '--shard ' + o.shard}")
     if o.shard in ("gradients", "full") and (blocker := fsdp_refusal(o)):
         raise UserError(f"--shard {o.shard} (FSDP) does not take {blocker}; --shard optimizer does")
     # An option that would change nothing is a mistake to say, not to ignore (a user believes it acts).

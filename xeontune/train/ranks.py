@@ -114,6 +114,14 @@ def shares(level: str, world: int) -> tuple[float, float, float]:
             "full": (part, part, part)}[level if world > 1 else "none"]
 
 
+def _without_gradients(held: tuple[float, float, float], opts: TrainOptions) -> tuple[float, float, float]:
+    """--fused-backward-pass frees each gradient as its weight steps: no whole set is held (unless
+    micro-steps accumulate them)."""
+    if opts.fused_backward_pass and opts.gradient_accumulation_steps == 1:
+        return held[0], 0.0, held[2]
+    return held
+
+
 def packs(pack_weights: str, precision: str, family: str, here: bool = True) -> bool:
     """Whether the ranks may hold packed weights, to count them in their memory. `auto` follows
     packed.auto_choice where the ranks run on this machine's CPU (``here``); for another machine's
@@ -150,7 +158,7 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True, world: in
     weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family,
                                   text_encoders=keeps_text_encoders(opts), trained=declared(opts.method).trains(opts),
                                   optimizer=opts.optimizer, ema=opts.use_ema,
-                                  shares=shares(level if level != "auto" else "none", world))
+                                  shares=_without_gradients(shares(level if level != "auto" else "none", world), opts))
     return placement.rank_memory_bytes(weights, kind.activation_bytes(opts.resolution, precision),
                                        opts.train_batch_size, opts.gradient_checkpointing)
 

@@ -102,8 +102,10 @@ class Method:
         implements this."""
         raise NotImplementedError(f"--method {self.name} cannot have its modules sharded")
 
-    def check_gradient(self) -> None:
-        """After the first backward: raise TrainingError unless every trainable part got a usable gradient."""
+    def check_gradient(self, summary: dict[int, tuple[bool, bool]] | None = None) -> None:
+        """After the first backward: raise TrainingError unless every trainable part got a usable gradient.
+        ``summary`` (--fused-backward-pass, whose gradients are gone by then): each parameter's, by its id,
+        as (finite throughout, not zero throughout)."""
 
     def before_update(self, step: int, max_steps: int) -> None:
         """Gradients complete (all-reduced), before clipping and the optimizer step ``step`` (0-based) of

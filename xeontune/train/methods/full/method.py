@@ -93,11 +93,14 @@ class FullFineTuning(Method):
             for name, encoder in encoders.items():
                 setattr(c, name, encoder)
 
-    def check_gradient(self) -> None:
+    def check_gradient(self, summary: dict[int, tuple[bool, bool]] | None = None) -> None:
         """Every trained model got a finite gradient, not zero throughout."""
+        if summary is None:
+            summary = {id(p): (bool(torch.isfinite(p.grad).all()), bool(p.grad.ne(0).any()))
+                       for p in self.parameters() if p.grad is not None}
         for model_name, model in self.models.items():
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            if any(not torch.isfinite(g).all() for g in grads) or not any(bool(g.abs().sum() > 0) for g in grads):
+            seen = [summary[id(p)] for p in model.parameters() if id(p) in summary]
+            if not all(finite for finite, _ in seen) or not any(moved for _, moved in seen):
                 raise TrainingError(f"the {model_name}'s weights received no usable gradient after the first "
                                     "backward pass; a backend broke the gradient path")
 
