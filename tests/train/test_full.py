@@ -51,11 +51,14 @@ def weights(result, part: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family", ["sd", "sd2", "sdxl"])
 def test_every_unet_weight_trains_and_the_pipeline_holds_them(full_args, tiny_model, sd2_model, sdxl_model,
-                                                              tmp_path, family):
+                                                              tmp_path, family, caplog):
     from diffusers import DiffusionPipeline
 
     model = {"sd": tiny_model, "sd2": sd2_model, "sdxl": sdxl_model}[family]
-    result = loop.train(parse_args(full_args("out", model)))
+    with caplog.at_level("INFO", logger="xeontune.train"):
+        result = loop.train(parse_args(full_args("out", model)))
+    # packing reorders frozen weights: none is tried on a trained UNet
+    assert "packed weights: not used (--method full trains the UNet's weights)" in caplog.text
     base = base_parts(model, family)
     unet = weights(result, "unet")
     # AdamW moves every weight with a gradient by about the learning rate a step
@@ -283,6 +286,7 @@ def test_the_noise_offset_changes_the_noise_alike_on_any_batching(full_args, tin
     (["--method", "full", "--fused-backward-pass", "--max-grad-norm", "1"],
      "--fused-backward-pass steps each weight as soon as its gradient is ready: not with --max-grad-norm"),
     (["--method", "full", "--fused_backward_pass", "--shard", "optimizer"], "not with --shard optimizer"),
+    (["--method", "full", "--pack-weights", "on"], "--pack-weights on packs a frozen UNet's weights; --method full trains it"),
 ])
 def test_the_features_bad_input_is_one_line(capsys, tiny_model, sample_images, tmp_path, flags, said):
     from tests.one_line import one_line_error
@@ -414,3 +418,23 @@ def test_the_rank_plan_counts_no_gradients_under_fused_backward_pass(tiny_model,
     assert need() - need("--fused-backward-pass") == stored_unet  # its fp32 gradients
     # accumulated over micro-steps, the gradients are held until the last one
     assert need("--gradient-accumulation-steps", "2") == need("--fused-backward-pass", "--gradient-accumulation-steps", "2")
+
+
+def test_the_rank_plan_counts_adafactors_state_from_the_models_shapes(tiny_model, tmp_path):
+    """Adafactor keeps a row and a column of second moments per matrix or convolution, a vector whole: a
+    (4, 2, 3, 3) convolution's state is 24 + 24 of its 72, a (8, 4) Linear's 8 + 4 of 32, an 8-bias 8."""
+    from safetensors.torch import save_file
+
+    from xeontune.train import ranks
+
+    part = tmp_path / "unet"
+    part.mkdir()
+    save_file({"conv": torch.zeros(4, 2, 3, 3), "linear": torch.zeros(8, 4), "bias": torch.zeros(8)},
+              str(part / "diffusion_pytorch_model.safetensors"))
+    assert ranks.adafactor_state_share(part) == (48 + 12 + 8) / (72 + 32 + 8)
+    assert ranks.adafactor_state_share(tmp_path / "absent") == ranks.ADAFACTOR_STATE_UNREAD
+    stored_unet = sum(p.stat().st_size for p in (tiny_model / "unet").glob("*.safetensors"))
+    adamw, adafactor = (ranks.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"denoiser"}),
+                                                  optimizer=optimizer) for optimizer in ("adamw", "adafactor"))
+    share = ranks.adafactor_state_share(tiny_model / "unet")
+    assert 0 < share < 1 and abs((adamw - adafactor) - (2 - share) * stored_unet) <= 16  # AdamW's 2 against it

@@ -535,12 +535,15 @@ def _setup(
     # what the run holds beside the denoiser, counted before the method moves a token table out of sight
     beside_denoiser = sum(module_bytes(m) for m in (*components.text_encoders, components.vae))
     method.install(components)  # before packing and compiling: they act on the models as the method left them
-    notes: list[str] = []
+    notes: list[str] = []  # what the frozen models' preparation decided (none where ``shared``), then attention's
     ipex, ipex_off_because = opts.ipex, "--ipex off"
     if not method.uses_ipex:
         if ipex == "on":
             raise UserError(f"--ipex on: --method {opts.method} does not run on IPEX; use --ipex off")
         ipex, ipex_off_because = "off", f"--method {opts.method} does not run on it"
+    pack, pack_note = opts.pack_weights, []
+    if families.DENOISER in method.trains:  # packing reorders frozen weights; these train (on: refused by validate)
+        pack, pack_note = "off", [f"packed weights: not used (--method {opts.method} trains the UNet's weights)"]
     # the latent's pixels at --resolution: no attention of the UNet sees more tokens (SDXL's first level,
     # without attention, sees them; its attentions a quarter)
     tokens = (opts.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)) ** 2
@@ -552,12 +555,13 @@ def _setup(
     if not shared:
         components.denoiser, components.vae, notes = prepare_frozen_models(
             components.denoiser, components.vae, precision=precision, ipex=ipex, compile=opts.compile,
-            pack=opts.pack_weights, checkpointing=opts.gradient_checkpointing,
+            pack=pack, checkpointing=opts.gradient_checkpointing,
             step_bytes=placement.rank_memory_bytes(
                 beside_denoiser, components.family.activation_bytes(opts.resolution, precision), opts.train_batch_size,
                 opts.gradient_checkpointing),
             family=components.family.name, agree=sync.all_true, ipex_off_because=ipex_off_because,
         )
+        notes += pack_note
     method.on_ipex = ipex_applied(notes)  # a broken gradient path then names IPEX as the likely cause
     notes.append(f"attention: {attention_note}")
     if main:

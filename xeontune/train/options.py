@@ -472,6 +472,7 @@ def read_options(argv: list[str]) -> tuple[TrainOptions, set[str]]:
 # What belongs to which method is each method's declaration (train/methods/: its options group, the
 # options it takes from others, those it requires, its defaults). An option of another method set to
 # anything but its default is a one-line error: it would be silently ignored.
+FROZEN_PACKED = "denoiser"  # families.DENOISER: the part --pack-weights packs where it stays frozen
 TOKEN_METHOD = "textual_inversion"  # whose token another method may train beside its own (pivotal tuning)
 PRIOR_GROUP = "prior preservation"  # DreamBooth's class images: a method takes them if it declares so
 
@@ -600,6 +601,8 @@ def validate(o: TrainOptions) -> TrainOptions:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    if o.pack_weights == "on" and FROZEN_PACKED in method.trains(o):
+        raise UserError(f"--pack-weights on packs a frozen UNet's weights; --method {o.method} trains it")
     if o.fused_backward_pass and (o.max_grad_norm or o.shard not in ("none", "auto")):
         raise UserError("--fused-backward-pass steps each weight as soon as its gradient is ready: not with "
                         f"{'--max-grad-norm (clipping needs every gradient first)' if o.max_grad_norm else '--shard ' + o.shard}")

@@ -44,24 +44,47 @@ def _folder_bytes(folder: Path) -> int:
     return sum(_as_fp32_bytes(p) for p in (plain or files))
 
 
-def _as_fp32_bytes(path: Path) -> int:
-    size = path.stat().st_size
-    if path.suffix != ".safetensors":
-        return size
+def _header(path: Path) -> dict | None:
+    """A safetensors file's header (its tensors' dtypes and shapes), None where it cannot be read."""
     try:
         with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            return json.loads(f.read(int.from_bytes(f.read(8), "little")))
     except (OSError, ValueError):
+        return None
+
+
+def _as_fp32_bytes(path: Path) -> int:
+    size = path.stat().st_size
+    header = _header(path) if path.suffix == ".safetensors" else None
+    if header is None:
         return size
     half = sum(int(math.prod(t["shape"])) * 2 for name, t in header.items()
                if name != "__metadata__" and t.get("dtype") in ("F16", "BF16"))
     return size + half
 
 
-# A trained part's fp32 weights and gradients, and its optimizer state, as multiples of its fp32 weights:
-# AdamW's two moments (16 bytes a parameter in all); Adafactor's factored moments are a row and a column
-# a matrix (counted as nothing). --use-ema adds one fp32 copy of the UNet.
-TRAINED_SIZE_FACTOR = {"adamw": 4, "adafactor": 2}
+# A trained part's optimizer state as a multiple of its fp32 weights (beside the weights and gradients,
+# 1 each; --use-ema adds one fp32 copy of the UNet): AdamW's two moments (16 bytes a parameter in all);
+# Adafactor's, from the part's shapes (``adafactor_state_share``), this where they cannot be read.
+ADAMW_STATE = 2.0
+ADAFACTOR_STATE_UNREAD = 0.5
+
+
+def adafactor_state_share(folder: Path | None) -> float:
+    """transformers' Adafactor (no first moment, as make_optimizer runs it) keeps a row and a column of
+    second moments for a tensor of two or more dimensions (the shape without its last, and without its
+    last but one) and a vector's own size: a 3x3 convolution's state is 2/3 of it, a Linear layer's next to
+    nothing. Summed from the part's safetensors headers: SD1.5's UNet 0.53 of its weights, SDXL's 0.10
+    (peak RSS measured: docs/performance.md)."""
+    state = total = 0
+    for path in sorted(folder.glob("*.safetensors")) if folder is not None and folder.is_dir() else ():
+        for name, tensor in (_header(path) or {}).items():
+            if name == "__metadata__":
+                continue
+            shape = tensor["shape"]
+            total += math.prod(shape)
+            state += math.prod(shape) if len(shape) < 2 else math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+    return state / total if total else ADAFACTOR_STATE_UNREAD
 
 
 def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str | None = None,
@@ -90,17 +113,21 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
         if any((root / kind.denoiser).glob("*.safetensors")) and any((root / kind.denoiser).glob("*.bin")):
             stored[kind.denoiser] //= 2
     weight_share, grad_share, state_share = shares
-    factor = weight_share + grad_share + (TRAINED_SIZE_FACTOR[optimizer] - 2) * state_share
+
+    def factor(folder: str) -> float:  # a trained part's bytes as a multiple of its fp32 weights
+        state = ADAMW_STATE if optimizer == "adamw" else adafactor_state_share(root / folder if root else None)
+        return weight_share + grad_share + state * state_share
+
     denoiser = stored[kind.denoiser]
     if families.DENOISER in trained:
-        denoiser = denoiser * (factor + (1 if ema else 0))
+        denoiser = denoiser * (factor(kind.denoiser) + (1 if ema else 0))
     else:
         # a bf16 run casts it once at load (stored in fp32 in the common pipelines)
         denoiser = (denoiser // 2 if precision == "bf16" else denoiser) * (2 if packed else 1)
     encoders = 0.0
     for encoder in kind.encoders:  # each held as its Linear layers' share says under bf16
         if encoder.folder in trained and encoder.trainable:
-            encoders += stored[encoder.folder] * factor
+            encoders += stored[encoder.folder] * factor(encoder.folder)
         elif text_encoders:
             encoders += _text_encoder_bytes(stored[encoder.folder], precision, encoder.linear_share)
     return int(denoiser + stored["vae"] + encoders)
