@@ -438,3 +438,13 @@ def test_the_rank_plan_counts_adafactors_state_from_the_models_shapes(tiny_model
                                                   optimizer=optimizer) for optimizer in ("adamw", "adafactor"))
     share = ranks.adafactor_state_share(tiny_model / "unet")
     assert 0 < share < 1 and abs((adamw - adafactor) - (2 - share) * stored_unet) <= 16  # AdamW's 2 against it
+
+
+def test_a_run_short_of_memory_is_told_what_saves_it(full_args, tiny_model, monkeypatch, caplog):
+    from xeontune import placement
+
+    monkeypatch.setattr(placement, "available_memory_bytes", lambda: 10**6)  # 1 MB: nothing fits
+    with caplog.at_level("INFO", logger="xeontune.train"):
+        loop.train(parse_args(full_args("out", tiny_model, "--max-train-steps", "1")))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan:")]
+    assert said and "it does not fit (the load may swap or be killed: --fused-backward-pass, --optimizer adafactor" in said[0]

@@ -503,8 +503,12 @@ def _setup(
         families.check_method(pipeline_family(opts.model, opts.revision), opts.method, opts.model, opts)
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1)
         fits, said = memory_plan(opts, choose_precision(opts.mixed_precision)[0], world, local)
-        (log.info if fits else log.warning)("%s", said if fits else said + " (the load may swap or be killed: fewer "
-                                            "ranks a node, --mixed-precision bf16, --shard, or a larger node)")
+        trains_unet = families.DENOISER in methods.get(opts.method).trains(opts)
+        hints = ("--fused-backward-pass, --optimizer adafactor, --gradient-checkpointing, --mixed-precision bf16"
+                 if trains_unet and world == 1 and not opts.fused_backward_pass else
+                 "fewer ranks a node, --mixed-precision bf16, --shard")
+        (log.info if fits else log.warning)("%s", said if fits else f"{said} (the load may swap or be killed: {hints}, "
+                                            "or a larger node)")
     if opts.resume_from_checkpoint and main:
         resume_path, resume_state = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
         checkpoint.check_model(resume_state, identity, opts.model, resume_path)
