@@ -58,7 +58,7 @@ def test_every_unet_weight_trains_and_the_pipeline_holds_them(full_args, tiny_mo
     with caplog.at_level("INFO", logger="xeontune.train"):
         result = loop.train(parse_args(full_args("out", model)))
     # packing reorders frozen weights: none is tried on a trained UNet
-    assert "packed weights: not used (--method full trains the UNet's weights)" in caplog.text
+    assert "packed weights: not used (--method full trains the unet's weights)" in caplog.text
     base = base_parts(model, family)
     unet = weights(result, "unet")
     # AdamW moves every weight with a gradient by about the learning rate a step
@@ -286,7 +286,7 @@ def test_the_noise_offset_changes_the_noise_alike_on_any_batching(full_args, tin
     (["--method", "full", "--fused-backward-pass", "--max-grad-norm", "1"],
      "--fused-backward-pass steps each weight as soon as its gradient is ready: not with --max-grad-norm"),
     (["--method", "full", "--fused_backward_pass", "--shard", "optimizer"], "not with --shard optimizer"),
-    (["--method", "full", "--pack-weights", "on"], "--pack-weights on packs a frozen UNet's weights; --method full trains it"),
+    (["--method", "full", "--pack-weights", "on"], "--pack-weights on packs a frozen UNet's or transformer's weights; --method full trains them"),
 ])
 def test_the_features_bad_input_is_one_line(capsys, tiny_model, sample_images, tmp_path, flags, said):
     from tests.one_line import one_line_error

@@ -547,7 +547,7 @@ def _setup(
         ipex, ipex_off_because = "off", f"--method {opts.method} does not run on it"
     pack, pack_note = opts.pack_weights, []
     if families.DENOISER in method.trains:  # packing reorders frozen weights; these train (on: refused by validate)
-        pack, pack_note = "off", [f"packed weights: not used (--method {opts.method} trains the UNet's weights)"]
+        pack, pack_note = "off", [f"packed weights: not used (--method {opts.method} trains the {components.family.denoiser}'s weights)"]
     # the latent's pixels at --resolution: no attention of the UNet sees more tokens (SDXL's first level,
     # without attention, sees them; its attentions a quarter)
     tokens = (opts.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)) ** 2

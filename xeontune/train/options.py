@@ -602,7 +602,7 @@ def validate(o: TrainOptions) -> TrainOptions:
         if not ok:
             raise UserError(message)
     if o.pack_weights == "on" and FROZEN_PACKED in method.trains(o):
-        raise UserError(f"--pack-weights on packs a frozen UNet's weights; --method {o.method} trains it")
+        raise UserError(f"--pack-weights on packs a frozen UNet's or transformer's weights; --method {o.method} trains them")
     if o.fused_backward_pass and (o.max_grad_norm or o.shard not in ("none", "auto")):
         raise UserError("--fused-backward-pass steps each weight as soon as its gradient is ready: not with "
                         f"{'--max-grad-norm (clipping needs every gradient first)' if o.max_grad_norm else '--shard ' + o.shard}")
