@@ -91,6 +91,17 @@ def test_cloud_ssh_configs_jump_through_the_head(xeontune_home):
     assert "HostName 172.31.0.10" in inside and "ProxyJump" not in inside and "IdentityFile /opt/xt/id" in inside
 
 
+def test_launch_refuses_fused_backward_pass_on_several_ranks(record, capsys):
+    """`launch` on any engine (the plan is the engine-free part): one process or a one-line error."""
+    full = ["--model", "org/model", "--data-dir", REQUIRED[3], "--method", "full", "--instance-prompt", "a toy",
+            "--fused-backward-pass"]
+    with pytest.raises(UserError, match="--fused-backward-pass runs in one process, not 3 ranks"):
+        job_spec.launch_spec(record, job_spec.read_request(["--", *full]), 3)
+    assert job_spec.launch_spec(record, job_spec.read_request(["--", *full]), 1).ranks == 1
+    assert main(["launch", "-n", "3", "--name", "demo", "--dry-run", "--", *full]) == 2
+    assert "--fused-backward-pass runs in one process" in capsys.readouterr().err
+
+
 def test_dry_run_is_the_command_that_runs(record, capsys, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert main(["launch", "-n", "3", "--name", "demo", "--dry-run", "--", *REQUIRED, "--max-train-steps", "2"]) == 0

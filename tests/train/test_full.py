@@ -286,6 +286,8 @@ def test_the_noise_offset_changes_the_noise_alike_on_any_batching(full_args, tin
     (["--method", "full", "--fused-backward-pass", "--max-grad-norm", "1"],
      "--fused-backward-pass steps each weight as soon as its gradient is ready: not with --max-grad-norm"),
     (["--method", "full", "--fused_backward_pass", "--shard", "optimizer"], "not with --shard optimizer"),
+    (["--method", "full", "--fused-backward-pass", "--compile"], "not with --compile"),
+    (["--method", "full", "--fused-backward-pass", "--nproc-per-node", "2"], "not with --nproc-per-node 2"),
     (["--method", "full", "--pack-weights", "on"], "--pack-weights on packs a frozen UNet's or transformer's weights; --method full trains them"),
 ])
 def test_the_features_bad_input_is_one_line(capsys, tiny_model, sample_images, tmp_path, flags, said):
@@ -448,3 +450,14 @@ def test_a_run_short_of_memory_is_told_what_saves_it(full_args, tiny_model, monk
         loop.train(parse_args(full_args("out", tiny_model, "--max-train-steps", "1")))
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan:")]
     assert said and "it does not fit (the load may swap or be killed: --fused-backward-pass, --optimizer adafactor" in said[0]
+
+
+def test_memory_hints_name_only_what_the_run_does_not_use_yet(tiny_model, sample_images):
+    def hints(world: int, *extra: str) -> str:
+        return "".join(loop.memory_hints(parse_args(["--method", "full", "--model", str(tiny_model), "--data-dir",
+                                                     str(sample_images), "--instance-prompt", PROMPT, *extra]), world))
+
+    assert hints(1) == "--fused-backward-pass, --optimizer adafactor, --gradient-checkpointing, --mixed-precision bf16, "
+    assert hints(1, "--max-grad-norm", "1", "--optimizer", "adafactor", "--gradient-checkpointing") == \
+        "--mixed-precision bf16, "  # clipping refuses the fused pass
+    assert hints(2, "--mixed-precision", "bf16") == "--optimizer adafactor, --gradient-checkpointing, fewer ranks a node, --shard, "

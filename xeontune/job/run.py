@@ -190,7 +190,7 @@ def run(opts: RunOptions) -> int:
     # a new cluster's head holds no checkpoint (on localhost the ranks write --output-dir here, so it may)
     request = read_request(list(opts.train_args), opts.ppn, opts.dist_backend, opts.env, remote=provider.remote,
                            fresh_cluster=not reused and provider.uses_ssh)
-    if request.options.fused_backward_pass and (opts.nodes > 1 or opts.ppn != "1"):
+    if request.options.fused_backward_pass and (opts.nodes > 1 or request.ppn != "1"):
         raise UserError("--fused-backward-pass runs in one process: -n 1 --ppn 1 (across ranks --shard saves memory)")
     resume_in = resume_dir(name, provider, request.options.resume_from_checkpoint) if reused else None
     dest = request.local_output_dir

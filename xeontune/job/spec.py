@@ -194,6 +194,8 @@ def launch_spec(record: ClusterRecord, request: JobRequest, num_processes: int |
     provider = providers.get(record.provider)
     ppn = resolve_ppn(record, request)
     ranks = provider.slots(record, ppn) if num_processes is None else num_processes
+    if request.options.fused_backward_pass and ranks > 1:
+        raise UserError(f"--fused-backward-pass runs in one process, not {ranks} ranks (across ranks --shard saves memory)")
     options = dataclasses.replace(request.options)
     given = set(request.given)
     for name, value in (("data_dir", data_dir), ("output_dir", output_dir), ("class_data_dir", class_data_dir)):

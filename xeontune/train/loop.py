@@ -335,11 +335,13 @@ def train_step(run: Run, step: int) -> torch.Tensor:
         run.reduce_gradients()
     with phase("optimizer"):
         run.check_gradient_once()
-        if run.fused is None:  # else every weight stepped already, in the backward
+        if run.fused is None:
             run.method.before_update(step, run.max_steps)
             if run.opts.max_grad_norm:  # torch's, over FSDP's sharded gradients as well
                 run.accelerator.clip_grad_norm_(run.method.parameters(), run.opts.max_grad_norm)
-            run.optimizer.step()
+        # under --fused-backward-pass every weight whose gradient the last micro-step completed stepped in its
+        # backward (its gradient None now): this steps what only earlier micro-steps gave a gradient, as the plain step
+        run.optimizer.step()
         run.lr_scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.method.after_step()
@@ -503,12 +505,8 @@ def _setup(
         families.check_method(pipeline_family(opts.model, opts.revision), opts.method, opts.model, opts)
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1)
         fits, said = memory_plan(opts, choose_precision(opts.mixed_precision)[0], world, local)
-        trains_unet = families.DENOISER in methods.get(opts.method).trains(opts)
-        hints = ("--fused-backward-pass, --optimizer adafactor, --gradient-checkpointing, --mixed-precision bf16"
-                 if trains_unet and world == 1 and not opts.fused_backward_pass else
-                 "fewer ranks a node, --mixed-precision bf16, --shard")
-        (log.info if fits else log.warning)("%s", said if fits else f"{said} (the load may swap or be killed: {hints}, "
-                                            "or a larger node)")
+        (log.info if fits else log.warning)("%s", said if fits else f"{said} (the load may swap or be killed: "
+                                            f"{''.join(memory_hints(opts, world))}or a larger node)")
     if opts.resume_from_checkpoint and main:
         resume_path, resume_state = checkpoint.resolve(opts.resume_from_checkpoint, output_dir)
         checkpoint.check_model(resume_state, identity, opts.model, resume_path)
@@ -683,6 +681,19 @@ def _setup(
                         "not on the images a straight run would have drawn", where, state.samples_per_step,
                         run.samples_per_step, state.step)
     return run, state
+
+
+def memory_hints(opts: TrainOptions, world: int) -> list[str]:
+    """What would make a run that does not fit smaller: the options it does not use yet (each followed by
+    ", ")."""
+    trains_unet = families.DENOISER in methods.get(opts.method).trains(opts)
+    hints = [("--fused-backward-pass", trains_unet and world == 1 and not opts.fused_backward_pass
+              and not opts.max_grad_norm and opts.gradient_accumulation_steps == 1 and not opts.compile),
+             ("--optimizer adafactor", trains_unet and opts.optimizer != "adafactor"),
+             ("--gradient-checkpointing", not opts.gradient_checkpointing),
+             ("--mixed-precision bf16", opts.mixed_precision != "bf16"),
+             ("fewer ranks a node", world > 1), ("--shard", trains_unet and world > 1 and opts.shard == "none")]
+    return [f"{hint}, " for hint, useful in hints if useful]
 
 
 def make_optimizer(opts: TrainOptions, params: list[torch.nn.Parameter], lr: float,

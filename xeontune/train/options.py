@@ -113,10 +113,10 @@ class TrainOptions:
                      "rank holds all of it", choices=("none", "optimizer", "gradients", "full", "auto"),
                      group="full fine-tuning")
     fused_backward_pass: bool = opt(False, "step each weight inside the backward as soon as its gradient is ready "
-                                    "and free that gradient (kohya's --fused_backward_pass): no whole set of "
-                                    "gradients is held, 4 bytes a parameter less at the peak (3.4 GB for SD1.5's "
-                                    "UNet); the same update; one process, without --max-grad-norm (clipping needs "
-                                    "every gradient first)", aliases=("--fused_backward_pass",),
+                                    "and free that gradient (kohya's --fused_backward_pass): the step never holds "
+                                    "all the gradients (SD1.5's UNet at 256 px in fp32: 2.8 GB less at the peak); "
+                                    "the same update; one process, without --max-grad-norm (clipping needs every "
+                                    "gradient first) or --compile", aliases=("--fused_backward_pass",),
                                     group="full fine-tuning")
     grad_compression: str = opt("none", "across ranks: the gradients' dtype on the wire; bf16 sends half the bytes "
                                 "and adds them up in fp32 (docs/cluster.md)", choices=("none", "bf16"),
@@ -603,9 +603,8 @@ def validate(o: TrainOptions) -> TrainOptions:
             raise UserError(message)
     if o.pack_weights == "on" and FROZEN_PACKED in method.trains(o):
         raise UserError(f"--pack-weights on packs a frozen UNet's or transformer's weights; --method {o.method} trains them")
-    if o.fused_backward_pass and (o.max_grad_norm or o.shard not in ("none", "auto")):
-        raise UserError("--fused-backward-pass steps each weight as soon as its gradient is ready: not with "
-                        f"{'--max-grad-norm (clipping needs every gradient first)' if o.max_grad_norm else '--shard ' + o.shard}")
+    if o.fused_backward_pass and (clash := _fused_backward_clash(o)):
+        raise UserError(f"--fused-backward-pass steps each weight as soon as its gradient is ready: not with {clash}")
     if o.shard in ("gradients", "full") and (blocker := fsdp_refusal(o)):
         raise UserError(f"--shard {o.shard} (FSDP) does not take {blocker}; --shard optimizer does")
     # An option that would change nothing is a mistake to say, not to ignore (a user believes it acts).
@@ -624,6 +623,19 @@ def validate(o: TrainOptions) -> TrainOptions:
     if not o.random_flip:
         o.flip_p = 0.0
     return o
+
+
+def _fused_backward_clash(o: TrainOptions) -> str | None:
+    """The option that --fused-backward-pass cannot run with, or None."""
+    if o.max_grad_norm:
+        return "--max-grad-norm (clipping needs every gradient first)"
+    if o.compile:
+        return "--compile (a compiled backward hands every gradient back at once)"
+    if o.shard not in ("none", "auto"):
+        return f"--shard {o.shard}"
+    if o.nproc_per_node != "1":
+        return f"--nproc-per-node {o.nproc_per_node} (it runs in one process; across ranks --shard saves memory)"
+    return None
 
 
 def fsdp_refusal(o: TrainOptions) -> str | None:
