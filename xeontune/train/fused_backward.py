@@ -25,7 +25,8 @@ class FusedBackward:
         # of the first step's gradients, by id(parameter): (finite throughout, not zero throughout), for the
         # method's check_gradient, since they are gone by the time the loop could look
         self.summary: dict[int, tuple[bool, bool]] | None = {}
-        self.handles = [p.register_post_accumulate_grad_hook(self._step) for p in params]
+        for p in params:  # for the parameters' life: the run owns the model
+            p.register_post_accumulate_grad_hook(self._step)
 
     def _step(self, p: torch.Tensor) -> None:
         if not self.final:  # a micro-step before the last: the gradient accumulates
@@ -48,7 +49,3 @@ class FusedBackward:
         """The first step's gradient summary (taken once: later steps record none)."""
         summary, self.summary = self.summary or {}, None
         return summary
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()

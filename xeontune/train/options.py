@@ -20,6 +20,7 @@ from typing import Any
 
 import xeontune.train.methods.declaration as methods
 from xeontune.errors import UserError
+from xeontune.train import families
 
 log = logging.getLogger(__name__)
 
@@ -472,7 +473,6 @@ def read_options(argv: list[str]) -> tuple[TrainOptions, set[str]]:
 # What belongs to which method is each method's declaration (train/methods/: its options group, the
 # options it takes from others, those it requires, its defaults). An option of another method set to
 # anything but its default is a one-line error: it would be silently ignored.
-FROZEN_PACKED = "denoiser"  # families.DENOISER: the part --pack-weights packs where it stays frozen
 TOKEN_METHOD = "textual_inversion"  # whose token another method may train beside its own (pivotal tuning)
 PRIOR_GROUP = "prior preservation"  # DreamBooth's class images: a method takes them if it declares so
 
@@ -601,7 +601,7 @@ def validate(o: TrainOptions) -> TrainOptions:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
-    if o.pack_weights == "on" and FROZEN_PACKED in method.trains(o):
+    if o.pack_weights == "on" and families.DENOISER in method.trains(o):
         raise UserError(f"--pack-weights on packs a frozen UNet's or transformer's weights; --method {o.method} trains them")
     if o.fused_backward_pass and (clash := _fused_backward_clash(o)):
         raise UserError(f"--fused-backward-pass steps each weight as soon as its gradient is ready: not with {clash}")
