@@ -60,12 +60,15 @@ def run_attached(argv: Sequence[str], grace_s: float = GRACE_S, stdout: int | No
     Returns (the job's exit code, the first signal that arrived or None). Signal handlers can only
     be set in the main thread; elsewhere the job simply runs."""
     pty = via_pty(argv)
-    proc = subprocess.Popen(list(argv), start_new_session=True, stdout=stdout, stderr=stderr,
-                            stdin=subprocess.PIPE if pty else subprocess.DEVNULL)
+    proc: subprocess.Popen | None = None
     received: list[int] = []
+    forwarded: list[int] = []
     first_at: list[float] = []
 
     def graceful(sig: int) -> None:
+        if proc is None or forwarded:
+            return  # not started yet (Popen passes it on once it returns), or passed on already
+        forwarded.append(sig)
         if pty:
             with contextlib.suppress(OSError, ValueError):
                 assert proc.stdin is not None
@@ -76,6 +79,8 @@ def run_attached(argv: Sequence[str], grace_s: float = GRACE_S, stdout: int | No
                 os.kill(proc.pid, signal.SIGTERM if sig == signal.SIGHUP else sig)
 
     def hard() -> None:
+        if proc is None:
+            return
         with contextlib.suppress(ProcessLookupError):
             if pty:
                 proc.terminate()  # ssh exits; the head's pty hangs up and takes the job with it
@@ -92,7 +97,17 @@ def run_attached(argv: Sequence[str], grace_s: float = GRACE_S, stdout: int | No
 
     main_thread = _in_main_thread()
     previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED} if main_thread else {}
+    if main_thread:  # the detached runner blocks them until here: one that came early is handled now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     try:
+        if received:  # stopped before the job began: it never starts
+            return exit_code(-received[0]), received[0]
+        proc = subprocess.Popen(list(argv), start_new_session=True, stdout=stdout, stderr=stderr,
+                                stdin=subprocess.PIPE if pty else subprocess.DEVNULL)
+        if received:  # they came while Popen ran
+            graceful(received[0])
+            if len(received) > 1:
+                hard()
         while True:
             try:
                 rc = proc.wait(timeout=0.5)
@@ -110,7 +125,7 @@ def run_attached(argv: Sequence[str], grace_s: float = GRACE_S, stdout: int | No
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if proc.stdin:
+        if proc is not None and proc.stdin:
             with contextlib.suppress(OSError):
                 proc.stdin.close()
     return exit_code(rc), (received[0] if received else None)
@@ -164,6 +179,8 @@ def start_detached(job_dir: str, argv: list[str]) -> int:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         if os.fork() != 0:
             os._exit(0)
+        # a stop may come as soon as the pid is out, before run_attached forwards signals: held till then
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         try:
             atomic_write_text(path / "pid", f"{os.getpid()}\n")
             _daemon(path, argv)
