@@ -199,6 +199,7 @@ struct HeadCopies {
 };
 
 struct PairBuffers {
+  static constexpr bool kBf16Products = false;
   std::vector<float> pt, dpt;
   explicit PairBuffers(int64_t size) : pt(size), dpt(size) {}
 };
@@ -252,25 +253,111 @@ void write_panels(T* dst, int64_t b, int64_t h, int64_t heads, int64_t tokens, i
   });
 }
 
+// What the pairs of one head sum into, fp32: dQ (transposed panels), dK, dV, and per-thread copies of what
+// several tasks add to (dQ by key blocks, dK and dV by query blocks)
+struct Sums {
+  int64_t lq, lk, head, threads, q_blocks, k_blocks;
+  bool by_keys;
+  std::vector<float> dq_t, dk, dv;
+  std::vector<std::vector<float>> partial;
+  std::vector<char> used;
+  Sums(int64_t lq_, int64_t lk_, int64_t head_)
+      : lq(lq_), lk(lk_), head(head_), threads(at::get_num_threads()),
+        q_blocks((lq_ + kBackwardQueryBlock - 1) / kBackwardQueryBlock),
+        k_blocks((lk_ + kBackwardKeyBlock - 1) / kBackwardKeyBlock),
+        // over key blocks where they are enough to keep every thread busy (self-attention), else over query
+        // blocks (few keys: cross-attention)
+        by_keys(k_blocks >= std::min(threads, q_blocks)), dq_t(lq_ * head_), dk(lk_ * head_), dv(lk_ * head_),
+        partial(threads, std::vector<float>((by_keys ? lq_ : lk_) * head_ * (by_keys ? 1 : 2))), used(threads) {}
+};
+
+// every (query block, key block) pair of one head through ``pair(qi, rows, kj, keys, buffers, dq_t, dk, dv)``
+template <typename Buffers, typename Pair>
+void sum_pairs(Sums& w, const Pair& pair) {
+  const int64_t lq = w.lq, lk = w.lk, head = w.head;
+  std::fill(w.used.begin(), w.used.end(), 0);
+  if (w.by_keys) {
+    std::fill(w.dk.begin(), w.dk.end(), 0.f);
+    std::fill(w.dv.begin(), w.dv.end(), 0.f);
+    at::parallel_for(0, w.k_blocks, 1, [&](int64_t begin, int64_t end) {
+      Buffers buf(kBackwardQueryBlock * kBackwardKeyBlock);
+      const int64_t tid = at::get_thread_num();
+      float* dq_mine = w.partial[tid].data();
+      if (!w.used[tid]) std::fill(w.partial[tid].begin(), w.partial[tid].end(), 0.f);
+      w.used[tid] = 1;
+      for (int64_t jb = begin; jb < end; ++jb) {
+        const int64_t kj = jb * kBackwardKeyBlock, keys = std::min(kBackwardKeyBlock, lk - kj);
+        for (int64_t qi = 0; qi < lq; qi += kBackwardQueryBlock)
+          pair(qi, std::min(kBackwardQueryBlock, lq - qi), kj, keys, buf, dq_mine, w.dk.data() + kj * head,
+               w.dv.data() + kj * head);
+      }
+      if (Buffers::kBf16Products) at::native::cpublas::brgemm_release(true);
+    });
+    std::fill(w.dq_t.begin(), w.dq_t.end(), 0.f);
+    at::parallel_for(0, lq * head, 4096, [&](int64_t first, int64_t last) {
+      for (int64_t t = 0; t < w.threads; ++t)
+        if (w.used[t])
+          for (int64_t i = first; i < last; ++i) w.dq_t[i] += w.partial[t][i];
+    });
+  } else {
+    std::fill(w.dq_t.begin(), w.dq_t.end(), 0.f);
+    at::parallel_for(0, w.q_blocks, 1, [&](int64_t begin, int64_t end) {
+      Buffers buf(kBackwardQueryBlock * kBackwardKeyBlock);
+      const int64_t tid = at::get_thread_num();
+      float* dk_mine = w.partial[tid].data();
+      float* dv_mine = dk_mine + lk * head;
+      if (!w.used[tid]) std::fill(w.partial[tid].begin(), w.partial[tid].end(), 0.f);
+      w.used[tid] = 1;
+      for (int64_t ib = begin; ib < end; ++ib) {
+        const int64_t qi = ib * kBackwardQueryBlock, rows = std::min(kBackwardQueryBlock, lq - qi);
+        for (int64_t kj = 0; kj < lk; kj += kBackwardKeyBlock)
+          pair(qi, rows, kj, std::min(kBackwardKeyBlock, lk - kj), buf, w.dq_t.data(), dk_mine + kj * head,
+               dv_mine + kj * head);
+      }
+      if (Buffers::kBf16Products) at::native::cpublas::brgemm_release(true);
+    });
+    std::fill(w.dk.begin(), w.dk.end(), 0.f);
+    std::fill(w.dv.begin(), w.dv.end(), 0.f);
+    for (int64_t t = 0; t < w.threads; ++t) {
+      if (!w.used[t]) continue;
+      for (int64_t i = 0; i < lk * head; ++i) {
+        w.dk[i] += w.partial[t][i];
+        w.dv[i] += w.partial[t][lk * head + i];
+      }
+    }
+  }
+}
+
+// delta_r = sum_d O[r, d] dO[r, d] over rows [first, last) of head (b, h)
+template <typename T>
+void row_dots(const Rows<T>& out, const Rows<T>& dout, int64_t b, int64_t h, int64_t first, int64_t last,
+              int64_t head, float* delta) {
+  for (int64_t r = first; r < last; ++r) {
+    const T* o = out.row(b, h, r);
+    const T* g = dout.row(b, h, r);
+    float sum = 0.f;
+    for (int64_t d = 0; d < head; ++d) sum += static_cast<float>(o[d]) * static_cast<float>(g[d]);
+    delta[r] = sum;
+  }
+}
+
+template <typename T>
+void write_all(Sums& w, int64_t b, int64_t h, int64_t heads, float scale, at::Tensor& dq, at::Tensor& dk,
+               at::Tensor& dv) {
+  write_panels(dq.data_ptr<T>(), b, h, heads, w.lq, w.head, w.dq_t.data(), kBackwardQueryBlock, scale);
+  write_rows(dk.data_ptr<T>(), b, h, heads, w.lk, w.head, w.dk.data(), 0, w.lk, scale);
+  write_rows(dv.data_ptr<T>(), b, h, heads, w.lk, w.head, w.dv.data(), 0, w.lk, 1.f);
+}
+
 template <typename T>
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, float scale, at::Tensor& dq, at::Tensor& dk,
               at::Tensor& dv) {
   const int64_t batch = q.size(0), heads = q.size(1), lq = q.size(2), head = q.size(3), lk = k.size(2);
   const Rows<T> qr(q), kr(k), vr(v), dor(dout), outr(out);
-  const int64_t threads = at::get_num_threads();
-  const int64_t q_blocks = (lq + kBackwardQueryBlock - 1) / kBackwardQueryBlock;
-  const int64_t k_blocks = (lk + kBackwardKeyBlock - 1) / kBackwardKeyBlock;
-  // over key blocks where they are enough to keep every thread busy (self-attention), else over query
-  // blocks (few keys: cross-attention)
-  const bool by_keys = k_blocks >= std::min(threads, q_blocks);
   std::vector<float> qf(lq * head), q_t(head * lq), kf(lk * head), k_t(head * lk), vf(lk * head), dof(lq * head),
-      do_t(head * lq);
-  std::vector<float> delta(lq), dqf(lq * head), dkf(lk * head), dvf(lk * head);
-  // per-thread sums of what several tasks add to: dQ (by key blocks) or dK and dV (by query blocks)
-  const int64_t shared_rows = by_keys ? lq : lk;
-  std::vector<std::vector<float>> partial(threads, std::vector<float>(shared_rows * head * (by_keys ? 1 : 2)));
-  std::vector<char> used(threads);
+      do_t(head * lq), delta(lq);
+  Sums w(lq, lk, head);
   const float* lse_all = lse.const_data_ptr<float>();
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -284,69 +371,244 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
         widen_rows(kr, b, h, k0, k1, head, kf.data() + k0 * head);
         widen_panels(kr, b, h, k0, k1, head, k_t.data(), lk, kBackwardKeyBlock);
         widen_rows(vr, b, h, k0, k1, head, vf.data() + k0 * head);
-        for (int64_t r = first; r < std::min(last, lq); ++r) {
-          const T* o = outr.row(b, h, r);
-          float sum = 0.f;
-          for (int64_t d = 0; d < head; ++d) sum += static_cast<float>(o[d]) * dof[r * head + d];
-          delta[r] = sum;
-        }
+        row_dots(outr, dor, b, h, q0, q1, head, delta.data());
       });
       const HeadCopies c{lq, lk, head, qf.data(), q_t.data(), kf.data(), k_t.data(), vf.data(), dof.data(),
                          do_t.data(), lse_all + (b * heads + h) * lq, delta.data()};
-      std::fill(used.begin(), used.end(), 0);
-      if (by_keys) {
-        std::fill(dkf.begin(), dkf.end(), 0.f);
-        std::fill(dvf.begin(), dvf.end(), 0.f);
-        at::parallel_for(0, k_blocks, 1, [&](int64_t begin, int64_t end) {
-          PairBuffers buf(kBackwardQueryBlock * kBackwardKeyBlock);
-          const int64_t tid = at::get_thread_num();
-          float* dq_mine = partial[tid].data();
-          if (!used[tid]) std::fill(partial[tid].begin(), partial[tid].end(), 0.f);
-          used[tid] = 1;
-          for (int64_t jb = begin; jb < end; ++jb) {
-            const int64_t kj = jb * kBackwardKeyBlock, keys = std::min(kBackwardKeyBlock, lk - kj);
-            for (int64_t qi = 0; qi < lq; qi += kBackwardQueryBlock) {
-              backward_pair(c, qi, std::min(kBackwardQueryBlock, lq - qi), kj, keys, scale, buf, dq_mine,
-                            dkf.data() + kj * head, dvf.data() + kj * head);
-            }
-          }
-        });
-        std::fill(dqf.begin(), dqf.end(), 0.f);
-        at::parallel_for(0, lq * head, 4096, [&](int64_t first, int64_t last) {
-          for (int64_t t = 0; t < threads; ++t)
-            if (used[t])
-              for (int64_t i = first; i < last; ++i) dqf[i] += partial[t][i];
-        });
-      } else {
-        std::fill(dqf.begin(), dqf.end(), 0.f);
-        at::parallel_for(0, q_blocks, 1, [&](int64_t begin, int64_t end) {
-          PairBuffers buf(kBackwardQueryBlock * kBackwardKeyBlock);
-          const int64_t tid = at::get_thread_num();
-          float* dk_mine = partial[tid].data();
-          float* dv_mine = dk_mine + lk * head;
-          if (!used[tid]) std::fill(partial[tid].begin(), partial[tid].end(), 0.f);
-          used[tid] = 1;
-          for (int64_t ib = begin; ib < end; ++ib) {
-            const int64_t qi = ib * kBackwardQueryBlock, rows = std::min(kBackwardQueryBlock, lq - qi);
-            for (int64_t kj = 0; kj < lk; kj += kBackwardKeyBlock) {
-              backward_pair(c, qi, rows, kj, std::min(kBackwardKeyBlock, lk - kj), scale, buf,
-                            dqf.data(), dk_mine + kj * head, dv_mine + kj * head);
-            }
-          }
-        });
-        std::fill(dkf.begin(), dkf.end(), 0.f);
-        std::fill(dvf.begin(), dvf.end(), 0.f);
-        for (int64_t t = 0; t < threads; ++t) {
-          if (!used[t]) continue;
-          for (int64_t i = 0; i < lk * head; ++i) {
-            dkf[i] += partial[t][i];
-            dvf[i] += partial[t][lk * head + i];
+      sum_pairs<PairBuffers>(w, [&](int64_t qi, int64_t rows, int64_t kj, int64_t keys, PairBuffers& buf,
+                                    float* dq_t, float* dk_, float* dv_) {
+        backward_pair(c, qi, rows, kj, keys, scale, buf, dq_t, dk_, dv_);
+      });
+      write_all<T>(w, b, h, heads, scale, dq, dk, dv);
+    }
+  }
+}
+
+
+// --- bf16 products on bf16 instructions (AVX512-BF16's vdpbf16ps, AMX tiles) ----------------------------
+// Where torch's brgemm takes bf16 (oneDNN's ukernel: an AVX-512 CPU), a bf16 head's products run in bf16
+// with fp32 sums, as torch's own flash attention does on AMX; the fp32 path above widens bf16 to fp32 and
+// would leave those instructions idle. B comes in the VNNI layout that vdpbf16ps reads: rows 2i and 2i+1
+// interleaved, element (k, n) at (k / 2) * 2 * ld + 2 * n + k % 2; an odd K is padded with a zero row (and A
+// with a zero column). The softmax statistics, dQ's sums and the dK/dV sums stay fp32.
+using BF16 = c10::BFloat16;
+
+inline void matmul_bf16(int64_t m, int64_t n, int64_t k, const BF16* a, int64_t lda, const BF16* b_vnni, int64_t ldb,
+                        float* c, int64_t ldc, bool accumulate) {
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b_vnni, c, /*is_vnni=*/true);
+}
+
+inline int64_t even(int64_t n) { return n + (n & 1); }
+
+// Whether this torch and CPU run bf16 brgemm on VNNI input: tried once on [1 2; 3 4] x [5 6; 7 8].
+bool vnni_products() {
+#ifdef XT_NO_VNNI
+  return false;
+#else
+  static const bool works = [] {
+    try {
+      const BF16 a[4] = {1.f, 2.f, 3.f, 4.f}, b[4] = {5.f, 7.f, 6.f, 8.f};  // b: VNNI of [5 6; 7 8]
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      matmul_bf16(2, 2, 2, a, 2, b, 2, c, 2, false);
+      at::native::cpublas::brgemm_release(true);
+      return c[0] == 19.f && c[1] == 22.f && c[2] == 43.f && c[3] == 50.f;
+    } catch (...) {
+      return false;
+    }
+  }();
+  return works;
+#endif
+}
+
+// rows [first, first + count) of head (b, h) as B of a product that reads them transposed (X^T, head x count):
+// VNNI pairs of one row's neighbouring elements, ld count
+void vnni_transposed(const Rows<BF16>& src, int64_t b, int64_t h, int64_t first, int64_t count, int64_t head,
+                     BF16* dst) {
+  for (int64_t n = 0; n < count; ++n) {
+    const BF16* in = src.row(b, h, first + n);
+    for (int64_t i = 0; i < head / 2; ++i) {
+      dst[(i * count + n) * 2] = in[2 * i];
+      dst[(i * count + n) * 2 + 1] = in[2 * i + 1];
+    }
+  }
+}
+
+// rows [first, first + count) of head (b, h) as B (count x head) in VNNI, ld head, an odd count padded
+void vnni_rows(const Rows<BF16>& src, int64_t b, int64_t h, int64_t first, int64_t count, int64_t head, BF16* dst) {
+  for (int64_t r = 0; r < even(count); ++r) {
+    const BF16* in = r < count ? src.row(b, h, first + r) : nullptr;
+    for (int64_t d = 0; d < head; ++d) dst[(r / 2) * 2 * head + 2 * d + (r & 1)] = in ? in[d] : BF16(0.f);
+  }
+}
+
+// an fp32 (count x cols, ld) matrix as B in VNNI, ld cols, an odd count padded
+void vnni_from(const float* src, int64_t count, int64_t cols, int64_t ld, BF16* dst) {
+  for (int64_t r = 0; r < even(count); ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      dst[(r / 2) * 2 * cols + 2 * c + (r & 1)] = r < count ? BF16(src[r * ld + c]) : BF16(0.f);
+}
+
+// an fp32 (count x cols, ld) matrix as a bf16 A (count x even(cols)), its pad column 0
+void bf16_from(const float* src, int64_t count, int64_t cols, int64_t ld, BF16* dst) {
+  const int64_t padded = even(cols);
+  for (int64_t r = 0; r < count; ++r) {
+    const float* in = src + r * ld;
+    BF16* out = dst + r * padded;
+    int64_t c = 0;
+    for (; c + Vec::size() <= cols; c += Vec::size()) at::vec::convert(in + c, out + c, Vec::size());
+    for (; c < cols; ++c) out[c] = BF16(in[c]);
+    if (padded != cols) out[cols] = BF16(0.f);
+  }
+}
+
+void forward_vnni(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                  float scale) {
+  const int64_t batch = q.size(0), heads = q.size(1), lq = q.size(2), head = q.size(3), lk = k.size(2);
+  const Rows<BF16> qr(q), kr(k), vr(v);
+  // per head and key block: K^T (head x keys) and V (keys x head) in VNNI, at j * head
+  const int64_t per_head = (lk + 1) * head;
+  std::vector<BF16> kt(batch * heads * per_head), vv(batch * heads * per_head);
+  const int64_t key_blocks = (lk + kKeyBlock - 1) / kKeyBlock;
+  at::parallel_for(0, batch * heads * key_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / key_blocks, j = (t % key_blocks) * kKeyBlock, keys = std::min(kKeyBlock, lk - j);
+      vnni_transposed(kr, bh / heads, bh % heads, j, keys, head, kt.data() + bh * per_head + j * head);
+      vnni_rows(vr, bh / heads, bh % heads, j, keys, head, vv.data() + bh * per_head + j * head);
+    }
+  });
+  const int64_t blocks = (lq + kQueryBlock - 1) / kQueryBlock;
+  BF16* o = out.data_ptr<BF16>();
+  float* l_out = lse.data_ptr<float>();
+  at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(kQueryBlock * kKeyBlock), acc(kQueryBlock * head), m(kQueryBlock), l(kQueryBlock);
+    std::vector<BF16> p(kQueryBlock * even(kKeyBlock));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / blocks, b = bh / heads, h = bh % heads;
+      const int64_t first = (task % blocks) * kQueryBlock, rows = std::min(kQueryBlock, lq - first);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < lk; j += kKeyBlock) {
+        const int64_t keys = std::min(kKeyBlock, lk - j);
+        matmul_bf16(rows, keys, head, qr.row(b, h, first), qr.row_stride, kt.data() + bh * per_head + j * head, keys,
+                    s.data(), keys, false);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* sr = s.data() + r * keys;
+          const float top = std::max(m[r], max_row(sr, keys) * scale);
+          const float kept = std::exp(m[r] - top);
+          l[r] = l[r] * kept + exp_row(sr, sr, keys, scale, top);
+          m[r] = top;
+          if (j > 0) {
+            float* ar = acc.data() + r * head;
+            for (int64_t d = 0; d < head; ++d) ar[d] *= kept;
           }
         }
+        bf16_from(s.data(), rows, keys, keys, p.data());
+        matmul_bf16(rows, head, even(keys), p.data(), even(keys), vv.data() + bh * per_head + j * head, head,
+                    acc.data(), head, true);
       }
-      write_panels(dq.data_ptr<T>(), b, h, heads, lq, head, dqf.data(), kBackwardQueryBlock, scale);
-      write_rows(dk.data_ptr<T>(), b, h, heads, lk, head, dkf.data(), 0, lk, scale);
-      write_rows(dv.data_ptr<T>(), b, h, heads, lk, head, dvf.data(), 0, lk, 1.f);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / l[r];
+        BF16* dst = o + ((b * lq + first + r) * heads + h) * head;
+        for (int64_t d = 0; d < head; ++d) dst[d] = static_cast<BF16>(acc[r * head + d] * inv);
+        l_out[(b * heads + h) * lq + first + r] = m[r] + std::log(l[r]);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+
+// One (query block, key block) pair of the backward on bf16 products (backward_pair's steps; K, V and their
+// blocks read straight from the tensors as A, Q and dO made VNNI once per head)
+struct HeadVnni {
+  const Rows<BF16>* k;
+  const Rows<BF16>* v;
+  int64_t b, h, head;
+  const BF16 *q_t, *dout_t, *q, *dout, *k_t;  // VNNI: Q^T, dO^T (panels), Q, dO (row pairs); K^T plain panels
+  const float *lse, *delta;
+};
+
+struct VnniBuffers {
+  static constexpr bool kBf16Products = true;  // AMX's tile state is released after them
+  std::vector<float> pt, dpt;
+  std::vector<BF16> p, ds, ds_vnni;
+  explicit VnniBuffers(int64_t size) : pt(size), dpt(size), p(size + kBackwardKeyBlock), ds(size + kBackwardKeyBlock),
+                                       ds_vnni(size + kBackwardQueryBlock) {}
+};
+
+void backward_pair_vnni(const HeadVnni& c, int64_t qi, int64_t rows, int64_t kj, int64_t keys, float scale,
+                        VnniBuffers& buf, float* dq_t, float* dk, float* dv) {
+  const int64_t head = c.head;
+  float* pt = buf.pt.data();
+  float* dpt = buf.dpt.data();
+  matmul_bf16(keys, rows, head, c.k->row(c.b, c.h, kj), c.k->row_stride, c.q_t + qi * head, rows, pt, rows, false);
+  matmul_bf16(keys, rows, head, c.v->row(c.b, c.h, kj), c.v->row_stride, c.dout_t + qi * head, rows, dpt, rows,
+              false);
+  const float* lse = c.lse + qi;
+  const float* delta = c.delta + qi;
+  const Vec vscale(scale);
+  for (int64_t r = 0; r < keys; ++r) {
+    float* p = pt + r * rows;
+    float* dp = dpt + r * rows;
+    int64_t i = 0;
+    for (; i + Vec::size() <= rows; i += Vec::size()) {
+      Vec x = (Vec::loadu(p + i) * vscale - Vec::loadu(lse + i)).exp_u20();
+      x.store(p + i);
+      (x * (Vec::loadu(dp + i) - Vec::loadu(delta + i))).store(dp + i);
+    }
+    for (; i < rows; ++i) {
+      p[i] = std::exp(p[i] * scale - lse[i]);
+      dp[i] = p[i] * (dp[i] - delta[i]);
+    }
+  }
+  bf16_from(pt, keys, rows, rows, buf.p.data());
+  bf16_from(dpt, keys, rows, rows, buf.ds.data());
+  vnni_from(dpt, keys, rows, rows, buf.ds_vnni.data());
+  matmul_bf16(keys, head, even(rows), buf.p.data(), even(rows), c.dout + qi * head, head, dv, head, true);
+  matmul_bf16(keys, head, even(rows), buf.ds.data(), even(rows), c.q + qi * head, head, dk, head, true);
+  matmul_bf16(head, rows, even(keys), c.k_t + kj * head, even(keys), buf.ds_vnni.data(), rows, dq_t + qi * head, rows,
+              true);
+}
+
+void backward_vnni(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& out, const at::Tensor& lse, float scale, at::Tensor& dq, at::Tensor& dk,
+                   at::Tensor& dv) {
+  const int64_t batch = q.size(0), heads = q.size(1), lq = q.size(2), head = q.size(3), lk = k.size(2);
+  const Rows<BF16> qr(q), kr(k), vr(v), dor(dout), outr(out);
+  std::vector<BF16> q_t(lq * head), do_t(lq * head), qv((lq + 1) * head), dov((lq + 1) * head), k_t((lk + 1) * head);
+  std::vector<float> delta(lq);
+  Sums w(lq, lk, head);
+  const int64_t qb = kBackwardQueryBlock, kb = kBackwardKeyBlock;
+  const float* lse_all = lse.const_data_ptr<float>();
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      at::parallel_for(0, std::max(w.q_blocks, w.k_blocks), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          if (t < w.q_blocks) {
+            const int64_t qi = t * qb, rows = std::min(qb, lq - qi);
+            vnni_transposed(qr, b, h, qi, rows, head, q_t.data() + qi * head);
+            vnni_transposed(dor, b, h, qi, rows, head, do_t.data() + qi * head);
+            vnni_rows(qr, b, h, qi, rows, head, qv.data() + qi * head);
+            vnni_rows(dor, b, h, qi, rows, head, dov.data() + qi * head);
+            row_dots(outr, dor, b, h, qi, qi + rows, head, delta.data());
+          }
+          if (t < w.k_blocks) {  // K^T's panels, plain (A of dQ^T's product), an odd block's pad column 0
+            const int64_t kj = t * kb, keys = std::min(kb, lk - kj), ld = even(keys);
+            BF16* dst = k_t.data() + kj * head;
+            for (int64_t n = 0; n < ld; ++n) {
+              const BF16* in = n < keys ? kr.row(b, h, kj + n) : nullptr;
+              for (int64_t d = 0; d < head; ++d) dst[d * ld + n] = in ? in[d] : BF16(0.f);
+            }
+          }
+        }
+      });
+      const HeadVnni c{&kr, &vr, b, h, head, q_t.data(), do_t.data(), qv.data(), dov.data(), k_t.data(),
+                       lse_all + (b * heads + h) * lq, delta.data()};
+      sum_pairs<VnniBuffers>(w, [&](int64_t qi, int64_t rows, int64_t kj, int64_t keys, VnniBuffers& buf,
+                                    float* dq_t, float* dk_, float* dv_) {
+        backward_pair_vnni(c, qi, rows, kj, keys, scale, buf, dq_t, dk_, dv_);
+      });
+      write_all<BF16>(w, b, h, heads, scale, dq, dk, dv);
     }
   }
 }
@@ -377,6 +639,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (q.scalar_type() == at::kFloat)
     forward<float>(q, k, v, out, lse, static_cast<float>(scale));
+  else if (q.size(3) % 2 == 0 && vnni_products())
+    forward_vnni(q, k, v, out, lse, static_cast<float>(scale));
   else
     forward<c10::BFloat16>(q, k, v, out, lse, static_cast<float>(scale));
   return {out, lse};
@@ -393,6 +657,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   at::Tensor dq = like_heads_last(q, q.size(2)), dk = like_heads_last(k, k.size(2)), dv = like_heads_last(v, v.size(2));
   if (q.scalar_type() == at::kFloat)
     backward<float>(g.to(at::kFloat), q, k, v, o, l, static_cast<float>(scale), dq, dk, dv);
+  else if (q.size(3) % 2 == 0 && vnni_products())
+    backward_vnni(g.to(at::kBFloat16), q, k, v, o, l, static_cast<float>(scale), dq, dk, dv);
   else
     backward<c10::BFloat16>(g.to(at::kBFloat16), q, k, v, o, l, static_cast<float>(scale), dq, dk, dv);
   return {dq, dk, dv};
