@@ -256,27 +256,38 @@ AMX = ZEN4 | {"amx_bf16", "amx_tile"}
 
 
 def test_auto_follows_the_measured_rule_on_each_cpu_kind(kernel_built):
-    """--attention auto by the CPU's flags (faked): torch's SDPA where the CPU has bf16 instructions (not
-    measured there yet); on an AVX2-only CPU the kernel in fp32 for self-attention over 1024 keys or more,
-    torch's for cross-attention and in bf16 (docs/performance.md). torch and xeontune say what they are."""
+    """--attention auto by the CPU's flags (faked), as measured (docs/performance.md): in fp32 the kernel for
+    self-attention over 1024 keys or more on AVX2 and on AVX512-BF16; in bf16 over 256 keys or more where the
+    CPU has AVX512-BF16, torch's without bf16 instructions; torch's on AMX (not measured there);
+    cross-attention's 77 keys always torch's. torch and xeontune say what they are."""
     from xeontune.train import attention
 
-    for flags in (ZEN4, AMX):
-        for precision in ("bf16", "fp32"):
-            mode, note = attention.use_kernel("auto", precision, flags)
-            assert mode is None and "not measured yet on a CPU with bf16 instructions" in note
-        assert not attention.prefers_kernel(torch.bfloat16, 4096, flags)
+    for precision in ("bf16", "fp32"):
+        mode, note = attention.use_kernel("auto", precision, AMX)
+        assert mode is None and "not measured yet on an AMX CPU" in note
+    assert not attention.prefers_kernel(torch.bfloat16, 4096, AMX)
+    assert not attention.prefers_kernel(torch.float32, 4096, AMX)
+    for flags in (ZEN4, AMX, AVX2):
         assert attention.use_kernel("xeontune", "bf16", flags)[0] == "always"
+    assert attention.use_kernel("auto", "bf16", ZEN4) == (
+        "auto", "xeontune's kernel for self-attention over 256+ keys, torch's SDPA for the rest (--attention auto)")
+    assert attention.prefers_kernel(torch.bfloat16, 256, ZEN4) and attention.prefers_kernel(torch.bfloat16, 4096, ZEN4)
+    assert not attention.prefers_kernel(torch.bfloat16, 77, ZEN4)
+    mode, note = attention.use_kernel("auto", "bf16", ZEN4, tokens=64)
+    assert mode is None and "64 tokens at most, the kernel wins from 256" in note
     mode, note = attention.use_kernel("auto", "bf16", AVX2)
-    assert mode is None and "in bf16 the kernel is not chosen yet" in note
-    assert attention.use_kernel("auto", "fp32", AVX2) == (
-        "auto", "xeontune's kernel for self-attention over 1024+ keys, torch's SDPA for the rest (--attention auto)")
+    assert mode is None and "in bf16 without bf16 instructions the kernel is not chosen yet" in note
     assert not attention.prefers_kernel(torch.bfloat16, 4096, AVX2)
+    for flags in (AVX2, ZEN4):
+        assert attention.use_kernel("auto", "fp32", flags) == (
+            "auto", "xeontune's kernel for self-attention over 1024+ keys, torch's SDPA for the rest (--attention auto)")
+        assert attention.prefers_kernel(torch.float32, 1024, flags)
+        assert attention.prefers_kernel(torch.float32, 4096, flags)
+        assert not attention.prefers_kernel(torch.float32, 256, flags)
+        assert not attention.prefers_kernel(torch.float32, 77, flags)
     mode, note = attention.use_kernel("auto", "fp32", AVX2, tokens=64)  # the tiny model at 64 px: nothing to build
     assert mode is None and "64 tokens at most, the kernel wins from 1024" in note
     assert attention.use_kernel("auto", "fp32", AVX2, tokens=4096)[0] == "auto"
-    assert attention.prefers_kernel(torch.float32, 1024, AVX2) and attention.prefers_kernel(torch.float32, 4096, AVX2)
-    assert not attention.prefers_kernel(torch.float32, 77, AVX2)
     assert attention.use_kernel("torch", "bf16", AVX2) == (None, "torch's SDPA (--attention torch)")
     with pytest.raises(ValueError, match="--attention must be one of"):
         attention.use_kernel("flash", "fp32", AVX2)

@@ -10,7 +10,8 @@ used and one log line says why; nothing else changes.
 ``Processor`` is a diffusers attention processor that runs the UNet's attention through ``attention``:
 the kernel where the call is one it handles (no mask, no dropout, not causal, fp32 or bf16, the last
 dimension contiguous), torch's SDPA otherwise, silently. ``--attention auto`` narrows that to the calls
-``prefers_kernel`` picks on this CPU (fp32 over 1024 keys and more where the CPU has no bf16 instructions).
+``prefers_kernel`` picks on this CPU (fp32 over 1024 keys and more; bf16 over 256 and more where the CPU has
+AVX512-BF16 without AMX).
 """
 
 from __future__ import annotations
@@ -130,14 +131,18 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = Non
                                           scale=scale)
 
 
-# --attention auto's rule, from `xeontune bench --attention` (docs/performance.md, "Attention kernel"): on a
-# CPU without bf16 instructions the kernel won in fp32 over 1024 keys and more (self-attention, 1.1-1.3x) and
-# lost or tied over fewer (cross-attention's 77, 256-token levels). In bf16 there it was 3.7-10.6x faster than
-# torch's emulated bf16, but test_three_ranks_match_one_process_in_bf16 then drifted past its bound by one
-# flipped Adam step of one element of the tiny model's 32-wide vector (the kernel is batch- and thread-
-# invariant, and as close to fp32 as torch's): auto keeps bf16 on torch's until that test tells a flip from a
-# wrong sample plan. Not measured yet on a CPU with AVX512-BF16 or AMX: torch's there.
+# --attention auto's rule, from `xeontune bench --attention` (docs/performance.md, "Attention kernel"):
+# - fp32, on an AVX2 EPYC and on a Zen 4: the kernel wins over 1024 keys and more (self-attention, 1.1-1.3x)
+#   and loses or ties over fewer (cross-attention's 77, 256-token levels);
+# - bf16 on AVX512-BF16 (Zen 4: its products on vdpbf16ps): 1.4x at 256 keys, 1.5-1.6x at 1024 and 4096, a tie
+#   over 77;
+# - bf16 without bf16 instructions: 3.7-10.6x faster than torch's emulated bf16, but
+#   test_three_ranks_match_one_process_in_bf16 then drifted past its bound by one flipped Adam step of one
+#   element of the tiny model's 32-wide vector (the kernel is batch- and thread-invariant, and as close to fp32
+#   as torch's): torch's there until that test tells a flip from a wrong sample plan;
+# - AMX: not measured (torch's SDPA packs its bf16 products for the tiles there): torch's.
 AUTO_MIN_FP32_KEYS = 1024
+AUTO_MIN_BF16_KEYS = 256
 
 
 def native_bf16(flags: frozenset[str] | None = None) -> bool:
@@ -145,11 +150,21 @@ def native_bf16(flags: frozenset[str] | None = None) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def auto_min_keys(precision: str, flags: frozenset[str] | None = None) -> int | None:
+    """--attention auto: the fewest keys from which the kernel computes a call in ``precision`` ("fp32",
+    "bf16") on this CPU; None: never (the rule above)."""
+    flags = hardware.cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags:
+        return None
+    if precision == "fp32":
+        return AUTO_MIN_FP32_KEYS
+    return AUTO_MIN_BF16_KEYS if "avx512_bf16" in flags else None
+
+
 def prefers_kernel(dtype: torch.dtype, keys: int, flags: frozenset[str] | None = None) -> bool:
     """--attention auto: whether the kernel computes a call of ``dtype`` over ``keys`` keys on this CPU."""
-    if native_bf16(flags):
-        return False
-    return dtype == torch.float32 and keys >= AUTO_MIN_FP32_KEYS
+    least = auto_min_keys("fp32" if dtype == torch.float32 else "bf16", flags)
+    return least is not None and keys >= least
 
 
 class Processor:
@@ -193,16 +208,17 @@ def use_kernel(choice: str, precision: str, flags: frozenset[str] | None = None,
     if choice == "torch":
         return None, "torch's SDPA (--attention torch)"
     flags = hardware.cpu_flags() if flags is None else flags
-    if choice == "auto" and native_bf16(flags):
-        return None, ("torch's SDPA (--attention auto: the kernel is not measured yet on a CPU with bf16 "
-                      "instructions; --attention xeontune forces it)")
-    if choice == "auto" and precision != "fp32":
-        return None, ("torch's SDPA (--attention auto: in bf16 the kernel is not chosen yet, docs/performance.md; "
+    least = auto_min_keys(precision, flags)
+    if choice == "auto" and least is None and "amx_bf16" in flags:
+        return None, ("torch's SDPA (--attention auto: the kernel is not measured yet on an AMX CPU; "
                       "--attention xeontune forces it)")
-    if choice == "auto" and tokens is not None and tokens < AUTO_MIN_FP32_KEYS:
-        return None, f"torch's SDPA (--attention auto: {tokens} tokens at most, the kernel wins from {AUTO_MIN_FP32_KEYS})"
+    if choice == "auto" and least is None:
+        return None, ("torch's SDPA (--attention auto: in bf16 without bf16 instructions the kernel is not chosen "
+                      "yet, docs/performance.md; --attention xeontune forces it)")
+    if choice == "auto" and tokens is not None and tokens < least:
+        return None, f"torch's SDPA (--attention auto: {tokens} tokens at most, the kernel wins from {least})"
     if choice == "auto":
-        said = f"for self-attention over {AUTO_MIN_FP32_KEYS}+ keys, torch's SDPA for the rest (--attention auto)"
+        said = f"for self-attention over {least}+ keys, torch's SDPA for the rest (--attention auto)"
     else:
         said = "for every call it handles (--attention xeontune)"
     why = kernel()

@@ -400,21 +400,33 @@ inline void matmul_bf16(int64_t m, int64_t n, int64_t k, const BF16* a, int64_t 
 
 inline int64_t even(int64_t n) { return n + (n & 1); }
 
-// Whether this torch and CPU run bf16 brgemm on VNNI input: tried once on [1 2; 3 4] x [5 6; 7 8].
+// Whether this torch and CPU run bf16 brgemm on VNNI input as laid out here: tried once on a small product of
+// integers (exact in bf16 and fp32) against the plain one. Elsewhere torch's brgemm refuses VNNI (an error,
+// caught) and the fp32 path runs.
 bool vnni_products() {
 #ifdef XT_NO_VNNI
   return false;
 #else
   static const bool works = [] {
+    constexpr int64_t m = 3, n = 20, k = 6;
+    BF16 a[m * k], b[k * n];
+    float c[m * n];
+    for (int64_t i = 0; i < m * k; ++i) a[i] = static_cast<float>(i % 7 - 3);
+    for (int64_t kk = 0; kk < k; ++kk)
+      for (int64_t j = 0; j < n; ++j) b[(kk / 2) * 2 * n + 2 * j + (kk & 1)] = static_cast<float>((kk * n + j) % 5 - 2);
     try {
-      const BF16 a[4] = {1.f, 2.f, 3.f, 4.f}, b[4] = {5.f, 7.f, 6.f, 8.f};  // b: VNNI of [5 6; 7 8]
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-      matmul_bf16(2, 2, 2, a, 2, b, 2, c, 2, false);
+      matmul_bf16(m, n, k, a, k, b, n, c, n, false);
       at::native::cpublas::brgemm_release(true);
-      return c[0] == 19.f && c[1] == 22.f && c[2] == 43.f && c[3] == 50.f;
     } catch (...) {
       return false;
     }
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        float want = 0.f;
+        for (int64_t kk = 0; kk < k; ++kk) want += static_cast<float>(a[i * k + kk]) * static_cast<float>((kk * n + j) % 5 - 2);
+        if (c[i * n + j] != want) return false;
+      }
+    return true;
   }();
   return works;
 #endif
