@@ -62,8 +62,9 @@ def measure(precision: str, threads: list[int], repeats: int, log: Callable[[str
     try:
         for count in threads:
             torch.set_num_threads(count)
-            # the matmul peak in the precision where the CPU has bf16 instructions; else fp32's (the
-            # kernel computes in fp32, and an emulated bf16 matmul's "peak" measures the emulation)
+            # the matmul peak in the precision where the CPU has bf16 instructions (the kernel's products
+            # run in bf16 there); else fp32's (the kernel widens bf16 to fp32, and an emulated bf16
+            # matmul's "peak" measures the emulation)
             peak = peak_gflops(precision if attention.native_bf16() else "fp32")
             for name, batch, heads, queries, keys, head in SHAPES:
                 row = _one_shape(dtype, batch, heads, queries, keys, head, repeats, peak, F, attention)
@@ -72,7 +73,7 @@ def measure(precision: str, threads: list[int], repeats: int, log: Callable[[str
                 log(render_row(row))
     finally:
         torch.set_num_threads(before)
-    return {"precision": precision, "rows": rows}
+    return {"precision": precision, "bf16_products": attention.bf16_products(), "rows": rows}
 
 
 def _one_shape(dtype: Any, batch: int, heads: int, queries: int, keys: int, head: int, repeats: int, peak: float,
@@ -108,4 +109,7 @@ def render_row(row: dict[str, Any]) -> str:
 def render(figures: dict[str, Any]) -> str:
     head = (f"attention, {figures['precision']}: forward + backward, best of the repeats (share of the matmul peak "
             "at those threads; xeontune's forward / backward GFLOP/s); speedup = torch's time / xeontune's")
+    if figures["precision"] == "bf16":
+        head += ("\nxeontune's bf16 products: " + ("bf16 (brgemm on VNNI pairs)" if figures.get("bf16_products")
+                                                  else "fp32 (bf16 widened: no bf16 brgemm here)"))
     return "\n".join([head, *(render_row(row) for row in figures["rows"])])

@@ -197,6 +197,20 @@ def test_the_kernel_matches_fp64_at_every_head_size(kernel_built, head, precisio
                           f"kernel, {queries}x{keys} tokens, heads of {head}, inputs x{scale:g}")
 
 
+def test_bf16_heads_run_bf16_products_where_the_cpu_has_avx512(kernel_built):
+    """The kernel's bf16 path on this CPU: bf16 products (brgemm on VNNI pairs) on an AVX512-BF16 CPU, so that
+    a probe that failed there would not silently fall back to the 1.5x slower fp32 path; fp32 products on an
+    AVX2-only CPU, where torch's brgemm has no bf16."""
+    from xeontune import hardware
+    from xeontune.train import attention
+
+    flags = hardware.cpu_flags()
+    if "amx_bf16" in flags or ("avx512f" in flags and "avx512_bf16" not in flags):
+        pytest.skip("no measured expectation on this CPU kind (AMX, or AVX-512 without BF16): the accuracy "
+                    "tests above hold whichever path runs")
+    assert attention.bf16_products() == ("avx512_bf16" in flags)
+
+
 @pytest.mark.parametrize("precision", sorted(BOUNDS))
 def test_the_processor_runs_the_real_models_attention_through_the_kernel(kernel_built, precision, monkeypatch):
     """The UNet's attention blocks with the kernel's processor, as `--attention xeontune` installs it, meet

@@ -105,6 +105,12 @@ def _heads_last(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(batch, tokens, heads, head).transpose(1, 2)
 
 
+def bf16_products() -> bool:
+    """Whether the built kernel runs a bf16 head's products in bf16 on this CPU (its brgemm on VNNI pairs: an
+    AVX-512 CPU), rather than widening them to fp32."""
+    return kernel() is None and bool(torch.ops.xeontune.bf16_products())
+
+
 def handles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
             is_causal: bool = False) -> bool:
     """Whether the kernel computes this call (else torch's SDPA does)."""

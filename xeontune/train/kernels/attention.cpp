@@ -2,9 +2,11 @@
 // xeontune::attention_forward and xeontune::attention_backward (autograd: train/attention.py).
 //
 // softmax(q k^T * scale) v over q, k, v of shape (batch, heads, tokens, head) whose last dimension is
-// contiguous (the layout a diffusers processor's view/transpose gives). The products run in fp32 through
-// torch's own brgemm micro-kernel (at::native::cpublas::brgemm: oneDNN's ukernel where this torch has it,
-// else torch's gemm); bf16 inputs are widened to fp32 once per head, the softmax statistics are fp32.
+// contiguous (the layout a diffusers processor's view/transpose gives). The products run through torch's
+// own brgemm micro-kernel (at::native::cpublas::brgemm: oneDNN's ukernel where this torch has it, else
+// torch's gemm): a bf16 head's in bf16 with fp32 sums where that brgemm takes bf16 (an AVX-512 CPU; the
+// "bf16 products" section below), else in fp32 with the bf16 inputs widened once per head. The softmax
+// statistics are fp32 either way.
 //
 // Why not torch's SDPA: its backward runs in parallel over batch x heads only, so at batch 1 a node
 // with more cores than heads leaves the rest idle. Here the backward of each head runs in parallel over
@@ -400,15 +402,15 @@ inline void matmul_bf16(int64_t m, int64_t n, int64_t k, const BF16* a, int64_t 
 
 inline int64_t even(int64_t n) { return n + (n & 1); }
 
-// Whether this torch and CPU run bf16 brgemm on VNNI input as laid out here: tried once on a small product of
-// integers (exact in bf16 and fp32) against the plain one. Elsewhere torch's brgemm refuses VNNI (an error,
-// caught) and the fp32 path runs.
+// Whether this torch and CPU run bf16 brgemm on VNNI input as laid out here: tried once on a product of small
+// integers (exact in bf16 and fp32) against the plain one, so that a brgemm wanting another layout (AMX's, not
+// measured) fails it. Where torch's brgemm refuses VNNI (an error, caught: AVX2) the fp32 path runs.
 bool vnni_products() {
 #ifdef XT_NO_VNNI
   return false;
 #else
   static const bool works = [] {
-    constexpr int64_t m = 3, n = 20, k = 6;
+    constexpr int64_t m = 5, n = 37, k = 42;  // odd N, K not a multiple of a tile's 32: as the heads' blocks
     BF16 a[m * k], b[k * n];
     float c[m * n];
     for (int64_t i = 0; i < m * k; ++i) a[i] = static_cast<float>(i % 7 - 3);
@@ -682,6 +684,7 @@ TORCH_LIBRARY(xeontune, m) {
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale)"
         " -> (Tensor, Tensor, Tensor)");
+  m.def("bf16_products() -> bool", [] { return vnni_products(); });  // what a bf16 head runs on here
 }
 
 TORCH_LIBRARY_IMPL(xeontune, CPU, m) {
