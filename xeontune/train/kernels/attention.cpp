@@ -455,24 +455,54 @@ void vnni_rows(const Rows<BF16>& src, int64_t b, int64_t h, int64_t first, int64
   }
 }
 
-// an fp32 (count x cols, ld) matrix as B in VNNI, ld cols, an odd count padded
-void vnni_from(const float* src, int64_t count, int64_t cols, int64_t ld, BF16* dst) {
-  for (int64_t r = 0; r < even(count); ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      dst[(r / 2) * 2 * cols + 2 * c + (r & 1)] = r < count ? BF16(src[r * ld + c]) : BF16(0.f);
+// p[i] = bf16(exp(s[i] * scale - shift)), an odd n's pad element 0; returned: the fp32 values' sum
+inline float exp_row_bf16(BF16* p, const float* s, int64_t n, float scale, float shift) {
+  using VecB = at::vec::Vectorized<BF16>;
+  const Vec vscale(scale), vshift(shift);
+  Vec sum(0.f);
+  int64_t i = 0;
+  for (; i + VecB::size() <= n; i += VecB::size()) {
+    const Vec x0 = (Vec::loadu(s + i) * vscale - vshift).exp_u20();
+    const Vec x1 = (Vec::loadu(s + i + Vec::size()) * vscale - vshift).exp_u20();
+    sum = sum + x0 + x1;
+    at::vec::convert_float_bfloat16(x0, x1).store(p + i);
+  }
+  float total = sum_lanes(sum);
+  for (; i < n; ++i) {
+    const float x = std::exp(s[i] * scale - shift);
+    p[i] = BF16(x);
+    total += x;
+  }
+  if (n & 1) p[n] = BF16(0.f);
+  return total;
 }
 
-// an fp32 (count x cols, ld) matrix as a bf16 A (count x even(cols)), its pad column 0
-void bf16_from(const float* src, int64_t count, int64_t cols, int64_t ld, BF16* dst) {
-  const int64_t padded = even(cols);
-  for (int64_t r = 0; r < count; ++r) {
-    const float* in = src + r * ld;
-    BF16* out = dst + r * padded;
-    int64_t c = 0;
-    for (; c + Vec::size() <= cols; c += Vec::size()) at::vec::convert(in + c, out + c, Vec::size());
-    for (; c < cols; ++c) out[c] = BF16(in[c]);
-    if (padded != cols) out[cols] = BF16(0.f);
+// x's lanes in bf16 at out
+inline void store_bf16(const Vec& x, BF16* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), at::vec::cvtfp32_bf16(static_cast<__m512>(x)));
+#else
+  float lanes[Vec::size()];
+  x.store(lanes);
+  at::vec::convert(lanes, out, Vec::size());
+#endif
+}
+
+// a[0..Vec::size()) and b[0..Vec::size()) in bf16, interleaved a0 b0 a1 b1 ... into out (VNNI's row pairs)
+inline void store_pairs(const Vec& a, const Vec& b, BF16* out) {
+  const at::vec::Vectorized<BF16> both = at::vec::convert_float_bfloat16(a, b);  // a's lanes, then b's
+#if defined(CPU_CAPABILITY_AVX512)
+  static const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(order, static_cast<__m512i>(both)));
+#else
+  BF16 lanes[2 * Vec::size()];
+  both.store(lanes);
+  for (int64_t i = 0; i < Vec::size(); ++i) {
+    out[2 * i] = lanes[i];
+    out[2 * i + 1] = lanes[Vec::size() + i];
   }
+#endif
 }
 
 void forward_vnni(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
@@ -510,14 +540,13 @@ void forward_vnni(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           float* sr = s.data() + r * keys;
           const float top = std::max(m[r], max_row(sr, keys) * scale);
           const float kept = std::exp(m[r] - top);
-          l[r] = l[r] * kept + exp_row(sr, sr, keys, scale, top);
+          l[r] = l[r] * kept + exp_row_bf16(p.data() + r * even(keys), sr, keys, scale, top);
           m[r] = top;
           if (j > 0) {
             float* ar = acc.data() + r * head;
             for (int64_t d = 0; d < head; ++d) ar[d] *= kept;
           }
         }
-        bf16_from(s.data(), rows, keys, keys, p.data());
         matmul_bf16(rows, head, even(keys), p.data(), even(keys), vv.data() + bh * per_head + j * head, head,
                     acc.data(), head, true);
       }
@@ -558,26 +587,57 @@ void backward_pair_vnni(const HeadVnni& c, int64_t qi, int64_t rows, int64_t kj,
   matmul_bf16(keys, rows, head, c.k->row(c.b, c.h, kj), c.k->row_stride, c.q_t + qi * head, rows, pt, rows, false);
   matmul_bf16(keys, rows, head, c.v->row(c.b, c.h, kj), c.v->row_stride, c.dout_t + qi * head, rows, dpt, rows,
               false);
+  // P^T and dS^T = P^T (dP^T - delta) a pair of key rows at a time, written once each as bf16: P^T and dS^T
+  // (A of dV's and dK's products, ld even(rows)) and dS^T's row pairs interleaved (B of dQ^T's, VNNI)
   const float* lse = c.lse + qi;
   const float* delta = c.delta + qi;
+  const int64_t ld = even(rows);
+  BF16* p = buf.p.data();
+  BF16* ds = buf.ds.data();
+  BF16* ds_vnni = buf.ds_vnni.data();
   const Vec vscale(scale);
-  for (int64_t r = 0; r < keys; ++r) {
-    float* p = pt + r * rows;
-    float* dp = dpt + r * rows;
+  for (int64_t r = 0; r < keys; r += 2) {
+    const bool second = r + 1 < keys;  // an odd last key's partner row is 0 (VNNI's pad)
+    const float* s0 = pt + r * rows;
+    const float* s1 = pt + (second ? r + 1 : r) * rows;
+    const float* g0 = dpt + r * rows;
+    const float* g1 = dpt + (second ? r + 1 : r) * rows;
+    BF16* pair = ds_vnni + r * rows;  // (r / 2) * 2 * rows
     int64_t i = 0;
     for (; i + Vec::size() <= rows; i += Vec::size()) {
-      Vec x = (Vec::loadu(p + i) * vscale - Vec::loadu(lse + i)).exp_u20();
-      x.store(p + i);
-      (x * (Vec::loadu(dp + i) - Vec::loadu(delta + i))).store(dp + i);
+      const Vec l = Vec::loadu(lse + i), d = Vec::loadu(delta + i);
+      const Vec p0 = (Vec::loadu(s0 + i) * vscale - l).exp_u20();
+      const Vec ds0 = p0 * (Vec::loadu(g0 + i) - d);
+      Vec p1(0.f), ds1(0.f);
+      if (second) {
+        p1 = (Vec::loadu(s1 + i) * vscale - l).exp_u20();
+        ds1 = p1 * (Vec::loadu(g1 + i) - d);
+      }
+      store_bf16(p0, p + r * ld + i);
+      store_bf16(ds0, ds + r * ld + i);
+      if (second) {
+        store_bf16(p1, p + (r + 1) * ld + i);
+        store_bf16(ds1, ds + (r + 1) * ld + i);
+      }
+      store_pairs(ds0, ds1, pair + 2 * i);
     }
     for (; i < rows; ++i) {
-      p[i] = std::exp(p[i] * scale - lse[i]);
-      dp[i] = p[i] * (dp[i] - delta[i]);
+      const float q0 = std::exp(s0[i] * scale - lse[i]), e0 = q0 * (g0[i] - delta[i]);
+      const float q1 = second ? std::exp(s1[i] * scale - lse[i]) : 0.f, e1 = second ? q1 * (g1[i] - delta[i]) : 0.f;
+      p[r * ld + i] = BF16(q0);
+      ds[r * ld + i] = BF16(e0);
+      if (second) {
+        p[(r + 1) * ld + i] = BF16(q1);
+        ds[(r + 1) * ld + i] = BF16(e1);
+      }
+      pair[2 * i] = BF16(e0);
+      pair[2 * i + 1] = BF16(e1);
+    }
+    if (ld != rows) {  // A's pad column
+      p[r * ld + rows] = ds[r * ld + rows] = BF16(0.f);
+      if (second) p[(r + 1) * ld + rows] = ds[(r + 1) * ld + rows] = BF16(0.f);
     }
   }
-  bf16_from(pt, keys, rows, rows, buf.p.data());
-  bf16_from(dpt, keys, rows, rows, buf.ds.data());
-  vnni_from(dpt, keys, rows, rows, buf.ds_vnni.data());
   matmul_bf16(keys, head, even(rows), buf.p.data(), even(rows), c.dout + qi * head, head, dv, head, true);
   matmul_bf16(keys, head, even(rows), buf.ds.data(), even(rows), c.q + qi * head, head, dk, head, true);
   matmul_bf16(head, rows, even(keys), c.k_t + kj * head, even(keys), buf.ds_vnni.data(), rows, dq_t + qi * head, rows,
