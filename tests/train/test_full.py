@@ -106,6 +106,54 @@ def test_bf16_keeps_fp32_master_weights_and_trains(full_args, tiny_model):
     assert moved_share(unet, base_parts(tiny_model)["unet"], 1e-4) == 1.0
 
 
+def _layers() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, stride=2, padding=1,
+                                                                                     groups=2, bias=False),
+                               torch.nn.Flatten(2), torch.nn.Linear(4, 12), torch.nn.Linear(12, 6, bias=False))
+
+
+def test_trained_layers_cast_again_in_the_backward_as_autocast_computes_and_keep_no_bf16_weights():
+    """bf16_cast: a step of Conv2d and Linear layers (bias or none, stride, groups, 3-D input) under bf16 autocast
+    gives the stock layers' output and gradients bit for bit, while autograd keeps no bf16 copy of a weight (the
+    stock layers keep one per layer); outside autocast the stock forward runs (fp32 out)."""
+    from xeontune.train import bf16_cast
+
+    def step(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor], list[tuple]]:
+        x = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        kept: list[tuple] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append((t.dtype, t.numel())) or t,
+                                                      lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().square().sum().backward()
+        return out, [x.grad, *(p.grad for p in model.parameters())], kept
+
+    stock, cast = _layers(), _layers()
+    assert bf16_cast.install([cast]) == 4
+    want_out, want_grads, stock_kept = step(stock)
+    got_out, got_grads, cast_kept = step(cast)
+    assert torch.equal(got_out, want_out) and got_out.dtype == torch.bfloat16
+    for got, want in zip(got_grads, want_grads, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    def bf16_elements(kept: list[tuple]) -> int:
+        return sum(n for dtype, n in kept if dtype == torch.bfloat16)
+
+    weights = sum(p.numel() for name, p in stock.named_parameters() if name.endswith("weight"))
+    # the same bf16 inputs kept either way; the stock layers keep a bf16 copy of every weight besides
+    assert bf16_elements(stock_kept) - bf16_elements(cast_kept) == weights
+    assert cast(torch.randn(1, 4, 4, 4)).dtype == torch.float32  # no autocast: the stock forward
+
+
+def test_a_bf16_full_run_casts_its_trained_layers_in_the_backward(full_args, tiny_model, caplog):
+    """The loop installs bf16_cast on what --method full trains in bf16 (and says so); not in fp32."""
+    for precision, said in (("bf16", True), ("fp32", False)):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="xeontune.train"):
+            loop.train(parse_args([*full_args("out", tiny_model), "--mixed-precision", precision,
+                                   "--max-train-steps", "1", "--overwrite"]))
+        assert ("trained weights: cast to bf16 in each layer's forward and again in its backward" in caplog.text) is said
+
+
 def test_accumulating_four_steps_of_one_equals_a_batch_of_four(full_args, tiny_model):
     # Adam's epsilon raised: its first steps are sign-like, which magnifies a near-zero gradient's rounding
     common = ("--adam-epsilon", "1e-4", "--max-train-steps", "2")

@@ -29,6 +29,7 @@ from xeontune.errors import TrainingError, UserError
 from xeontune.io import atomic_write_json, atomic_write_text, cache_root, disk_errors, file_in_the_way
 from xeontune.train import (
     attention,
+    bf16_cast,
     checkpoint,
     data_parallel,
     families,
@@ -617,6 +618,12 @@ def _setup(
     if shard in data_parallel.FSDP_LEVELS:  # before the optimizer takes the weights: they become shards
         data_parallel.fully_shard_modules(method.sharded_modules(), shard, opts.grad_compression)
         hardware.release_freed_memory()  # the whole weights each rank loaded: all but its shares are gone
+    if precision == "bf16" and families.DENOISER in method.trains and shard not in data_parallel.FSDP_LEVELS \
+            and not opts.compile:  # FSDP's unsharded weights and compile's graphs: autocast's own casts
+        layers = bf16_cast.install(method.sharded_modules())
+        if main:
+            log.info("trained weights: cast to bf16 in each layer's forward and again in its backward, no bf16 "
+                     "copy kept for the backward (%d layers)", layers)
     optimizer = make_optimizer(opts, method.parameters(), lr, fused=bool(method.trains), sharded=shard == "optimizer")
     lr_scheduler = get_scheduler(
         opts.lr_scheduler, optimizer=optimizer, num_warmup_steps=opts.lr_warmup_steps,
