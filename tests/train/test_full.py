@@ -457,6 +457,19 @@ def test_fused_backward_pass_steps_as_the_optimizer_does_holding_one_gradient_at
             assert len(held) == 3 * len(plain.learned) and max(held) == 1, (len(held), max(held))
 
 
+def test_fused_backward_pass_in_bf16_steps_as_the_plain_step(full_args, tiny_model):
+    """The bf16 twin: under bf16 autocast (the trained layers' casts in the backward, bf16_cast) the weights of
+    --fused-backward-pass are the plain step's, the UNet's and the text encoder's, and they moved."""
+    base = base_parts(tiny_model)
+    extra = ("--train-text-encoder", "--mixed-precision", "bf16", "--learning-rate", "1e-3")
+    plain = loop.train(parse_args(full_args("plain", tiny_model, *extra)))
+    fused = loop.train(parse_args(full_args("fused", tiny_model, *extra, "--fused-backward-pass")))
+    for part in ("unet", "text_encoder"):
+        a, b = weights(plain, part), weights(fused, part)
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6, part
+        assert moved_share(b, base[part], 1e-4) > 0.9, part
+
+
 def test_the_rank_plan_counts_no_gradients_under_fused_backward_pass(tiny_model, sample_images):
     from xeontune.train import ranks
 
