@@ -29,11 +29,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
     log="$VENV/install.log"
+    # Chained with &&: `set -e` does not apply inside a group followed by ||, so a failed step would
+    # otherwise be passed over (seen once: a full disk failed torch's install, and "built" was printed).
     {
-        "$VENV/bin/python" -m pip install --upgrade pip
+        "$VENV/bin/python" -m pip install --upgrade pip &&
         # --no-cache-dir: the CUDA wheels would otherwise take the same space again in the pip cache.
         "$VENV/bin/python" -m pip install --no-cache-dir \
-            "torch==$TORCH_VERSION" "intel-extension-for-pytorch==$IPEX_VERSION" "${DEPS[@]}"
+            "torch==$TORCH_VERSION" "intel-extension-for-pytorch==$IPEX_VERSION" "${DEPS[@]}" &&
         # `make test` builds the main venv meanwhile: its editable install writes the same build/ and
         # xeontune.egg-info here, so the two take turns (the Makefile's lock).
         $(command -v flock >/dev/null && echo flock pyproject.toml) \

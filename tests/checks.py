@@ -137,13 +137,19 @@ class References:
 
 def rank_pids(marker: str) -> list[int]:
     """The rank processes (``python -m xeontune.train``, not srun's or a launcher's, whose command lines
-    hold the rank's) whose command line names ``marker`` (e.g. their unique --output-dir)."""
-    pids = []
+    hold the rank's) whose command line names ``marker`` (e.g. their unique --output-dir). A rank's own
+    short-lived children (a fork before its exec carries the rank's command line: seen once in CI as a
+    fourth "rank") are left out."""
+    found: dict[int, int] = {}
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            # the parent pid is the second field after the command name, which may hold spaces
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if proc.name.isdigit() and cmd[1:3] == [b"-m", b"xeontune.train"] and marker.encode() in cmd:
-            pids.append(int(proc.name))
-    return pids
+        if cmd[1:3] == [b"-m", b"xeontune.train"] and marker.encode() in cmd:
+            found[int(proc.name)] = ppid
+    return sorted(pid for pid, ppid in found.items() if ppid not in found)
