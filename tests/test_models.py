@@ -122,6 +122,33 @@ def test_sd3_and_flux_tiny_build_offline_and_sample_in_their_pipelines(tmp_path,
         assert pipe("a photo of a toy", num_inference_steps=1, height=64, width=64).images[0].size == (64, 64)
 
 
+def test_a_half_precision_kind_is_written_part_by_part_in_bf16_with_the_same_layout(tmp_path, monkeypatch):
+    """sd35m-arch and flux-arch are made in bf16 one part at a time (their T5 would not fit a 24 GB machine in
+    fp32): shown at tiny size, the folder has the fp32 build's files and model_index.json, every weight is
+    bf16, and the pipeline loads it."""
+    import json
+    from dataclasses import replace
+
+    import torch
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    from safetensors import safe_open
+
+    for kind, cls in (("sd3-tiny", StableDiffusion3Pipeline), ("flux-tiny", FluxPipeline)):
+        monkeypatch.setitem(models.SD3_DIMS, f"{kind}-half", replace(models.SD3_DIMS[kind], half=True))
+        monkeypatch.setattr(models, "KINDS", (*models.KINDS, f"{kind}-half"))
+        full, half = models.build_pipeline(kind, tmp_path / kind), models.build_pipeline(f"{kind}-half", tmp_path / f"{kind}-h")
+        names = lambda root: sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())  # noqa: E731
+        assert names(full) == names(half)
+        assert json.loads((half / "model_index.json").read_text()) == json.loads((full / "model_index.json").read_text())
+        dtypes = set()
+        for file in half.glob("*/*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}
+        assert dtypes == {"BF16"}, dtypes
+        assert torch.get_default_dtype() == torch.float32  # restored after each part
+        assert cls.from_pretrained(str(half), torch_dtype=torch.bfloat16).transformer.dtype == torch.bfloat16
+
+
 def test_sdxl_and_sd2_tiny_build_offline_and_load_in_their_diffusers_pipelines(tmp_path):
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 

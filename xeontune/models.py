@@ -19,9 +19,10 @@ trainer loads both the same way.
   encoder (its tokenizer a Unigram one over the project's words), a 16-channel VAE with a latent shift, a
   flow-matching scheduler with SD3's shift of 3.
 * ``sd35m-arch``: SD3.5 Medium's dimensions (its 2.5 B-parameter MMDiT-X, CLIP-L, OpenCLIP bigG, T5-XXL's
-  4.76 B-parameter encoder: about 34 GB in fp32); for benchmarks only.
+  4.76 B-parameter encoder), made and saved in bf16 one part at a time, as the hub's half-precision files
+  (about 17 GB; 34 GB in fp32 would not fit a 24 GB machine while it is made); for benchmarks only.
 * ``flux-arch``: Flux.1-dev's widths at reduced depth (2 of 19 dual-stream, 4 of 38 single-stream blocks),
-  with its full-size CLIP-L and T5-XXL; for benchmarks only, and it says so when built.
+  with its full-size CLIP-L and T5-XXL, in bf16 as sd35m-arch; for benchmarks only, and it says so when built.
 * ``flux-tiny``: Flux.1-dev's shape at tiny size: a transformer over 2x2-packed 16-channel latents (dual-
   and single-stream blocks, rotary position ids, a guidance embedding), CLIP-L's pooled output and a T5
   encoder, the dynamically shifted flow-matching scheduler.
@@ -31,9 +32,12 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from xeontune.errors import UserError
 from xeontune.io import atomic_dir, atomic_path, file_in_the_way
@@ -130,6 +134,8 @@ class MMDiTDims:
     single_layers: int = 0  # Flux: its single-stream blocks after the dual-stream ones
     rope_axes: tuple[int, ...] = ()  # Flux: the rotary embedding's dims per position axis (they sum to head_dim)
     vocab_size: int | None = None  # the CLIP tokenizers' (None: the project's words; else padded to this size)
+    half: bool = False  # built and saved in bf16, as the hub's SD3.5/Flux files are half precision (and so that
+    # a 4.76 B-parameter T5 never sits in memory in fp32: 19 GB)
     t5_vocab: int | None = None  # likewise T5's
     pos_embed_max: int = 0  # SD3's position-embedding grid (0: the latent side)
 
@@ -150,6 +156,7 @@ SD3_DIMS = {
         layers=24, heads=24, head_dim=64, clip_l=(768, 12, 12, 3072), clip_g=(1280, 32, 20, 5120),
         t5=(4096, 24, 64, 64, 10240), vae_channels=(128, 256, 512, 512), vae_layers=2, vae_groups=32,
         sample_size=1024, dual_attention_layers=tuple(range(13)), vocab_size=49408, t5_vocab=32128, pos_embed_max=384,
+        half=True,
     ),
     # black-forest-labs/FLUX.1-dev's widths at reduced depth: 2 of its 19 dual-stream and 4 of its 38
     # single-stream blocks (1.4 B of 11.9 B parameters), so that a step's per-block cost is measured at real
@@ -158,6 +165,7 @@ SD3_DIMS = {
         layers=2, heads=24, head_dim=128, clip_l=(768, 12, 12, 3072), clip_g=(0, 0, 0, 0),
         t5=(4096, 24, 64, 64, 10240), vae_channels=(128, 256, 512, 512), vae_layers=2, vae_groups=32,
         sample_size=1024, family="flux", single_layers=4, rope_axes=(16, 56, 56), vocab_size=49408, t5_vocab=32128,
+        half=True,
     ),
 }
 KINDS = (*DIMS, *SD3_DIMS)
@@ -295,13 +303,12 @@ def build_t5_tokenizer(max_length: int = 77, vocab_size: int | None = None):
     return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=max_length)
 
 
-def _t5(dims: MMDiTDims, max_length: int) -> tuple:
-    """T5's tokenizer and encoder (T5 v1.1's gated GELU) at ``dims.t5``'s sizes."""
+def _t5(dims: MMDiTDims, tokenizer: Any) -> Any:
+    """T5's encoder (T5 v1.1's gated GELU) at ``dims.t5``'s sizes, for ``tokenizer``."""
     from transformers import T5Config, T5EncoderModel
 
-    tokenizer = build_t5_tokenizer(max_length, dims.t5_vocab)
     d_model, layers, heads, d_kv, d_ff = dims.t5
-    return tokenizer, T5EncoderModel(T5Config(
+    return T5EncoderModel(T5Config(
         vocab_size=len(tokenizer), d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=layers, num_heads=heads,
         feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
 
@@ -321,6 +328,11 @@ def _flow_vae(dims: MMDiTDims, scaling: float, shift: float):
 
 def build_sd3_modules(dims: MMDiTDims) -> dict:
     """SD3's pipeline parts with random weights, as keyword arguments of StableDiffusion3Pipeline."""
+    return {name: make() for name, make in sd3_parts(dims).items()}
+
+
+def sd3_parts(dims: MMDiTDims) -> dict[str, Callable[[], Any]]:
+    """SD3's pipeline parts, each made when called (so that a large one can be saved and freed before the next)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
@@ -335,46 +347,53 @@ def build_sd3_modules(dims: MMDiTDims) -> dict:
             vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
             num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=hidden, **ids))
 
-    tokenizer_3, t5 = _t5(dims, 77)
+    tokenizer_3 = build_t5_tokenizer(77, dims.t5_vocab)
     d_model, latent_channels = dims.t5[0], 16
     return {
-        "tokenizer": tokenizer, "text_encoder": clip(dims.clip_l, "quick_gelu"),
-        "tokenizer_2": tokenizer_2, "text_encoder_2": clip(dims.clip_g, "gelu"),
-        "tokenizer_3": tokenizer_3, "text_encoder_3": t5,
-        "transformer": SD3Transformer2DModel(
+        "tokenizer": lambda: tokenizer, "text_encoder": lambda: clip(dims.clip_l, "quick_gelu"),
+        "tokenizer_2": lambda: tokenizer_2, "text_encoder_2": lambda: clip(dims.clip_g, "gelu"),
+        "tokenizer_3": lambda: tokenizer_3, "text_encoder_3": lambda: _t5(dims, tokenizer_3),
+        "transformer": lambda: SD3Transformer2DModel(
             sample_size=dims.sample_size // 8, patch_size=2, in_channels=latent_channels, out_channels=latent_channels,
             num_layers=dims.layers, attention_head_dim=dims.head_dim, num_attention_heads=dims.heads,
             joint_attention_dim=d_model, caption_projection_dim=dims.heads * dims.head_dim,
             pooled_projection_dim=dims.clip_l[0] + dims.clip_g[0], qk_norm="rms_norm",
             dual_attention_layers=dims.dual_attention_layers,
             pos_embed_max_size=dims.pos_embed_max or dims.sample_size // 8),
-        "vae": _flow_vae(dims, scaling=1.5305, shift=0.0609),
-        "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        "vae": lambda: _flow_vae(dims, scaling=1.5305, shift=0.0609),
+        "scheduler": lambda: FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
     }
 
 
 def build_flux_modules(dims: MMDiTDims) -> dict:
     """Flux.1-dev's pipeline parts with random weights, as keyword arguments of FluxPipeline."""
+    return {name: make() for name, make in flux_parts(dims).items()}
+
+
+def flux_parts(dims: MMDiTDims) -> dict[str, Callable[[], Any]]:
+    """Flux.1-dev's pipeline parts, each made when called (as ``sd3_parts``)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     tokenizer = build_tokenizer(dims)
     vocab = tokenizer.get_vocab()
     hidden, layers, heads, intermediate = dims.clip_l
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=hidden,
-        bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"]))
-    tokenizer_2, t5 = _t5(dims, 512)
+    tokenizer_2 = build_t5_tokenizer(512, dims.t5_vocab)
     d_model, latent_channels = dims.t5[0], 16
     return {
-        "tokenizer": tokenizer, "text_encoder": clip, "tokenizer_2": tokenizer_2, "text_encoder_2": t5,
-        "transformer": FluxTransformer2DModel(
+        "tokenizer": lambda: tokenizer,
+        "text_encoder": lambda: CLIPTextModel(CLIPTextConfig(
+            vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+            num_attention_heads=heads, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=hidden,
+            bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
+            pad_token_id=vocab["<|endoftext|>"])),
+        "tokenizer_2": lambda: tokenizer_2, "text_encoder_2": lambda: _t5(dims, tokenizer_2),
+        "transformer": lambda: FluxTransformer2DModel(
             patch_size=1, in_channels=latent_channels * 4, num_layers=dims.layers, num_single_layers=dims.single_layers,
             attention_head_dim=dims.head_dim, num_attention_heads=dims.heads, joint_attention_dim=d_model,
             pooled_projection_dim=hidden, guidance_embeds=True, axes_dims_rope=dims.rope_axes),
-        "vae": _flow_vae(dims, scaling=0.3611, shift=0.1159),
-        "scheduler": FlowMatchEulerDiscreteScheduler(
+        "vae": lambda: _flow_vae(dims, scaling=0.3611, shift=0.1159),
+        "scheduler": lambda: FlowMatchEulerDiscreteScheduler(
             num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
             base_image_seq_len=256, max_image_seq_len=4096),
     }
@@ -401,6 +420,7 @@ def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: Pipeline
         StableDiffusionPipeline,
         StableDiffusionXLPipeline,
     )
+    from tqdm.auto import tqdm
 
     quiet_progress_bars()
     if kind not in KINDS:
@@ -414,10 +434,25 @@ def build_pipeline(kind: str, out_dir: str | Path, seed: int = 0, dims: Pipeline
     torch.manual_seed(seed)
     if kind in SD3_DIMS:
         dims3 = SD3_DIMS[kind]
-        pipe = (FluxPipeline(**build_flux_modules(dims3)) if dims3.family == "flux"
-                else StableDiffusion3Pipeline(**build_sd3_modules(dims3)))
+        flux = dims3.family == "flux"
+        cls, parts = (FluxPipeline, flux_parts(dims3)) if flux else (StableDiffusion3Pipeline, sd3_parts(dims3))
         with atomic_dir(out) as tmp:
-            pipe.save_pretrained(tmp)
+            if not dims3.half:
+                cls(**{name: make() for name, make in parts.items()}).save_pretrained(tmp)
+                return out
+            with torch.device("meta"):  # the pipeline's model_index.json, no weights
+                cls(**{name: make() for name, make in parts.items()}).save_config(tmp)
+            default = torch.get_default_dtype()
+            for name, make in tqdm(parts.items(), desc=kind, unit="part", disable=not sys.stderr.isatty()):
+                torch.set_default_dtype(torch.bfloat16)  # made in bf16: never all of T5 in fp32
+                try:
+                    part = make()
+                finally:
+                    torch.set_default_dtype(default)
+                if isinstance(part, torch.nn.Module):  # the buffers made from numpy (SD3's position table) too
+                    part.to(torch.bfloat16)
+                part.save_pretrained(Path(tmp) / name)
+                del part  # saved and freed before the next is made
         return out
     dims = dims or DIMS[kind]
     modules = build_modules(dims, build_tokenizer(dims))
