@@ -143,7 +143,7 @@ def test_a_half_precision_kind_is_written_part_by_part_in_bf16_with_the_same_lay
         dtypes = set()
         for file in half.glob("*/*.safetensors"):
             with safe_open(str(file), "pt") as f:
-                dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}
+                dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 (not a dict)
         assert dtypes == {"BF16"}, dtypes
         assert torch.get_default_dtype() == torch.float32  # restored after each part
         assert cls.from_pretrained(str(half), torch_dtype=torch.bfloat16).transformer.dtype == torch.bfloat16

@@ -122,6 +122,27 @@ def test_frozen_weight_bytes_of_a_local_model(tiny_model):
     assert frozen_weight_bytes(str(tiny_model), "fp32", packed=True) - fp32 == unet
 
 
+def test_the_memory_plan_counts_no_denoiser_at_load_where_the_prompts_are_encoded_first(tiny_model, monkeypatch):
+    """A run that encodes its prompts and frees the encoders before the denoiser loads (ranks.encodes_first)
+    holds the encoders and the VAE at load, not the denoiser beside them; with validation images it keeps the
+    encoders, so everything loads together as before."""
+    from xeontune.train import ranks
+
+    unet = sum(p.stat().st_size for p in (Path(tiny_model) / "unet").glob("*.safetensors"))
+    assert frozen_weight_bytes(str(tiny_model), "fp32") - frozen_weight_bytes(str(tiny_model), "fp32", denoiser=False) == unet
+    loads = []
+    weights = ranks.frozen_weight_bytes
+    monkeypatch.setattr(ranks, "rank_memory", lambda *a, **k: 0)  # the load alone
+    monkeypatch.setattr(ranks, "frozen_weight_bytes", lambda *a, **k: loads.append(k["denoiser"]) or weights(*a, **k))
+    args = ["--method", "lora", "--instance-prompt", "a toy", "--model", str(tiny_model), "--data-dir", "x",
+            "--mixed-precision", "fp32"]
+    ranks.memory_plan(parse_args(args), "fp32", 1, 1)
+    ranks.memory_plan(parse_args([*args, "--validation-prompt", "a toy"]), "fp32", 1, 1)
+    assert loads == [False, True]
+    assert ranks.encodes_first(parse_args(args)) and not ranks.encodes_first(parse_args([*args, "--with-prior-preservation",
+                                                                                          "--class-prompt", "a thing", "--class-data-dir", "y"]))
+
+
 @pytest.mark.parametrize("bf16_kernels", [True, False], ids=["bf16-kernels", "no-bf16-kernels"])
 def test_ranks_count_packed_weights_where_auto_packs(fake_cpu, bf16_kernels, monkeypatch):
     """The kernels' check (packed.available) is faked as well as the CPU's flags, so that both answers

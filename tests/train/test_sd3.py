@@ -204,6 +204,74 @@ def test_t5_is_freed_once_the_prompts_are_cached_and_never_trains(sd3_model, sam
     assert max_diff(state(base.text_encoder_3), state(saved.text_encoder_3)) == 0
 
 
+def test_the_transformer_loads_after_the_text_encoders_are_freed_and_trains_as_before(sd3_model, sample_images,
+                                                                                       tmp_path, runs, monkeypatch):
+    """A LoRA run that caches its prompts encodes them, frees CLIP-L, CLIP-G and T5, then loads the transformer:
+    the two are never held together (T5-XXL is 9.5 GB in bf16 beside SD3.5 Medium's 4.5 GB transformer). The
+    adapters it trains are those of the old order (everything loaded at once), bit for bit in fp32."""
+    from xeontune.train import components as components_module
+
+    held = []
+    load_denoiser = components_module.load_denoiser
+
+    def spy(components, *args, **kwargs):
+        held.append([e is not None for e in components.text_encoders])
+        assert components.denoiser is None
+        return load_denoiser(components, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "load_denoiser", spy)
+    loop.train(parse_args(sd3_args(sd3_model, sample_images, tmp_path / "first", "--seed", "3")))
+    assert held == [[False, False, False]]
+    monkeypatch.setattr(loop, "encodes_first", lambda opts: False)  # the old order
+    loop.train(parse_args(sd3_args(sd3_model, sample_images, tmp_path / "together", "--seed", "3")))
+    assert len(held) == 1  # not called: loaded with the rest
+    first, together = (load_file(str(tmp_path / name / DIFFUSERS_FILE)) for name in ("first", "together"))
+    base = {k: v for k, v in state(runs[0].components.denoiser).items() if "lora_B" in k}
+    assert base and max(float(v.abs().max()) for v in base.values()) > 1e-4  # the adapters moved from zero
+    assert first.keys() == together.keys() and all(torch.equal(first[k], together[k]) for k in first)
+
+
+def test_a_half_precision_t5_is_never_upcast_whole_in_bf16(sd3_model, sample_images, tmp_path, runs, monkeypatch):
+    """SD3.5's and Flux's text encoders are stored in half precision. In bf16 training a frozen one keeps its
+    Linear layers as loaded (T5-XXL in fp32 would be 19 GB): only its norms and embeddings are upcast. Its
+    outputs are those of the encoder upcast whole and cast back to bf16 Linear layers, as before."""
+    from diffusers import StableDiffusion3Pipeline
+
+    half = tmp_path / "half"
+    StableDiffusion3Pipeline.from_pretrained(str(sd3_model), torch_dtype=torch.bfloat16).save_pretrained(half)
+    seen = {}
+    cache = loop.TextCache
+
+    def spy(components, ids, autocast):
+        t5 = components.text_encoder_3
+        seen["dtypes"] = {(type(m).__name__, p.dtype) for m in t5.modules() for p in m.parameters(recurse=False)}
+        made = cache(components, ids, autocast)
+        t5.float()  # the old way: the whole encoder upcast, its Linear layers cast to bf16 again
+        for m in t5.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.to(torch.bfloat16)
+        seen["old"] = cache(components, ids, autocast)
+        seen["new"] = made
+        return made
+
+    cast = loop.cast_text_encoder_linears
+
+    def loaded(components, dtype, *args):  # what load() left, before the Linear layers are cast
+        part = args[-1]
+        seen.setdefault("loaded", {})[part] = {p.dtype for m in getattr(components, part).modules()
+                                               if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+        return cast(components, dtype, *args)
+
+    monkeypatch.setattr(loop, "TextCache", spy)
+    monkeypatch.setattr(loop, "cast_text_encoder_linears", loaded)
+    loop.train(parse_args(sd3_args(half, sample_images, tmp_path / "out", "--mixed-precision", "bf16",
+                                   "--max-train-steps", "1")))
+    assert seen["loaded"] == {part: {torch.bfloat16} for part in ("text_encoder", "text_encoder_2", "text_encoder_3")}
+    assert ("Linear", torch.bfloat16) in seen["dtypes"]
+    assert {d for name, d in seen["dtypes"] if name != "Linear"} == {torch.float32}
+    assert torch.equal(seen["new"].hidden, seen["old"].hidden) and torch.equal(seen["new"].pooled, seen["old"].pooled)
+
+
 def test_bf16_trains_sd3_on_every_cpu(sd3_model, sample_images, tmp_path, runs):
     """--mixed-precision bf16 (the precision an AMX or AVX512-BF16 CPU picks): the frozen transformer from its
     bf16 copy, the adapters fp32, and they move."""

@@ -157,10 +157,17 @@ def model_identity(model: str, revision: str | None = None) -> dict[str, str] | 
 
 
 def load(
-    model: str, revision: str | None = None, variant: str | None = None, denoiser_dtype: Any = None
+    model: str, revision: str | None = None, variant: str | None = None, denoiser_dtype: Any = None,
+    with_denoiser: bool = True, half_linears: frozenset[str] = frozenset(),
 ) -> Components:
     """Load the family's tokenizers and text encoders, the VAE, the denoiser (UNet or transformer) and the
     training noise scheduler, all frozen and in eval mode.
+
+    ``with_denoiser`` False: the denoiser is loaded later (``load_denoiser``), once the text encoders'
+    outputs are cached and the encoders freed, so the two are never held together (SD3.5's T5-XXL is
+    9.5 GB in bf16 beside a 4.5 GB transformer). ``half_linears``: the encoders (by folder) whose
+    half-precision Linear layers stay as loaded (a frozen encoder in bf16 training, whose Linear layers
+    are cast to bf16 anyway): the rest of such an encoder is upcast, never the whole in fp32 (T5-XXL: 19 GB).
 
     ``denoiser_dtype`` (torch.bfloat16 for bf16 training): the frozen UNet is loaded in it once, rather
     than kept in fp32 and cast again by autocast at every step; that made its forward and backward
@@ -189,7 +196,7 @@ def load(
             text[encoder.folder] = getattr(transformers, encoder.model_class).from_pretrained(
                 model, subfolder=encoder.folder, variant=variant, **common)
         vae = diffusers.AutoencoderKL.from_pretrained(model, subfolder="vae", variant=variant, **common)
-        denoiser = _load_denoiser_in(family, denoiser_dtype, model, revision, variant)
+        denoiser = _load_denoiser_in(family, denoiser_dtype, model, revision, variant) if with_denoiser else None
         noise_scheduler = getattr(diffusers, family.scheduler_class).from_pretrained(
             model, subfolder="scheduler", **common)
     except pickle.UnpicklingError as exc:
@@ -208,14 +215,39 @@ def load(
         hint = f" (its weights are a variant: add --variant {variants[0]})" if variants and not variant else ""
         raise UserError(f"cannot load a Stable Diffusion pipeline from {model!r}: {first}{hint}") from None
     encoders = {e.folder: text[e.folder] for e in family.encoders}
-    for module in (*encoders.values(), vae, denoiser):
+    for module in (*encoders.values(), vae):
         module.requires_grad_(False)
         module.eval()
-    upcast = {name: _in_fp32(module) for name, module in
-              (("denoiser", denoiser if denoiser_dtype is None else None), *encoders.items(), ("vae", vae))}
-    return Components(vae=vae, denoiser=denoiser, noise_scheduler=noise_scheduler, denoiser_for_inference=denoiser,
-                      denoiser_cast=denoiser_dtype is not None or upcast["denoiser"], family=family, **text,
-                      **{f"{name}_cast": upcast[name] for name in encoders})
+    upcast = {name: _in_fp32(module, keep_linears=name in half_linears) for name, module in
+              (*encoders.items(), ("vae", vae))}
+    components = Components(vae=vae, denoiser=None, noise_scheduler=noise_scheduler, family=family, **text,
+                            **{f"{name}_cast": upcast[name] for name in encoders})
+    if denoiser is not None:
+        _set_denoiser(components, denoiser, denoiser_dtype)
+    return components
+
+
+def load_denoiser(components: Components, model: str, revision: str | None = None, variant: str | None = None,
+                  denoiser_dtype: Any = None) -> None:
+    """The denoiser that ``load(..., with_denoiser=False)`` left out, loaded as ``load`` would have."""
+    local = Path(model).expanduser()
+    try:
+        denoiser = _load_denoiser_in(components.family, denoiser_dtype, str(local) if local.exists() else model,
+                                     revision, variant)
+    except pickle.UnpicklingError as exc:
+        raise UserError(unsafe_pickle_message(model, exc)) from None
+    except (OSError, ValueError) as exc:  # its files went missing since the encoders loaded
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise UserError(f"cannot load the {components.family.denoiser} of {model!r}: {first}") from None
+    _set_denoiser(components, denoiser, denoiser_dtype)
+
+
+def _set_denoiser(components: Components, denoiser: Any, dtype: Any) -> None:
+    denoiser.requires_grad_(False)
+    denoiser.eval()
+    upcast = _in_fp32(denoiser) if dtype is None else False
+    components.denoiser = components.denoiser_for_inference = denoiser
+    components.denoiser_cast = dtype is not None or upcast
 
 
 def unsafe_pickle_message(model: str, exc: BaseException) -> str:
@@ -230,17 +262,30 @@ def unsafe_pickle_message(model: str, exc: BaseException) -> str:
             "safetensors where you trust its source")
 
 
-def _in_fp32(module: Any) -> bool:
+def _in_fp32(module: Any, keep_linears: bool = False) -> bool:
     """Half-precision weights (a `--variant fp16`, or a model saved in fp16) in fp32, in place: the
     trainer computes in fp32, or in bf16 from fp32 text encoders and a bf16 UNet copy; CPU autocast
     refuses fp16 LayerNorm parameters and has no fast fp16 kernels. True if it cast (then a saved
-    pipeline reloads the part as its files hold it)."""
+    pipeline reloads the part as its files hold it). ``keep_linears``: the Linear layers stay as loaded
+    (a frozen text encoder in bf16 training, cast_text_encoder_linears' next)."""
     import torch
 
-    if module is None or next(module.parameters()).dtype == torch.float32:
+    if module is None:
         return False
-    module.float()
-    return True
+    if not keep_linears:
+        if next(module.parameters()).dtype == torch.float32:
+            return False
+        module.float()
+        return True
+    cast = False
+    for layer in module.modules():  # all but the Linear layers, whose weights are cast to bf16 next anyway
+        if isinstance(layer, torch.nn.Linear):
+            continue
+        for name, param in list(layer.named_parameters(recurse=False)):
+            if param.is_floating_point() and param.dtype != torch.float32:
+                setattr(layer, name, torch.nn.Parameter(param.float(), requires_grad=param.requires_grad))
+                cast = True
+    return cast
 
 
 # The hub repository that the guides name was removed in 2024; its maintained mirror:
@@ -560,6 +605,8 @@ def cast_text_encoder_linears(components: Components, dtype: Any, model: str = "
     if dtype is None:
         return
     linears = _linears(getattr(components, part))
+    if all(m.weight.dtype == dtype for m in linears.values()):  # loaded so from half-precision files (``load``)
+        return
     copy = bf16_copy_dir(model, revision, variant, part) if model and dtype == torch.bfloat16 else None
     if copy is not None and not (copy / TEXT_LINEARS_FILE).is_file():
         _write_linears_copy(linears, dtype, copy)  # then mapped below, as every later run maps it

@@ -52,6 +52,7 @@ from xeontune.train.components import (
     cast_text_encoder_linears,
     frozen_dtype,
     load,
+    load_denoiser,
     model_identity,
     pipeline_family,
     weights_files,
@@ -73,7 +74,7 @@ from xeontune.train.latent_cache import Latents, encode_latents
 from xeontune.train.options import TrainOptions, fsdp_refusal
 from xeontune.train.outputs import METRICS, RUN_CONFIG, RUN_FILE_RE, VALIDATION_IMAGE_RE
 from xeontune.train.prompts import ImagePrompts, prompts_digest
-from xeontune.train.ranks import keeps_text_encoders, memory_plan, rank_memory
+from xeontune.train.ranks import encodes_first, keeps_text_encoders, memory_plan, rank_memory
 
 log = logging.getLogger("xeontune.train")
 
@@ -169,13 +170,14 @@ def pause_for_tests(where: str, rank: int) -> None:
 
 class TextCache:
     """The frozen text encoders' outputs for each prompt of the sample plan, computed once: with the
-    encoders frozen they depend on the prompt alone (``Run.encode_text`` then only looks them up)."""
+    encoders frozen they depend on the prompt alone (``Run.encode_text`` then only looks them up).
+    ``all_prompt_ids``: one tensor of every prompt's ids per encoder (``SamplePlan.all_prompt_ids``)."""
 
-    def __init__(self, run: Run) -> None:
-        plan = run.plan
-        with torch.no_grad(), run.autocast():
-            rows = [run.encode_prompts([ids[i : i + 1] for ids in plan.all_prompt_ids])
-                    for i in range(len(plan.prompt_ids))]
+    def __init__(self, components: Components, all_prompt_ids: list[torch.Tensor],
+                 autocast: contextlib.AbstractContextManager) -> None:
+        with torch.no_grad(), autocast:
+            rows = [components.family.encode(components.text_encoders, [ids[i : i + 1] for ids in all_prompt_ids])
+                    for i in range(len(all_prompt_ids[0]))]
         self.hidden = torch.cat([hidden for hidden, _ in rows])
         self.pooled = None if rows[0][1] is None else torch.cat([pooled for _, pooled in rows])
 
@@ -524,19 +526,29 @@ def _setup(
     if precision == "bf16" and "slower" in reason:
         log.warning("--mixed-precision bf16: %s", reason)
     shared = components is not None
+    first = not shared and encodes_first(opts)  # the prompts encoded and the encoders freed before the denoiser loads
+    early_ids: list[torch.Tensor] | None = None
+    early_cache: TextCache | None = None
     if components is None:
         # a part the method trains keeps fp32 master weights (autocast computes in bf16); a frozen one is
         # held in the training dtype
-        trained = pipeline_family(opts.model, opts.revision).trained_parts(method.trains)
-        components = load(opts.model, opts.revision, opts.variant,
-                          denoiser_dtype=None if families.DENOISER in trained else frozen_dtype(precision))
-        for part in components.family.encoder_names:
-            if part not in trained:
-                cast_text_encoder_linears(components, frozen_dtype(precision), opts.model, opts.revision,
-                                          opts.variant, part)
+        family = pipeline_family(opts.model, opts.revision)
+        trained = family.trained_parts(method.trains)
+        denoiser_dtype = None if families.DENOISER in trained else frozen_dtype(precision)
+        frozen_encoders = tuple(e for e in family.encoder_names if e not in trained)
+        components = load(opts.model, opts.revision, opts.variant, denoiser_dtype=denoiser_dtype, with_denoiser=not first,
+                          half_linears=frozenset(frozen_encoders if frozen_dtype(precision) is not None else ()))
+        for part in frozen_encoders:
+            cast_text_encoder_linears(components, frozen_dtype(precision), opts.model, opts.revision,
+                                      opts.variant, part)
     components.family = components.family.for_run(opts)
     # what the run holds beside the denoiser, counted before the method moves a token table out of sight
     beside_denoiser = sum(module_bytes(m) for m in (*components.text_encoders, components.vae))
+    if first:
+        early_ids = tokenize_prompts(components, method.prompts(given), main)
+        early_cache = TextCache(components, early_ids, precision_autocast(precision))
+        release_text_encoders(components)
+        load_denoiser(components, opts.model, opts.revision, opts.variant, denoiser_dtype)
     method.install(components)  # before packing and compiling: they act on the models as the method left them
     notes: list[str] = []  # what the frozen models' preparation decided (none where ``shared``), then attention's
     ipex, ipex_off_because = opts.ipex, "--ipex off"
@@ -590,14 +602,7 @@ def _setup(
     if opts.cache_latents and not shared:
         release_vae_parts(components, latents, opts)
     prompts = method.prompts(given) + ([opts.class_prompt] if num_class_images else [])
-    tokenizer = components.tokenizers[0]
-    cut = sum(len(ids) > tokenizer.model_max_length for ids in tokenizer(prompts).input_ids)
-    if cut and main:  # as the examples do, but said: the words past the limit never reach the model
-        log.warning("%d of the %d distinct prompts are longer than the text encoder's %d tokens and are cut there", cut,
-                    len(prompts), tokenizer.model_max_length)
-    prompt_ids, *more_ids = [
-        t(prompts, padding="max_length", truncation=True, max_length=e.max_length or t.model_max_length,
-          return_tensors="pt").input_ids for t, e in zip(components.tokenizers, components.family.encoders, strict=True)]
+    prompt_ids, *more_ids = early_ids or tokenize_prompts(components, prompts, main)
     shapes = latents.latent_shapes()
     plan = SamplePlan(
         seed=opts.seed, num_images=len(image_paths), repeats=opts.repeats, prompt_ids=prompt_ids,
@@ -642,7 +647,7 @@ def _setup(
     if opts.fused_backward_pass:
         run.fused = FusedBackward(optimizer, method.parameters())
     if not method.trains_text_encoders and opts.cache_text:
-        run.text_cache = TextCache(run)
+        run.text_cache = early_cache or TextCache(components, plan.all_prompt_ids, run.autocast())
     if not shared and not keeps_text_encoders(opts):
         release_text_encoders(components)
     sync.wait()  # every rank has its models (each node loads at its own pace) before the first collective
@@ -742,6 +747,17 @@ def _shard_memory(opts: TrainOptions, precision: str, world: int) -> tuple[dict[
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1)
     need = {level: rank_memory(opts, precision, world=world, shard=level) for level in data_parallel.SHARD_LEVELS}
     return need, placement.available_memory_bytes(), local, ceiling
+
+
+def tokenize_prompts(components: Components, prompts: list[str], main: bool) -> list[torch.Tensor]:
+    """The prompts' ids, one tensor per text encoder, each padded (or cut) to its encoder's length."""
+    tokenizer = components.tokenizers[0]
+    cut = sum(len(ids) > tokenizer.model_max_length for ids in tokenizer(prompts).input_ids)
+    if cut and main:  # as the examples do, but said: the words past the limit never reach the model
+        log.warning("%d of the %d distinct prompts are longer than the text encoder's %d tokens and are cut there", cut,
+                    len(prompts), tokenizer.model_max_length)
+    return [t(prompts, padding="max_length", truncation=True, max_length=e.max_length or t.model_max_length,
+              return_tensors="pt").input_ids for t, e in zip(components.tokenizers, components.family.encoders, strict=True)]
 
 
 def check_checkpoint_method(state: checkpoint.TrainState, method: methods.Method, where: Path | str) -> None:

@@ -89,7 +89,8 @@ def adafactor_state_share(folder: Path | None) -> float:
 
 def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str | None = None,
                         text_encoders: bool = True, trained: frozenset[str] = frozenset(), optimizer: str = "adamw",
-                        ema: bool = False, shares: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> int:
+                        ema: bool = False, shares: tuple[float, float, float] = (1.0, 1.0, 1.0),
+                        denoiser: bool = True) -> int:
     """Bytes of weights one rank holds: a frozen UNet and the text encoders' Linear layers in the
     training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) a frozen UNet
     counts twice: its layers are held reordered for the forward and again for the input gradient, each
@@ -98,7 +99,8 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     ``text_encoders``: False where the run frees them once their outputs are cached (``keeps_text_encoders``).
     ``shares``: of a trained part's (weights, gradients, optimizer state), what a rank keeps
     (``shares``: 1/N of the state with --shard optimizer on N ranks, of all three with FSDP).
-    ``model`` "": the family's reference model (its default sizes)."""
+    ``model`` "": the family's reference model (its default sizes). ``denoiser`` False: all but the denoiser
+    (what a run that encodes its prompts first holds while it does)."""
     root = Path(model).expanduser() if model else None
     if family is None:  # a local pipeline's own (its model_index.json), else SD's
         from xeontune.train.components import pipeline_family
@@ -118,7 +120,7 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
         state = ADAMW_STATE if optimizer == "adamw" else adafactor_state_share(root / folder if root else None)
         return weight_share + grad_share + state * state_share
 
-    denoiser = stored[kind.denoiser]
+    denoiser = stored[kind.denoiser] if denoiser else 0
     if families.DENOISER in trained:
         denoiser = denoiser * (factor(kind.denoiser) + (1 if ema else 0))
     else:
@@ -195,8 +197,9 @@ def memory_plan(opts: TrainOptions, precision: str, world: int, local_ranks: int
     sizes, its activations, the method's training state), and a line that says so: told before any weight
     loads, so a model too large for the node (Flux.1 in fp32 on 64 GB, say) costs no load."""
     steady = rank_memory(opts, precision, world=world)
-    # at load every text encoder is held too, even those freed once the prompts are cached (T5-XXL: 19 GB in fp32)
-    loading = frozen_weight_bytes(str(opts.model), precision, family=_family_of(opts))
+    # at load every text encoder is held too, even those freed once the prompts are cached (T5-XXL: 19 GB in fp32);
+    # the denoiser with them unless it loads after they are freed
+    loading = frozen_weight_bytes(str(opts.model), precision, family=_family_of(opts), denoiser=not encodes_first(opts))
     need = max(steady, loading) * local_ranks
     have = placement.available_memory_bytes()
     fits = need <= have
@@ -213,14 +216,23 @@ def _family_of(opts: TrainOptions) -> str:
 
 def reference_lora_bytes(family: str, precision: str, resolution: int) -> int:
     """What a LoRA run of ``family``'s reference model (its default sizes: Flux.1-dev's, SD3.5 Medium's...)
-    holds at its peak, one rank, batch 1: the larger of the load (every part, the frozen ones in the training
-    dtype) and the steps (the text encoders freed, the activations added). From the family's figures, which
-    are estimates where the family module says so."""
+    holds at its peak, one rank, batch 1: the larger of the load (the text encoders and the VAE, the frozen
+    ones in the training dtype: the denoiser loads once the prompts are encoded and the encoders freed) and
+    the steps (the denoiser and the activations). From the family's figures, which are estimates where the
+    family module says so."""
     kind = families.get(family)
-    loading = frozen_weight_bytes("", precision, family=family)
+    # the prompts encoded and the encoders freed before the denoiser loads (ranks.encodes_first)
+    loading = frozen_weight_bytes("", precision, family=family, denoiser=False)
     steady = placement.rank_memory_bytes(frozen_weight_bytes("", precision, family=family, text_encoders=False),
                                          kind.activation_bytes(resolution, precision), 1)
     return max(loading, steady)
+
+
+def encodes_first(opts: TrainOptions) -> bool:
+    """Whether a run encodes its prompts and frees the text encoders before its denoiser loads (loop._setup),
+    so that the two are never held together: where it frees them at all and needs no images of the base
+    model before its steps (prior preservation's class images)."""
+    return not keeps_text_encoders(opts) and not opts.with_prior_preservation
 
 
 def keeps_text_encoders(opts: TrainOptions) -> bool:
