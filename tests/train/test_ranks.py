@@ -315,6 +315,26 @@ def test_bf16_unet_comes_from_a_mapped_copy(tiny_model, tmp_path, monkeypatch):
     os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns - 10**9))
 
 
+def test_a_denoiser_stored_in_bf16_is_mapped_from_its_own_files_without_a_copy(tiny_model, tmp_path, monkeypatch):
+    """SD3.5's and Flux's files are bf16 already: a bf16 run maps them as it would map a copy, and writes none
+    (a copy would be the same bytes again: 4.5 GB for SD3.5 Medium's transformer)."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    from xeontune.train import backends, components, packed
+
+    half = tmp_path / "half"
+    StableDiffusionPipeline.from_pretrained(str(tiny_model), torch_dtype=torch.bfloat16).save_pretrained(half)
+    monkeypatch.setenv(components.BF16_CACHE_ENV, str(tmp_path / "cache"))
+    unet = components.load(str(half), denoiser_dtype=torch.bfloat16).denoiser
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
+    weights = next((half / "unet").glob("*.safetensors"))
+    assert str(weights.resolve()) in Path("/proc/self/maps").read_text()
+    assert packed.file_mapped_bytes(unet.parameters()) == backends.module_bytes(unet) > 0
+    stored = StableDiffusionPipeline.from_pretrained(str(half), torch_dtype=torch.bfloat16).unet.state_dict()
+    assert all(torch.equal(stored[k], v) for k, v in unet.state_dict().items())
+
+
 def test_a_sharded_unet_gets_a_mapped_bf16_copy_too(tiny_model, tmp_path, monkeypatch):
     """save_pretrained shards a large UNet (an SDXL UNet in fp32, fine-tunes saved by diffusers): its
     bf16 copy is keyed on the index and every shard, and later loads map it instead of converting."""

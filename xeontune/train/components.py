@@ -421,6 +421,9 @@ def _load_denoiser_in(family: Family, dtype: Any, model: str, revision: str | No
 
     cls, part = getattr(diffusers, family.denoiser_class), family.denoiser
     tried = False
+    if dtype == torch.bfloat16 and files_dtype(model, part, revision, variant) == torch.bfloat16:
+        # stored in bf16 already (SD3.5's and Flux's files): mapped from them as a copy would be, no copy made
+        return cls.from_pretrained(model, subfolder=part, variant=variant, revision=revision, torch_dtype=dtype)
     if dtype == torch.bfloat16:
         copy, tried = _denoiser_copy(family, model, revision, variant)
         if copy is not None:
