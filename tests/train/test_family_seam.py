@@ -40,9 +40,9 @@ class FakeFamily(StableDiffusion):
     def recognizes(cls, model_index) -> bool:
         return model_index.get("_class_name") == "FakeDiffusionPipeline"
 
-    def encode(self, encoders: list[Any], input_ids: list[Any]) -> tuple[Any, Any]:
+    def encoder_output(self, index: int, encoder: Any, input_ids: Any) -> Any:
         CALLS["encode"] += 1
-        return encoders[0](input_ids[0], output_hidden_states=True).hidden_states[-2], None
+        return encoder(input_ids, output_hidden_states=True).hidden_states[-2]
 
     def noisy(self, scheduler, latents, noise, timesteps):
         CALLS["noisy"] += 1

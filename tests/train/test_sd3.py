@@ -233,43 +233,40 @@ def test_the_transformer_loads_after_the_text_encoders_are_freed_and_trains_as_b
 
 def test_a_half_precision_t5_is_never_upcast_whole_in_bf16(sd3_model, sample_images, tmp_path, runs, monkeypatch):
     """SD3.5's and Flux's text encoders are stored in half precision. In bf16 training a frozen one keeps its
-    Linear layers as loaded (T5-XXL in fp32 would be 19 GB): only its norms and embeddings are upcast. Its
-    outputs are those of the encoder upcast whole and cast back to bf16 Linear layers, as before."""
+    Linear layers as loaded (T5-XXL in fp32 would be 19 GB): only its norms and embeddings are upcast. The
+    encoders load one at a time, each freed before the next. The cached outputs are those of the encoders
+    all loaded together, upcast whole and their Linear layers cast back to bf16 (the old way), bit for bit."""
     from diffusers import StableDiffusion3Pipeline
+
+    from xeontune.train import components as components_module
+    from xeontune.train.components import cast_text_encoder_linears, frozen_dtype
+    from xeontune.train.loop import TextCache, precision_autocast
 
     half = tmp_path / "half"
     StableDiffusion3Pipeline.from_pretrained(str(sd3_model), torch_dtype=torch.bfloat16).save_pretrained(half)
-    seen = {}
-    cache = loop.TextCache
+    loaded, held = {}, []
+    load_encoder = components_module.load_encoder
 
-    def spy(components, ids, autocast):
-        t5 = components.text_encoder_3
-        seen["dtypes"] = {(type(m).__name__, p.dtype) for m in t5.modules() for p in m.parameters(recurse=False)}
-        made = cache(components, ids, autocast)
-        t5.float()  # the old way: the whole encoder upcast, its Linear layers cast to bf16 again
-        for m in t5.modules():
-            if isinstance(m, torch.nn.Linear):
-                m.to(torch.bfloat16)
-        seen["old"] = cache(components, ids, autocast)
-        seen["new"] = made
-        return made
+    def spy(components, model, folder, *args, **kwargs):
+        held.append(sum(e is not None for e in components.text_encoders))  # none held as the next loads
+        load_encoder(components, model, folder, *args, **kwargs)
+        loaded[folder] = {(isinstance(m, torch.nn.Linear), p.dtype) for m in getattr(components, folder).modules()
+                          for p in m.parameters(recurse=False)}
 
-    cast = loop.cast_text_encoder_linears
-
-    def loaded(components, dtype, *args):  # what load() left, before the Linear layers are cast
-        part = args[-1]
-        seen.setdefault("loaded", {})[part] = {p.dtype for m in getattr(components, part).modules()
-                                               if isinstance(m, torch.nn.Linear) for p in m.parameters()}
-        return cast(components, dtype, *args)
-
-    monkeypatch.setattr(loop, "TextCache", spy)
-    monkeypatch.setattr(loop, "cast_text_encoder_linears", loaded)
+    monkeypatch.setattr(loop, "load_encoder", spy)
     loop.train(parse_args(sd3_args(half, sample_images, tmp_path / "out", "--mixed-precision", "bf16",
                                    "--max-train-steps", "1")))
-    assert seen["loaded"] == {part: {torch.bfloat16} for part in ("text_encoder", "text_encoder_2", "text_encoder_3")}
-    assert ("Linear", torch.bfloat16) in seen["dtypes"]
-    assert {d for name, d in seen["dtypes"] if name != "Linear"} == {torch.float32}
-    assert torch.equal(seen["new"].hidden, seen["old"].hidden) and torch.equal(seen["new"].pooled, seen["old"].pooled)
+    assert held == [0, 0, 0]
+    for folder in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        assert loaded[folder] == {(True, torch.bfloat16), (False, torch.float32)}, folder
+    run = runs[0]
+    old = components_module.load(str(half))  # every encoder upcast whole, then its Linear layers cast
+    old.family = run.components.family
+    for folder in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        assert {p.dtype for p in getattr(old, folder).parameters()} == {torch.float32}
+        cast_text_encoder_linears(old, frozen_dtype("bf16"), part=folder)
+    expected = TextCache(old, run.plan.all_prompt_ids, precision_autocast("bf16"))
+    assert torch.equal(run.text_cache.hidden, expected.hidden) and torch.equal(run.text_cache.pooled, expected.pooled)
 
 
 def test_bf16_trains_sd3_on_every_cpu(sd3_model, sample_images, tmp_path, runs):

@@ -10,7 +10,7 @@ import pickle
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Components:
     tokenizer: Any
-    text_encoder: Any
+    text_encoder: Any  # None while not held (freed once the prompts are cached, or not loaded yet)
     vae: Any
     denoiser: Any  # the UNet or transformer that the training step calls (may be compiled or IPEX-optimized)
     noise_scheduler: Any
@@ -158,16 +158,17 @@ def model_identity(model: str, revision: str | None = None) -> dict[str, str] | 
 
 def load(
     model: str, revision: str | None = None, variant: str | None = None, denoiser_dtype: Any = None,
-    with_denoiser: bool = True, half_linears: frozenset[str] = frozenset(),
+    deferred: bool = False, half_linears: frozenset[str] = frozenset(),
 ) -> Components:
     """Load the family's tokenizers and text encoders, the VAE, the denoiser (UNet or transformer) and the
     training noise scheduler, all frozen and in eval mode.
 
-    ``with_denoiser`` False: the denoiser is loaded later (``load_denoiser``), once the text encoders'
-    outputs are cached and the encoders freed, so the two are never held together (SD3.5's T5-XXL is
-    9.5 GB in bf16 beside a 4.5 GB transformer). ``half_linears``: the encoders (by folder) whose
-    half-precision Linear layers stay as loaded (a frozen encoder in bf16 training, whose Linear layers
-    are cast to bf16 anyway): the rest of such an encoder is upcast, never the whole in fp32 (T5-XXL: 19 GB).
+    ``deferred``: the text encoders and the denoiser are left out (None), for a run that loads each encoder
+    in turn to encode its prompts and frees it (``load_encoder``), then loads the denoiser (``load_denoiser``):
+    no two of them are held together (SD3.5's T5-XXL is 9.5 GB in bf16, its transformer 4.5 GB).
+    ``half_linears``: the encoders (by folder) whose half-precision Linear layers stay as loaded (a frozen
+    encoder in bf16 training, whose Linear layers are cast to bf16 anyway): the rest of such an encoder is
+    upcast, never the whole in fp32 (T5-XXL: 19 GB).
 
     ``denoiser_dtype`` (torch.bfloat16 for bf16 training): the frozen UNet is loaded in it once, rather
     than kept in fp32 and cast again by autocast at every step; that made its forward and backward
@@ -186,19 +187,38 @@ def load(
         raise UserError(f"model path {model} does not exist")
     family = pipeline_family(model, revision)
     common = {"revision": revision}
-    text: dict[str, Any] = {}  # the family's tokenizers and text encoders, by folder
-    try:
+    tokenizers: dict[str, Any] = {}  # the family's tokenizers, by folder
+    with _loading(model, variant):
         for i, encoder in enumerate(family.encoders):
-            text[encoder.tokenizer] = getattr(transformers, encoder.tokenizer_class).from_pretrained(
+            tokenizers[encoder.tokenizer] = getattr(transformers, encoder.tokenizer_class).from_pretrained(
                 model, subfolder=encoder.tokenizer, **common)
             if i == 0:
                 check_text_to_image(model, revision, family)  # before any weights load
-            text[encoder.folder] = getattr(transformers, encoder.model_class).from_pretrained(
-                model, subfolder=encoder.folder, variant=variant, **common)
-        vae = diffusers.AutoencoderKL.from_pretrained(model, subfolder="vae", variant=variant, **common)
-        denoiser = _load_denoiser_in(family, denoiser_dtype, model, revision, variant) if with_denoiser else None
-        noise_scheduler = getattr(diffusers, family.scheduler_class).from_pretrained(
+    components = Components(text_encoder=None, vae=None, denoiser=None, noise_scheduler=None, family=family,
+                            **tokenizers)
+    if not deferred:
+        for encoder in family.encoders:
+            load_encoder(components, model, encoder.folder, revision, variant, keep_linears=encoder.folder in half_linears)
+    with _loading(model, variant):
+        components.vae = diffusers.AutoencoderKL.from_pretrained(model, subfolder="vae", variant=variant, **common)
+    if not deferred:
+        load_denoiser(components, model, revision, variant, denoiser_dtype)
+    with _loading(model, variant):
+        components.noise_scheduler = getattr(diffusers, family.scheduler_class).from_pretrained(
             model, subfolder="scheduler", **common)
+    components.vae.requires_grad_(False)
+    components.vae.eval()
+    _in_fp32(components.vae)
+    return components
+
+
+@contextmanager
+def _loading(model: str, variant: str | None) -> Iterator[None]:
+    """A model's files failing to load as one line: a pickle that holds more than tensors, a hub id missing
+    or gated, or not in the cache offline, or the loader's own first line."""
+    local = Path(model).expanduser()
+    try:
+        yield
     except pickle.UnpicklingError as exc:
         raise UserError(unsafe_pickle_message(model, exc)) from None
     except (OSError, ValueError) as exc:
@@ -214,31 +234,33 @@ def load(
         variants = sorted({f.name.split(".")[1].split("-")[0] for f in local.glob("*/*.*.safetensors")}) if local.is_dir() else []
         hint = f" (its weights are a variant: add --variant {variants[0]})" if variants and not variant else ""
         raise UserError(f"cannot load a Stable Diffusion pipeline from {model!r}: {first}{hint}") from None
-    encoders = {e.folder: text[e.folder] for e in family.encoders}
-    for module in (*encoders.values(), vae):
-        module.requires_grad_(False)
-        module.eval()
-    upcast = {name: _in_fp32(module, keep_linears=name in half_linears) for name, module in
-              (*encoders.items(), ("vae", vae))}
-    components = Components(vae=vae, denoiser=None, noise_scheduler=noise_scheduler, family=family, **text,
-                            **{f"{name}_cast": upcast[name] for name in encoders})
-    if denoiser is not None:
-        _set_denoiser(components, denoiser, denoiser_dtype)
-    return components
+
+
+def load_encoder(components: Components, model: str, folder: str, revision: str | None = None,
+                 variant: str | None = None, keep_linears: bool = False) -> None:
+    """The text encoder in ``folder`` into ``components``, frozen and in eval mode, half-precision weights
+    upcast (``_in_fp32``; ``keep_linears``: all but its Linear layers)."""
+    import transformers
+
+    local = Path(model).expanduser()
+    model = str(local) if local.exists() else model
+    encoder = next(e for e in components.family.encoders if e.folder == folder)
+    with _loading(model, variant):
+        module = getattr(transformers, encoder.model_class).from_pretrained(
+            model, subfolder=folder, variant=variant, revision=revision)
+    module.requires_grad_(False)
+    module.eval()
+    setattr(components, folder, module)
+    setattr(components, f"{folder}_cast", _in_fp32(module, keep_linears=keep_linears))
 
 
 def load_denoiser(components: Components, model: str, revision: str | None = None, variant: str | None = None,
                   denoiser_dtype: Any = None) -> None:
-    """The denoiser that ``load(..., with_denoiser=False)`` left out, loaded as ``load`` would have."""
+    """The denoiser into ``components`` (``load`` leaves it out when deferred), frozen and in eval mode."""
     local = Path(model).expanduser()
-    try:
-        denoiser = _load_denoiser_in(components.family, denoiser_dtype, str(local) if local.exists() else model,
-                                     revision, variant)
-    except pickle.UnpicklingError as exc:
-        raise UserError(unsafe_pickle_message(model, exc)) from None
-    except (OSError, ValueError) as exc:  # its files went missing since the encoders loaded
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise UserError(f"cannot load the {components.family.denoiser} of {model!r}: {first}") from None
+    model = str(local) if local.exists() else model
+    with _loading(model, variant):
+        denoiser = _load_denoiser_in(components.family, denoiser_dtype, model, revision, variant)
     _set_denoiser(components, denoiser, denoiser_dtype)
 
 

@@ -53,6 +53,7 @@ from xeontune.train.components import (
     frozen_dtype,
     load,
     load_denoiser,
+    load_encoder,
     model_identity,
     pipeline_family,
     weights_files,
@@ -171,13 +172,26 @@ def pause_for_tests(where: str, rank: int) -> None:
 class TextCache:
     """The frozen text encoders' outputs for each prompt of the sample plan, computed once: with the
     encoders frozen they depend on the prompt alone (``Run.encode_text`` then only looks them up).
-    ``all_prompt_ids``: one tensor of every prompt's ids per encoder (``SamplePlan.all_prompt_ids``)."""
+    ``all_prompt_ids``: one tensor of every prompt's ids per encoder (``SamplePlan.all_prompt_ids``).
+    ``load_encoder`` (by folder): the encoders are not in ``components`` but loaded one at a time, each
+    encoding every prompt and freed before the next loads (SD3.5's T5-XXL alone is 9.5 GB in bf16)."""
 
     def __init__(self, components: Components, all_prompt_ids: list[torch.Tensor],
-                 autocast: contextlib.AbstractContextManager) -> None:
+                 autocast: contextlib.AbstractContextManager,
+                 load_encoder: Callable[[str], Any] | None = None) -> None:
+        family, count = components.family, len(all_prompt_ids[0])
         with torch.no_grad(), autocast:
-            rows = [components.family.encode(components.text_encoders, [ids[i : i + 1] for ids in all_prompt_ids])
-                    for i in range(len(all_prompt_ids[0]))]
+            if load_encoder is None:
+                rows = [family.encode(components.text_encoders, [ids[i : i + 1] for ids in all_prompt_ids])
+                        for i in range(count)]
+            else:
+                outputs = []
+                for index, (encoder, ids) in enumerate(zip(family.encoders, all_prompt_ids, strict=True)):
+                    module = load_encoder(encoder.folder)
+                    outputs.append([family.encoder_output(index, module, ids[i : i + 1]) for i in range(count)])
+                    del module
+                    hardware.release_freed_memory()
+                rows = [family.join([each[i] for each in outputs]) for i in range(count)]
         self.hidden = torch.cat([hidden for hidden, _ in rows])
         self.pooled = None if rows[0][1] is None else torch.cat([pooled for _, pooled in rows])
 
@@ -536,18 +550,25 @@ def _setup(
         trained = family.trained_parts(method.trains)
         denoiser_dtype = None if families.DENOISER in trained else frozen_dtype(precision)
         frozen_encoders = tuple(e for e in family.encoder_names if e not in trained)
-        components = load(opts.model, opts.revision, opts.variant, denoiser_dtype=denoiser_dtype, with_denoiser=not first,
-                          half_linears=frozenset(frozen_encoders if frozen_dtype(precision) is not None else ()))
-        for part in frozen_encoders:
+        half_linears = frozenset(frozen_encoders if frozen_dtype(precision) is not None else ())
+        components = load(opts.model, opts.revision, opts.variant, denoiser_dtype=denoiser_dtype, deferred=first,
+                          half_linears=half_linears)
+        for part in () if first else frozen_encoders:
             cast_text_encoder_linears(components, frozen_dtype(precision), opts.model, opts.revision,
                                       opts.variant, part)
     components.family = components.family.for_run(opts)
     # what the run holds beside the denoiser, counted before the method moves a token table out of sight
-    beside_denoiser = sum(module_bytes(m) for m in (*components.text_encoders, components.vae))
+    beside_denoiser = sum(module_bytes(m) for m in (*components.text_encoders, components.vae) if m is not None)
     if first:
+        def frozen_encoder(folder: str) -> Any:  # loaded and cast as a load of them all would, then handed over
+            load_encoder(components, opts.model, folder, opts.revision, opts.variant, keep_linears=folder in half_linears)
+            cast_text_encoder_linears(components, frozen_dtype(precision), opts.model, opts.revision, opts.variant, folder)
+            encoder = getattr(components, folder)
+            setattr(components, folder, None)
+            return encoder
+
         early_ids = tokenize_prompts(components, method.prompts(given), main)
-        early_cache = TextCache(components, early_ids, precision_autocast(precision))
-        release_text_encoders(components)
+        early_cache = TextCache(components, early_ids, precision_autocast(precision), frozen_encoder)
         load_denoiser(components, opts.model, opts.revision, opts.variant, denoiser_dtype)
     method.install(components)  # before packing and compiling: they act on the models as the method left them
     notes: list[str] = []  # what the frozen models' preparation decided (none where ``shared``), then attention's

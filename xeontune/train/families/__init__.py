@@ -110,7 +110,17 @@ class Family:
 
     def encode(self, encoders: list[Any], input_ids: list[Any]) -> tuple[Any, Any]:
         """(the denoiser's text hidden states, a pooled embedding or None) of tokenized prompts, one id
-        tensor per encoder."""
+        tensor per encoder: each encoder's output joined."""
+        return self.join([self.encoder_output(i, encoder, ids)
+                          for i, (encoder, ids) in enumerate(zip(encoders, input_ids, strict=True))])
+
+    def encoder_output(self, index: int, encoder: Any, input_ids: Any) -> Any:
+        """What the family takes of its ``index``-th encoder's output for these prompts. Each encoder's alone,
+        so that a run can hold one encoder at a time (loop.TextCache) and join them after."""
+        raise NotImplementedError
+
+    def join(self, outputs: list[Any]) -> tuple[Any, Any]:
+        """(hidden states, pooled embedding or None) from every encoder's ``encoder_output``, in order."""
         raise NotImplementedError
 
     def conditions(self, pooled: Any, sizes: Any) -> dict[str, Any] | None:

@@ -52,10 +52,14 @@ class Flux(StableDiffusion3):
     def denoiser_channels(self, latent_channels: int) -> int:
         return latent_channels * self.packed_channels
 
-    def encode(self, encoders: list[Any], input_ids: list[Any]) -> tuple[Any, Any]:
+    def encoder_output(self, index: int, encoder: Any, input_ids: Any) -> Any:
+        """CLIP's pooled output; T5's tokens."""
+        out = encoder(input_ids, output_hidden_states=False)
+        return out.pooler_output if index == 0 else out[0]
+
+    def join(self, outputs: list[Any]) -> tuple[Any, Any]:
         """T5's tokens as the hidden states, CLIP's pooled output (as FluxPipeline.encode_prompt)."""
-        pooled = encoders[0](input_ids[0], output_hidden_states=False).pooler_output
-        hidden = encoders[1](input_ids[1], output_hidden_states=False)[0]
+        pooled, hidden = outputs
         return hidden.to(pooled.dtype) if hidden.dtype != pooled.dtype else hidden, pooled
 
     def predict(self, scheduler: Any, denoiser: Any, noisy: Any, timesteps: Any, hidden: Any,

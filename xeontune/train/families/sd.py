@@ -37,9 +37,12 @@ class StableDiffusion(Family):
             raise UserError(f"--weighting-scheme is flow matching's (SD3); {self.summary} trains on DDPM timesteps: "
                             "weigh them with --snr-gamma")
 
-    def encode(self, encoders: list[Any], input_ids: list[Any]) -> tuple[Any, Any]:
+    def encoder_output(self, index: int, encoder: Any, input_ids: Any) -> Any:
         # the last hidden states (SD2's config already drops its encoder's last layer)
-        return encoders[0](input_ids[0])[0], None
+        return encoder(input_ids)[0]
+
+    def join(self, outputs: list[Any]) -> tuple[Any, Any]:
+        return outputs[0], None
 
     def noisy(self, scheduler: Any, latents: Any, noise: Any, timesteps: Any) -> Any:
         return scheduler.add_noise(latents, noise, timesteps)

@@ -80,18 +80,21 @@ class StableDiffusion3(Family):
 
     # --- prompts ----------------------------------------------------------------------------------
 
-    def encode(self, encoders: list[Any], input_ids: list[Any]) -> tuple[Any, Any]:
+    def encoder_output(self, index: int, encoder: Any, input_ids: Any) -> Any:
+        """A CLIP encoder's penultimate hidden states and pooled projection; T5's last hidden states."""
+        if index < 2:
+            out = encoder(input_ids, output_hidden_states=True)
+            return out.hidden_states[-2], out.text_embeds
+        return encoder(input_ids)[0]
+
+    def join(self, outputs: list[Any]) -> tuple[Any, Any]:
         """The CLIP encoders' penultimate hidden states side by side, zero-padded to T5's width, then T5's
         tokens after them; the CLIP encoders' pooled projections side by side."""
         import torch
         import torch.nn.functional as F
 
-        clip, pooled = [], []
-        for encoder, ids in zip(encoders[:2], input_ids[:2], strict=True):
-            out = encoder(ids, output_hidden_states=True)
-            clip.append(out.hidden_states[-2])
-            pooled.append(out.text_embeds)
-        t5 = encoders[2](input_ids[2])[0]
+        clip, pooled = [hidden for hidden, _ in outputs[:2]], [p for _, p in outputs[:2]]
+        t5 = outputs[2]
         joined = torch.cat(clip, dim=-1)
         joined = F.pad(joined, (0, t5.shape[-1] - joined.shape[-1]))
         return torch.cat([joined, t5.to(joined.dtype)], dim=-2), torch.cat(pooled, dim=-1)

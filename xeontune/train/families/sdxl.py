@@ -41,14 +41,18 @@ class StableDiffusionXL(StableDiffusion):
         return cls.denoiser in model_index and ("XL" in name or "text_encoder_2" in model_index) \
             and "text_encoder_3" not in model_index
 
-    def encode(self, encoders: list[Any], input_ids: list[Any]) -> tuple[Any, Any]:
+    def encoder_output(self, index: int, encoder: Any, input_ids: Any) -> Any:
+        """Its penultimate hidden states, and (the second's) the pooled projection."""
+        out = encoder(input_ids, output_hidden_states=True)
+        return out.hidden_states[-2], (out.text_embeds if index == 1 else None)
+
+    def join(self, outputs: list[Any]) -> tuple[Any, Any]:
         """Both encoders' penultimate hidden states side by side (768 + 1280), and the second's pooled
         projection."""
         import torch
 
-        first = encoders[0](input_ids[0], output_hidden_states=True).hidden_states[-2]
-        second = encoders[1](input_ids[1], output_hidden_states=True)
-        return torch.cat([first, second.hidden_states[-2].to(first.dtype)], dim=-1), second.text_embeds
+        (first, _), (second, pooled) = outputs
+        return torch.cat([first, second.to(first.dtype)], dim=-1), pooled
 
     def conditions(self, pooled: Any, sizes: Any) -> dict[str, Any] | None:
         return {"text_embeds": pooled, "time_ids": sizes}
