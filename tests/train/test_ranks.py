@@ -123,22 +123,25 @@ def test_frozen_weight_bytes_of_a_local_model(tiny_model):
 
 
 def test_the_memory_plan_counts_no_denoiser_at_load_where_the_prompts_are_encoded_first(tiny_model, monkeypatch):
-    """A run that encodes its prompts and frees the encoders before the denoiser loads (ranks.encodes_first)
-    holds the encoders and the VAE at load, not the denoiser beside them; with validation images it keeps the
-    encoders, so everything loads together as before."""
+    """A run that encodes its prompts one encoder at a time before the denoiser loads (ranks.encodes_first)
+    holds its largest encoder and the VAE at load, not the denoiser or the other encoders beside them; with
+    validation images it keeps the encoders, so everything loads together as before."""
     from xeontune.train import ranks
 
     unet = sum(p.stat().st_size for p in (Path(tiny_model) / "unet").glob("*.safetensors"))
-    assert frozen_weight_bytes(str(tiny_model), "fp32") - frozen_weight_bytes(str(tiny_model), "fp32", denoiser=False) == unet
+    assert frozen_weight_bytes(str(tiny_model), "fp32") - frozen_weight_bytes(str(tiny_model), "fp32", encoding=True) == unet
+    sdxl = frozen_weight_bytes("", "fp32", family="sdxl", encoding=True)  # its larger encoder alone, no UNet
+    parts = get_family("sdxl").default_bytes()
+    assert sdxl == int(parts["vae"] + max(parts["text_encoder"], parts["text_encoder_2"]))
     loads = []
     weights = ranks.frozen_weight_bytes
     monkeypatch.setattr(ranks, "rank_memory", lambda *a, **k: 0)  # the load alone
-    monkeypatch.setattr(ranks, "frozen_weight_bytes", lambda *a, **k: loads.append(k["denoiser"]) or weights(*a, **k))
+    monkeypatch.setattr(ranks, "frozen_weight_bytes", lambda *a, **k: loads.append(k["encoding"]) or weights(*a, **k))
     args = ["--method", "lora", "--instance-prompt", "a toy", "--model", str(tiny_model), "--data-dir", "x",
             "--mixed-precision", "fp32"]
     ranks.memory_plan(parse_args(args), "fp32", 1, 1)
     ranks.memory_plan(parse_args([*args, "--validation-prompt", "a toy"]), "fp32", 1, 1)
-    assert loads == [False, True]
+    assert loads == [True, False]
     assert ranks.encodes_first(parse_args(args)) and not ranks.encodes_first(parse_args([*args, "--with-prior-preservation",
                                                                                           "--class-prompt", "a thing", "--class-data-dir", "y"]))
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from xeontune import hardware
 from xeontune.errors import UserError
-from xeontune.train import packed
+from xeontune.train import families, packed
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,9 @@ def prepare_frozen_models(
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     notes: list[str] = []
+    title = families.get(family).denoiser_title  # what the messages call the denoiser
     if checkpointing:  # first: IPEX's copy, the packed layers and a compiled graph all keep the blocks' flag
-        notes.append(enable_checkpointing(unet))
+        notes.append(enable_checkpointing(unet, title))
     # decided once, up front: where auto packs, `--ipex auto` leaves IPEX out (see _auto_packing)
     auto_pack = _auto_packing(precision, compile, family) if pack == "auto" else (False, "")
     memory = _process_memory() if step_bytes is not None else 0  # before packing takes any of it
@@ -97,20 +98,20 @@ def prepare_frozen_models(
             unet, vae, note = _apply_ipex(unet, vae, precision, _prepack_choice(info), info.installed or "")
             notes.append(note)
             if pack == "on":
-                notes.append("packed weights: not applied (IPEX packs the UNet's weights itself)")
+                notes.append(f"packed weights: not applied (IPEX packs the {title}'s weights itself)")
             pack = "off"
-    notes.extend(_apply_packing(unet, pack, auto_pack))
+    notes.extend(_apply_packing(unet, pack, auto_pack, title))
     if step_bytes is not None:
         _warn_if_short(unet, step_bytes, memory)
     if compile:
         # Compilation happens on the first call: the first step takes minutes, and on the
         # 2-core AVX2 machine the compiled UNet was slower than eager (docs/performance.md).
         unet = torch.compile(unet)
-        notes.append("torch.compile: UNet wrapped (inductor CPU); the first step compiles it")
+        notes.append(f"torch.compile: {title} wrapped (inductor CPU); the first step compiles it")
     return unet, vae, notes
 
 
-def enable_checkpointing(unet: nn.Module) -> str:
+def enable_checkpointing(unet: nn.Module, title: str = "UNet") -> str:
     """`--gradient-checkpointing`: diffusers' own, on the frozen UNet. Its blocks recompute under
     ``torch.is_grad_enabled()`` alone (diffusers 0.42 no longer asks for train mode), and
     torch.utils.checkpoint's non-reentrant form, which diffusers uses, gives the input gradient that
@@ -118,7 +119,7 @@ def enable_checkpointing(unet: nn.Module) -> str:
     layers' autograd functions save no tensors, so they recompute as they ran. Validation runs under
     no_grad, where nothing is checkpointed."""
     unet.enable_gradient_checkpointing()
-    return "gradient checkpointing: the UNet's blocks recompute their activations in the backward pass"
+    return f"gradient checkpointing: the {title}'s blocks recompute their activations in the backward pass"
 
 
 def _auto_packing(precision: str, compile: bool, family: str = "sd") -> tuple[bool, str]:
@@ -179,7 +180,7 @@ def _warn_if_short(unet: nn.Module, step_bytes: int, memory: int) -> None:
                     ", and --pack-weights off" if packs else "")
 
 
-def _apply_packing(unet: nn.Module, pack: str, auto_pack: tuple[bool, str]) -> list[str]:
+def _apply_packing(unet: nn.Module, pack: str, auto_pack: tuple[bool, str], title: str = "UNet") -> list[str]:
     """Pack the UNet's weights for oneDNN (stock torch) as ``pack`` says (``auto_pack``: what auto
     decided); the notes say what was done."""
     if pack == "off":
@@ -192,7 +193,7 @@ def _apply_packing(unet: nn.Module, pack: str, auto_pack: tuple[bool, str]) -> l
             raise UserError(f"--pack-weights on, but {why}")
     start = time.perf_counter()
     report = packed.pack(unet)
-    return [f"{report.describe()} ({time.perf_counter() - start:.1f} s)"]
+    return [f"{report.describe(title)} ({time.perf_counter() - start:.1f} s)"]
 
 
 def _prepack_choice(info: hardware.IpexInfo) -> bool:

@@ -314,10 +314,11 @@ class PackReport:
     linears: int
     parameters: int  # weights packed (each is held again, reordered, once or twice: see module doc)
 
-    def describe(self) -> str:
+    def describe(self, title: str = "UNet") -> str:
+        """``title``: what the family calls its denoiser (Family.denoiser_title)."""
         convolutions = f"{self.convolutions} convolution{'s' if self.convolutions != 1 else ''}"
         linears = f"{self.linears} Linear layer{'s' if self.linears != 1 else ''}"
-        return (f"packed weights: the UNet's {convolutions} and {linears} ({self.parameters / 1e6:.1f} M weights) "
+        return (f"packed weights: the {title}'s {convolutions} and {linears} ({self.parameters / 1e6:.1f} M weights) "
                 "reordered for oneDNN once")
 
 

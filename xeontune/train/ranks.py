@@ -90,7 +90,7 @@ def adafactor_state_share(folder: Path | None) -> float:
 def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str | None = None,
                         text_encoders: bool = True, trained: frozenset[str] = frozenset(), optimizer: str = "adamw",
                         ema: bool = False, shares: tuple[float, float, float] = (1.0, 1.0, 1.0),
-                        denoiser: bool = True) -> int:
+                        encoding: bool = False) -> int:
     """Bytes of weights one rank holds: a frozen UNet and the text encoders' Linear layers in the
     training dtype, the rest as stored. With packed weights (`--pack-weights`, see packs()) a frozen UNet
     counts twice: its layers are held reordered for the forward and again for the input gradient, each
@@ -99,8 +99,8 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     ``text_encoders``: False where the run frees them once their outputs are cached (``keeps_text_encoders``).
     ``shares``: of a trained part's (weights, gradients, optimizer state), what a rank keeps
     (``shares``: 1/N of the state with --shard optimizer on N ranks, of all three with FSDP).
-    ``model`` "": the family's reference model (its default sizes). ``denoiser`` False: all but the denoiser
-    (what a run that encodes its prompts first holds while it does)."""
+    ``model`` "": the family's reference model (its default sizes). ``encoding``: what a run that encodes its
+    prompts first (``encodes_first``) holds while it does: the largest text encoder and the VAE."""
     root = Path(model).expanduser() if model else None
     if family is None:  # a local pipeline's own (its model_index.json), else SD's
         from xeontune.train.components import pipeline_family
@@ -120,18 +120,19 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
         state = ADAMW_STATE if optimizer == "adamw" else adafactor_state_share(root / folder if root else None)
         return weight_share + grad_share + state * state_share
 
-    denoiser = stored[kind.denoiser] if denoiser else 0
+    denoiser = 0 if encoding else stored[kind.denoiser]
     if families.DENOISER in trained:
         denoiser = denoiser * (factor(kind.denoiser) + (1 if ema else 0))
     else:
         # a bf16 run casts it once at load (stored in fp32 in the common pipelines)
         denoiser = (denoiser // 2 if precision == "bf16" else denoiser) * (2 if packed else 1)
-    encoders = 0.0
+    held = []
     for encoder in kind.encoders:  # each held as its Linear layers' share says under bf16
         if encoder.folder in trained and encoder.trainable:
-            encoders += stored[encoder.folder] * factor(encoder.folder)
+            held.append(stored[encoder.folder] * factor(encoder.folder))
         elif text_encoders:
-            encoders += _text_encoder_bytes(stored[encoder.folder], precision, encoder.linear_share)
+            held.append(_text_encoder_bytes(stored[encoder.folder], precision, encoder.linear_share))
+    encoders = max(held, default=0.0) if encoding else sum(held)  # one at a time, or all together
     return int(denoiser + stored["vae"] + encoders)
 
 
@@ -197,9 +198,9 @@ def memory_plan(opts: TrainOptions, precision: str, world: int, local_ranks: int
     sizes, its activations, the method's training state), and a line that says so: told before any weight
     loads, so a model too large for the node (Flux.1 in fp32 on 64 GB, say) costs no load."""
     steady = rank_memory(opts, precision, world=world)
-    # at load every text encoder is held too, even those freed once the prompts are cached (T5-XXL: 19 GB in fp32);
-    # the denoiser with them unless it loads after they are freed
-    loading = frozen_weight_bytes(str(opts.model), precision, family=_family_of(opts), denoiser=not encodes_first(opts))
+    # at load every text encoder is held too, even those freed once the prompts are cached (T5-XXL: 19 GB in fp32),
+    # unless the run encodes its prompts one encoder at a time before the denoiser loads
+    loading = frozen_weight_bytes(str(opts.model), precision, family=_family_of(opts), encoding=encodes_first(opts))
     need = max(steady, loading) * local_ranks
     have = placement.available_memory_bytes()
     fits = need <= have
@@ -216,13 +217,13 @@ def _family_of(opts: TrainOptions) -> str:
 
 def reference_lora_bytes(family: str, precision: str, resolution: int) -> int:
     """What a LoRA run of ``family``'s reference model (its default sizes: Flux.1-dev's, SD3.5 Medium's...)
-    holds at its peak, one rank, batch 1: the larger of the load (the text encoders and the VAE, the frozen
-    ones in the training dtype: the denoiser loads once the prompts are encoded and the encoders freed) and
+    holds at its peak, one rank, batch 1: the larger of the load (the largest text encoder in the training
+    dtype and the VAE: the encoders load one at a time, then the denoiser once they are freed) and
     the steps (the denoiser and the activations). From the family's figures, which are estimates where the
     family module says so."""
     kind = families.get(family)
     # the prompts encoded and the encoders freed before the denoiser loads (ranks.encodes_first)
-    loading = frozen_weight_bytes("", precision, family=family, denoiser=False)
+    loading = frozen_weight_bytes("", precision, family=family, encoding=True)
     steady = placement.rank_memory_bytes(frozen_weight_bytes("", precision, family=family, text_encoders=False),
                                          kind.activation_bytes(resolution, precision), 1)
     return max(loading, steady)
