@@ -289,6 +289,23 @@ def test_lora_bench_baseline_runs_the_vae_and_the_text_encoder_every_step(tiny_m
     assert result["model_gflop_per_step"] > 0
 
 
+def test_the_sd3_baseline_encodes_its_prompt_once_and_the_flux_one_every_step(sd3_model, flux_model, tmp_path):
+    """As the scripts run: train_dreambooth_lora_sd3.py encodes the instance prompt once; the Flux script's
+    loop encodes it again at every step (its encoders stay alive in the list it passes). Ours caches both."""
+    import argparse
+
+    from xeontune import models
+
+    data = tmp_path / "data"
+    models.write_sample_data(data, count=2, size=64)
+    args = argparse.Namespace(resolution=64, batch_size=1, warmup=0, steps=1, mixed_precision="fp32", ipex="off",
+                              compile=False, pack_weights="off", method="lora", rank=4)
+    cached = {name: [bench.variant_options(model, data, tmp_path / "out", args, variant).cache_text
+                     for variant in ("baseline", "optimized")]
+              for name, model in (("sd3", sd3_model), ("flux", flux_model))}
+    assert cached == {"sd3": [True, True], "flux": [False, True]}
+
+
 @pytest.mark.parametrize("family", ["sd", "sdxl"])
 def test_lora_baseline_casts_every_frozen_model_and_keeps_the_adapters_fp32(family, request, tmp_path):
     import argparse

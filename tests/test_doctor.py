@@ -66,3 +66,9 @@ def test_doctor_says_whether_a_flux_or_sd35_lora_fits_this_machine(monkeypatch):
     fits = {row.item: row for row in doctor.fits_rows("bf16")}["Flux.1-dev LoRA, 1024 px (bf16)"]
     short = {row.item: row for row in doctor.fits_rows("fp32")}["Flux.1-dev LoRA, 1024 px (fp32)"]
     assert fits.ok and not short.ok and short.advice and f"{fp32 / 1e9:.0f} GB" in short.value
+    # the activations as measured per token (flux-arch's, scaled to Flux.1-dev's blocks): 512 and 1024 px
+    # in bf16 need about 34 and 55 GB, the weights 23.8 GB of each
+    from xeontune.train.families import get
+
+    assert 30e9 < reference_lora_bytes("flux", "bf16", 512) < 40e9 < 50e9 < bf16 < 60e9
+    assert get("flux").activation_bytes(1024, "bf16") == 6.7e6 * (64 ** 2 + 512)

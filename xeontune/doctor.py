@@ -221,21 +221,23 @@ def checks(r: HardwareReport) -> list[Check]:
 
 
 # The models people fine-tune whose size decides the node (LoRA, batch 1, 1024 px, this CPU's precision).
-REFERENCE_MODELS = (("sd3", "SD3.5 Medium"), ("flux", "Flux.1-dev"))
+# (family, name, where its figure comes from: the activations per token measured in bf16 and scaled)
+REFERENCE_MODELS = (("sd3", "SD3.5 Medium", "measured on its sizes"),
+                    ("flux", "Flux.1-dev", "scaled from its 6-block measure"))
 
 
 def fits_rows(precision: str) -> list[Check]:
     """Whether this machine's available memory holds a LoRA run of each reference model, by the rank plan's
-    figures (estimates where the family module says so)."""
+    figures (the family modules say how they were measured)."""
     from xeontune.placement import available_memory_bytes
     from xeontune.train.ranks import reference_lora_bytes
 
     have = available_memory_bytes()
     rows = []
-    for family, name in REFERENCE_MODELS:
+    for family, name, source in REFERENCE_MODELS:
         need = reference_lora_bytes(family, precision, 1024)
         rows.append(Check(
-            f"{name} LoRA, 1024 px ({precision})", f"needs about {need / 1e9:.0f} GB (estimate); "
+            f"{name} LoRA, 1024 px ({precision})", f"needs about {need / 1e9:.0f} GB ({source}); "
             f"{have / 1e9:.0f} GB available", need <= have,
             "more memory (a larger node), or bf16 on a CPU with AMX or AVX512-BF16, which halves the frozen weights"))
     return rows

@@ -219,8 +219,8 @@ def reference_lora_bytes(family: str, precision: str, resolution: int) -> int:
     """What a LoRA run of ``family``'s reference model (its default sizes: Flux.1-dev's, SD3.5 Medium's...)
     holds at its peak, one rank, batch 1: the larger of the load (the largest text encoder in the training
     dtype and the VAE: the encoders load one at a time, then the denoiser once they are freed) and
-    the steps (the denoiser and the activations). From the family's figures, which are estimates where the
-    family module says so."""
+    the steps (the denoiser and the activations). From the family's figures, whose modules say how they were
+    measured."""
     kind = families.get(family)
     # the prompts encoded and the encoders freed before the denoiser loads (ranks.encodes_first)
     loading = frozen_weight_bytes("", precision, family=family, encoding=True)

@@ -15,9 +15,10 @@ from typing import Any, ClassVar
 from xeontune.train.families import Encoder
 from xeontune.train.families.sd3 import StableDiffusion3
 
-# Not measured (no Flux run on this project's machines yet): SD3's estimate grown by the transformer's width
-# (3072 against SD3.5 Medium's 1536) and depth (57 blocks against 24), with margin.
-ACTIVATION_BYTES_1024PX = {"bf16": 24.0e9, "fp32": 48.0e9}
+# Measured on flux-arch (Flux.1-dev's widths, 6 of its 57 blocks; docs/performance.md), bf16, less the runtime's
+# 0.8 GB: 1.13 GB over 1,536 tokens at 512 px and 3.39 GB over 4,608 at 1024 px, 0.74 MB a token at both;
+# Flux.1-dev's blocks and parameters are 9.1-9.5x the reduced model's: 6.7 MB a token. fp32: twice (not measured).
+ACTIVATION_BYTES_PER_TOKEN = {"bf16": 6.7e6, "fp32": 13.4e6}
 
 
 class Flux(StableDiffusion3):
@@ -38,11 +39,16 @@ class Flux(StableDiffusion3):
     # the example's defaults: both streams' attention and feed-forward layers
     lora_targets = (*StableDiffusion3.lora_targets, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                     "ff_context.net.2")
-    activation_1024px: ClassVar[Mapping[str, float]] = ACTIVATION_BYTES_1024PX
+    activation_per_token: ClassVar[Mapping[str, float]] = ACTIVATION_BYTES_PER_TOKEN
+    text_tokens = 512  # T5's (the example's --max_sequence_length)
     weighting = "none"
     precondition = False
     guidance_scale = 3.5
     packed_channels = 4  # a 2x2 patch of latents is one token
+    # train_dreambooth_lora_flux.py (diffusers 58eb52c) encodes the instance prompt once, as SD3's does, but its
+    # loop encodes the batch's prompts again at every step (the list it passes keeps the encoders alive):
+    # T5-XXL over 512 tokens a step (docs/performance.md, flux-arch against the script)
+    bench_baseline: ClassVar[Mapping[str, Mapping[str, Any]]] = {"lora": {"cache_text": False}}
 
     @classmethod
     def recognizes(cls, model_index: Mapping[str, Any]) -> bool:

@@ -14,9 +14,12 @@ from typing import Any, ClassVar
 from xeontune.errors import UserError
 from xeontune.train.families import Encoder, Family
 
-# Not measured yet (no SD3 run on this project's machines so far): SD1.5's measured figure per latent pixel,
-# scaled by the transformer's width (1536 for SD3.5 Medium against SD1.5's 320-1280), with margin.
-ACTIVATION_BYTES_1024PX = {"bf16": 8.0e9, "fp32": 16.0e9}
+# Measured (docs/performance.md, "SD3.5 Medium-arch and Flux.1-arch LoRA"): a LoRA step's activations grow
+# with the transformer's tokens, the image's ((side / 16) squared) and the text's. sd35m-arch in bf16, steps
+# sampled every 0.2 s, less the runtime's 0.8 GB: 1.78 GB over 1,178 tokens at 512 px, 7.69 GB over 4,250 at
+# 1024 px (attention adds a little more than linear); the larger figure per token is kept. fp32: twice (not
+# measured: the 24 GB machine has bf16).
+ACTIVATION_BYTES_PER_TOKEN = {"bf16": 1.81e6, "fp32": 3.62e6}
 
 
 class StableDiffusion3(Family):
@@ -44,11 +47,12 @@ class StableDiffusion3(Family):
                     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
     # ComfyUI reads SD3 LoRAs in diffusers' layout and in this one (OneTrainer's): the module path with "_"
     kohya_denoiser_prefix = "lora_transformer_"
-    activation_1024px: ClassVar[Mapping[str, float]] = ACTIVATION_BYTES_1024PX
+    activation_per_token: ClassVar[Mapping[str, float]] = ACTIVATION_BYTES_PER_TOKEN
+    text_tokens = 77 + 77  # the CLIP encoders' states, then T5's 77 (the example's --max_sequence_length)
     weighting = "logit_normal"  # --weighting-scheme's default: train_dreambooth_lora_sd3.py's
     precondition = True  # --precondition-outputs' default: the example's (``for_run`` sets the run's)
-    # train_dreambooth_lora_sd3.py (and _flux.py) encode the instance prompt once when the text encoders are
-    # frozen; the SD LoRA script encodes it every step
+    # train_dreambooth_lora_sd3.py encodes the instance prompt once when the text encoders are frozen (the SD
+    # LoRA script encodes it every step; so does the Flux one in practice: flux.py)
     bench_baseline: ClassVar[Mapping[str, Mapping[str, Any]]] = {"lora": {"cache_text": True}}
     refuses: ClassVar[Mapping[str, str]] = {
         "textual_inversion": "its prompts reach the transformer through T5 as well, which a CLIP token does not "
@@ -163,7 +167,8 @@ class StableDiffusion3(Family):
         return "sd3"
 
     def activation_bytes(self, resolution: int, precision: str) -> float:
-        return self.activation_1024px["bf16" if precision == "bf16" else "fp32"] * (resolution / 1024) ** 2
+        tokens = (resolution // 16) ** 2 + self.text_tokens  # latents at 1/8, patches (or packed pairs) of 2
+        return self.activation_per_token["bf16" if precision == "bf16" else "fp32"] * tokens
 
     def example_bf16(self, method: str) -> tuple[str, ...]:
         # the SD3 and Flux LoRA scripts cast every frozen model (the VAE too) to the weight dtype
