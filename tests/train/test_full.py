@@ -503,6 +503,39 @@ def test_the_rank_plan_counts_adafactors_state_from_the_models_shapes(tiny_model
     assert 0 < share < 1 and abs((adamw - adafactor) - (2 - share) * stored_unet) <= 16  # AdamW's 2 against it
 
 
+def test_a_model_not_on_disk_counts_adafactors_state_by_its_familys_reference_shapes():
+    """A hub id whose files are not here: Adafactor's share is the family's reference model's, computed from
+    its shapes as adafactor_state_share computes it from headers (SDXL's UNet 0.095, not 0.5: 4 GB less)."""
+    import math
+    from dataclasses import replace
+
+    from xeontune import models
+    from xeontune.train import families, ranks
+
+    def share(module) -> float:
+        state = total = 0
+        for t in module.state_dict().values():
+            shape = list(t.shape)
+            total += math.prod(shape)
+            state += math.prod(shape) if len(shape) < 2 else math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+        return state / total
+
+    with torch.device("meta"):
+        built = {"sd": models.build_modules(models.DIMS["sd15-arch"], models.build_tokenizer(models.DIMS["sd15-arch"])),
+                 "sdxl": models.build_modules(models.DIMS["sdxl-arch"], models.build_tokenizer(models.DIMS["sdxl-arch"])),
+                 "sd3": {k: f() for k, f in models.sd3_parts(models.SD3_DIMS["sd35m-arch"]).items() if "token" not in k},
+                 "flux": {k: f() for k, f in models.flux_parts(replace(models.SD3_DIMS["flux-arch"], layers=19,
+                                                                        single_layers=38)).items() if "token" not in k}}
+    for name, parts in built.items():
+        family = families.get(name)
+        for folder, value in family.adafactor_shares.items():
+            assert abs(share(parts[folder]) - value) < 5e-4, (name, folder)
+    adamw, adafactor = (ranks.frozen_weight_bytes("", "fp32", family="sdxl", trained=frozenset({"denoiser"}),
+                                                  optimizer=optimizer) for optimizer in ("adamw", "adafactor"))
+    unet = families.get("sdxl").default_bytes()["unet"]
+    assert abs((adamw - adafactor) - (2 - 0.095) * unet) <= 16
+
+
 def test_a_run_short_of_memory_is_told_what_saves_it(full_args, tiny_model, monkeypatch, caplog):
     from xeontune import placement
 

@@ -65,17 +65,18 @@ def _as_fp32_bytes(path: Path) -> int:
 
 # A trained part's optimizer state as a multiple of its fp32 weights (beside the weights and gradients,
 # 1 each; --use-ema adds one fp32 copy of the UNet): AdamW's two moments (16 bytes a parameter in all);
-# Adafactor's, from the part's shapes (``adafactor_state_share``), this where they cannot be read.
+# Adafactor's, from the part's shapes (``adafactor_state_share``), this where they cannot be read and the family
+# names none (Family.adafactor_shares: its reference model's).
 ADAMW_STATE = 2.0
 ADAFACTOR_STATE_UNREAD = 0.5
 
 
-def adafactor_state_share(folder: Path | None) -> float:
+def adafactor_state_share(folder: Path | None, unread: float = ADAFACTOR_STATE_UNREAD) -> float:
     """transformers' Adafactor (no first moment, as make_optimizer runs it) keeps a row and a column of
     second moments for a tensor of two or more dimensions (the shape without its last, and without its
     last but one) and a vector's own size: a 3x3 convolution's state is 2/3 of it, a Linear layer's next to
     nothing. Summed from the part's safetensors headers: SD1.5's UNet 0.53 of its weights, SDXL's 0.10
-    (peak RSS measured: docs/performance.md)."""
+    (peak RSS measured: docs/performance.md). ``unread``: the share where the files cannot be read."""
     state = total = 0
     for path in sorted(folder.glob("*.safetensors")) if folder is not None and folder.is_dir() else ():
         for name, tensor in (_header(path) or {}).items():
@@ -84,7 +85,7 @@ def adafactor_state_share(folder: Path | None) -> float:
             shape = tensor["shape"]
             total += math.prod(shape)
             state += math.prod(shape) if len(shape) < 2 else math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
-    return state / total if total else ADAFACTOR_STATE_UNREAD
+    return state / total if total else unread
 
 
 def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family: str | None = None,
@@ -117,7 +118,8 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
     weight_share, grad_share, state_share = shares
 
     def factor(folder: str) -> float:  # a trained part's bytes as a multiple of its fp32 weights
-        state = ADAMW_STATE if optimizer == "adamw" else adafactor_state_share(root / folder if root else None)
+        state = ADAMW_STATE if optimizer == "adamw" else adafactor_state_share(
+            root / folder if root else None, kind.adafactor_shares.get(folder, ADAFACTOR_STATE_UNREAD))
         return weight_share + grad_share + state * state_share
 
     denoiser = 0 if encoding else stored[kind.denoiser]

@@ -69,6 +69,9 @@ class Family:
     kohya_denoiser_prefix: ClassVar[str] = "lora_unet_"  # the denoiser's adapters' prefix in kohya's LoRA layout
     denoiser_params: ClassVar[float]  # the denoiser's parameters, for the memory plan of a model not on disk
     vae_bytes: ClassVar[float]
+    # by folder: Adafactor's state as a share of the part's weights in the reference model (ranks'
+    # adafactor_state_share from its shapes, on the meta device), for a model whose files are not on disk
+    adafactor_shares: ClassVar[Mapping[str, float]] = {}
     bench_targets: ClassVar[Mapping[str, Mapping[str, Any]]] = {}  # per method: targets overriding the method's
     # per method: the bench baseline's options where this family's example script differs from the method's
     bench_baseline: ClassVar[Mapping[str, Mapping[str, Any]]] = {}

@@ -36,6 +36,7 @@ class Flux(StableDiffusion3):
     )
     denoiser_params = 11.9e9  # Flux.1's transformer
     vae_bytes = 335e6
+    adafactor_shares: ClassVar[Mapping[str, float]] = {"transformer": 0.001, "text_encoder": 0.003}
     # the example's defaults: both streams' attention and feed-forward layers
     lora_targets = (*StableDiffusion3.lora_targets, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                     "ff_context.net.2")

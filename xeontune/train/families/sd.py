@@ -25,6 +25,7 @@ class StableDiffusion(Family):
         Encoder("tokenizer", "text_encoder", "CLIPTextModel", linear_share=85 / 123, default_bytes=492e6),)
     denoiser_params = 860e6  # SD1.5's UNet
     vae_bytes = 335e6  # its VAE, 84 M parameters in fp32
+    adafactor_shares: ClassVar[Mapping[str, float]] = {"unet": 0.532, "text_encoder": 0.003}
 
     @classmethod
     def recognizes(cls, model_index: Mapping[str, Any]) -> bool:

@@ -42,6 +42,7 @@ class StableDiffusion3(Family):
     )
     denoiser_params = 2.24e9  # SD3.5 Medium's transformer as its config builds it (2,243 M)
     vae_bytes = 335e6
+    adafactor_shares: ClassVar[Mapping[str, float]] = {"transformer": 0.001, "text_encoder": 0.003, "text_encoder_2": 0.002}
     # the example's defaults: the MMDiT's attention, both streams
     lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")

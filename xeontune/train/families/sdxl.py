@@ -30,6 +30,7 @@ class StableDiffusionXL(StableDiffusion):
                 default_bytes=2780e6, embedding_key="clip_g", kohya_prefix="lora_te2_"),
     )
     denoiser_params = 2567e6  # SDXL-base's UNet
+    adafactor_shares: ClassVar[Mapping[str, float]] = {"unet": 0.095, "text_encoder": 0.003, "text_encoder_2": 0.002}
     # issue 17's for textual inversion (512 px): >= 2.0x the example's steps/s, peak RSS <= 0.6x in bf16 and
     # 0.9x in fp32 (the fp32 UNet alone is 10.3 GB)
     bench_targets: ClassVar[Mapping[str, Mapping[str, Any]]] = {
