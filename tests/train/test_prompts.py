@@ -123,15 +123,21 @@ TI = ("--placeholder-token", "<sks>", "--initializer-token", "toy", "--num-vecto
 
 @pytest.fixture
 def seen(monkeypatch) -> list[str]:
-    """The prompts the text encoder reads (as the first tokenizer decodes them), in order."""
+    """The prompts the text encoder reads (as the first tokenizer decodes them), in order: at each step
+    (``Run.encode_prompts``), or once for the text cache (``TextCache``, which may load the encoders itself)."""
     read: list[str] = []
-    encode = loop.Run.encode_prompts
+    encode, cache = loop.Run.encode_prompts, loop.TextCache.__init__
 
     def recording(run, input_ids):
         read.extend(run.components.tokenizer.batch_decode(input_ids[0], skip_special_tokens=True))
         return encode(run, input_ids)
 
+    def caching(self, components, all_prompt_ids, *args, **kwargs):
+        read.extend(components.tokenizer.batch_decode(all_prompt_ids[0], skip_special_tokens=True))
+        return cache(self, components, all_prompt_ids, *args, **kwargs)
+
     monkeypatch.setattr(loop.Run, "encode_prompts", recording)
+    monkeypatch.setattr(loop.TextCache, "__init__", caching)
     return read
 
 
