@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.trainlib import full_args, train_in_process
-from xeontune.train import data_parallel
+from xeontune.train import checkpoint, data_parallel
 
 REPO = Path(__file__).resolve().parents[2]
 # Measured on the tiny model, 2 ranks x batch 1, 100 steps at lr 1e-4 with the text encoder (AVX2 EPYC and
@@ -122,6 +122,36 @@ def test_fsdp_trains_sdxl_with_both_text_encoders_as_one_process_does(sdxl_model
 
 
 @pytest.mark.slow
+def test_fsdp_keeps_its_ema_in_shares_and_saves_and_resumes_it_as_one_process_does(tiny_model, sample_images, tmp_path):
+    """--use-ema under FSDP (--shard full): each rank keeps and steps its share of the EMA (diffusers'
+    EMAModel over the sharded weights); rank 0's pipeline holds the EMA gathered whole, as one process's does,
+    and so does its checkpoint, from which 3 ranks at --shard gradients (each cutting its own shares)
+    resume and end where the straight run did (fp32, within 1e-5 of the weights' scale)."""
+    args = lambda out, batch, *extra: full_args(tiny_model, sample_images, tmp_path / out, batch, 4,  # noqa: E731
+                                                "--use-ema", "--ema-decay", "0.9", "--checkpointing-steps", "2", *extra)
+    said = ranks(2, args("fsdp", 3, "--shard", "full")).stderr
+    assert "weights, gradients and optimizer state sharded over the ranks (FSDP, ZeRO-3)" in said, said[-2000:]
+    train_in_process(args("one", 6))
+    ranks(3, args("three", 2, "--shard", "gradients", "--resume-from-checkpoint", str(tmp_path / "fsdp" / "checkpoint-2")))
+
+    base, want = flat(unet(tiny_model)), flat(unet(tmp_path / "one" / "pipeline"))
+    scale, moved = float(want.abs().max()), float((want - base).abs().max())
+    assert moved >= 100 * 1e-5 * scale, (moved, scale)
+    raw = checkpoint.load(tmp_path / "one" / "checkpoint-4").learned["tensors"]
+    raw = flat({name.removeprefix("unet."): t for name, t in raw.items()})
+    assert float((want - raw).abs().max()) >= 10 * 1e-5 * scale  # the pipeline holds the EMA, not the weights
+    for got in ("fsdp", "three"):
+        diff = float((flat(unet(tmp_path / got / "pipeline")) - want).abs().max())
+        assert diff <= 1e-5 * scale, (got, diff, scale)
+    sharded, whole = (checkpoint.load(tmp_path / out / "checkpoint-2").learned["ema"] for out in ("fsdp", "one"))
+    assert sharded["optimization_step"] == whole["optimization_step"] == 2
+    assert len(sharded["shadow_params"]) == len(whole["shadow_params"])
+    for got, expected in zip(sharded["shadow_params"], whole["shadow_params"], strict=True):
+        assert type(got) is torch.Tensor and got.shape == expected.shape  # whole, not a rank's share
+        assert float((got - expected).abs().max()) <= 1e-5 * scale
+
+
+@pytest.mark.slow
 def test_bf16_gradients_on_the_wire_halve_the_bytes_and_stay_within_the_bound_over_50_steps(
         tiny_model, sample_images, tmp_path):
     """Two ranks, the UNet in DDP buckets and the text encoder's gradients exchanged flat, and two ranks
@@ -163,7 +193,7 @@ def test_shard_auto_takes_the_first_level_at_which_the_ranks_fit():
     assert data_parallel.shard_choice("gradients", 2, {}, 0, 1)[0] == "gradients"
 
 
-def test_the_rank_plan_counts_a_sharded_optimizer_state_once_over_the_ranks(tiny_model):
+def test_the_rank_plan_counts_a_sharded_optimizer_state_and_ema_once_over_the_ranks(tiny_model):
     from xeontune.train import ranks as plan
 
     stored = sum(p.stat().st_size for p in (tiny_model / "unet").glob("*.safetensors"))
@@ -172,6 +202,12 @@ def test_the_rank_plan_counts_a_sharded_optimizer_state_once_over_the_ranks(tiny
     assert whole - quarter == pytest.approx(stored * 2 * 0.75, abs=2)  # AdamW's two moments, 3/4 of them gone
     fsdp = plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"denoiser"}), shares=(0.25, 0.25, 0.25))
     assert whole - fsdp == pytest.approx(stored * 4 * 0.75, abs=2)  # the weights and gradients too
+    ema = {level: plan.frozen_weight_bytes(str(tiny_model), "fp32", trained=frozenset({"denoiser"}), ema=True,
+                                           shares=held) for level, held in (("none", (1.0, 1.0, 1.0)),
+                                                                             ("optimizer", (1.0, 1.0, 0.25)),
+                                                                             ("fsdp", (0.25, 0.25, 0.25)))}
+    assert ema["none"] - whole == ema["optimizer"] - quarter == pytest.approx(stored, abs=2)  # a whole fp32 copy
+    assert ema["fsdp"] - fsdp == pytest.approx(stored * 0.25, abs=2)  # its share, as the weights'
 
 
 @pytest.mark.parametrize(("flags", "said"), [
@@ -179,8 +215,6 @@ def test_the_rank_plan_counts_a_sharded_optimizer_state_once_over_the_ranks(tiny
      "--shard is an option of --method full"),
     (["--placeholder-token", "<t>", "--initializer-token", "toy", "--grad-compression", "bf16"],
      "--grad-compression is an option of --method full"),
-    (["--method", "full", "--instance-prompt", "a photo of toy", "--shard", "full", "--use-ema"],
-     "--shard full (FSDP) does not take --use-ema; --shard optimizer does"),
     (["--method", "full", "--instance-prompt", "a photo of toy", "--shard", "gradients", "--optimizer", "adafactor"],
      "--shard gradients (FSDP) does not take --optimizer adafactor"),
 ])

@@ -240,6 +240,26 @@ def full_weights(modules: list[nn.Module], main: bool, everywhere: bool = False,
                     p.copy_(distribute_tensor(whole[name].detach(), p.device_mesh, p.placements, src_data_rank=None))
 
 
+def gather_whole(shares: list[torch.Tensor], keep: bool) -> list[torch.Tensor] | None:
+    """Every rank (a collective): tensors sharded as FSDP's weights are (DTensor) gathered whole, one at a
+    time, and kept on ``keep`` ranks (None elsewhere)."""
+    whole = []
+    for share in shares:
+        gathered = share.full_tensor()
+        if keep:
+            whole.append(gathered)
+    return whole if keep else None
+
+
+def cut_to_shares(whole: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors every rank holds whole, sharded as FSDP's weights ``like`` (same order) are: each rank keeps
+    its share (nothing is sent)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return [distribute_tensor(w.detach(), p.device_mesh, p.placements, src_data_rank=None)
+            for w, p in zip(whole, like, strict=True)]
+
+
 def sharded_optimizer(optimizer_class: type, params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
     """ZeRO-1 over the default process group. Its consolidated state (``consolidate``) is a plain
     optimizer's state dict, so a checkpoint resumes sharded or not, on any number of ranks."""

@@ -298,8 +298,7 @@ class Run:
             if not self.sharded:
                 yield
                 return
-            with data_parallel.full_weights(self.sharded, main) as copies, \
-                    self.method.stand_in(copies) if copies else contextlib.nullcontext():
+            with data_parallel.full_weights(self.sharded, main) as copies, self.method.stand_in(copies):
                 yield
         finally:
             self.optimizer_state = None
@@ -643,7 +642,8 @@ def _setup(
         log.info("%s (%s)", SHARDED_SAYS[shard], why)
     if shard in data_parallel.FSDP_LEVELS:  # before the optimizer takes the weights: they become shards
         data_parallel.fully_shard_modules(method.sharded_modules(), shard, opts.grad_compression)
-        hardware.release_freed_memory()  # the whole weights each rank loaded: all but its shares are gone
+        method.after_sharding()
+        hardware.release_freed_memory()  # the whole weights each rank loaded (its EMA's): all but its shares are gone
     if precision == "bf16" and families.DENOISER in method.trains and shard not in data_parallel.FSDP_LEVELS \
             and not opts.compile:  # FSDP's unsharded weights and compile's graphs: autocast's own casts
         layers = bf16_cast.install(method.sharded_modules())
@@ -698,7 +698,7 @@ def _setup(
         check_checkpoint_method(state, method, where)
         if run.sharded:  # into whole copies on every rank, each then taking its share
             with data_parallel.full_weights(run.sharded, main, everywhere=True, write_back=True) as copies, \
-                    method.stand_in(copies):
+                    method.stand_in(copies, write_back=True):
                 method.load_state(state, str(where))
         else:
             method.load_state(state, str(where))

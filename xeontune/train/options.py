@@ -639,10 +639,9 @@ def _fused_backward_clash(o: TrainOptions) -> str | None:
 
 
 def fsdp_refusal(o: TrainOptions) -> str | None:
-    """What keeps a run from FSDP's sharded weights (--shard gradients|full), or None. Its EMA holds
-    whole tensors; transformers' Adafactor cannot step sharded (DTensor) weights."""
-    for blocker, present in (("--use-ema", o.use_ema), ("--optimizer adafactor", o.optimizer == "adafactor"),
-                             ("--compile", o.compile)):
+    """What keeps a run from FSDP's sharded weights (--shard gradients|full), or None: transformers'
+    Adafactor cannot step sharded (DTensor) weights."""
+    for blocker, present in (("--optimizer adafactor", o.optimizer == "adafactor"), ("--compile", o.compile)):
         if present:
             return blocker
     return None

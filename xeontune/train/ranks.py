@@ -64,7 +64,7 @@ def _as_fp32_bytes(path: Path) -> int:
 
 
 # A trained part's optimizer state as a multiple of its fp32 weights (beside the weights and gradients,
-# 1 each; --use-ema adds one fp32 copy of the UNet): AdamW's two moments (16 bytes a parameter in all);
+# 1 each; --use-ema adds one fp32 copy of the UNet, sharded as its weights are): AdamW's two moments (16 bytes a parameter in all);
 # Adafactor's, from the part's shapes (``adafactor_state_share``), this where they cannot be read and the family
 # names none (Family.adafactor_shares: its reference model's).
 ADAMW_STATE = 2.0
@@ -124,7 +124,7 @@ def frozen_weight_bytes(model: str, precision: str, packed: bool = False, family
 
     denoiser = 0 if encoding else stored[kind.denoiser]
     if families.DENOISER in trained:
-        denoiser = denoiser * (factor(kind.denoiser) + (1 if ema else 0))
+        denoiser = denoiser * (factor(kind.denoiser) + (weight_share if ema else 0))  # sharded as the weights are
     else:
         # a bf16 run casts it once at load (stored in fp32 in the common pipelines)
         denoiser = (denoiser // 2 if precision == "bf16" else denoiser) * (2 if packed else 1)

@@ -24,7 +24,7 @@ A method is made from the options (``create``) and then, in this order, asked to
 into the loaded models (its declaration having checked the images' prompts, ``Declaration.check_prompts``,
 before anything loaded), for the ``prompts`` the samples draw from, for its trainable ``parameters``
 (the optimizer's) and the modules DDP wraps (``ddp_modules`` / ``use_ddp``; parameters outside them
-are all-reduced by the loop; ``sharded_modules`` / ``stand_in`` where it shards them), once for ``check_gradient`` after the first backward, before every
+are all-reduced by the loop; ``sharded_modules`` / ``after_sharding`` / ``stand_in`` where it shards them), once for ``check_gradient`` after the first backward, before every
 optimizer step (``before_update``) and after it (``after_step``, ``finite``), for its checkpoint ``state`` /
 ``load_state`` (and, resuming, ``check_state`` before any model loads), to
 ``save`` its learned files, to apply itself for sample images (``inference``) and to merge itself into
@@ -96,10 +96,16 @@ class Method:
         """The modules the loop shards over the ranks in place of DDP (FSDP, ``--shard gradients|full``)."""
         return self.ddp_modules()
 
-    def stand_in(self, copies: list[nn.Module]) -> contextlib.AbstractContextManager[None]:
+    def after_sharding(self) -> None:
+        """The loop sharded ``sharded_modules()`` in place (their weights are now each rank's shares): what
+        the method keeps beside those weights (an EMA of them) it keeps as shares too."""
+
+    def stand_in(self, copies: list[nn.Module] | None, write_back: bool = False) -> contextlib.AbstractContextManager[None]:
         """Plain modules holding the whole weights of ``sharded_modules()`` (same order) take their places
-        while rank 0 writes outputs or a resume loads into them: the loop shards only for a method that
-        implements this."""
+        while rank 0 writes outputs or a resume loads into them. Every rank enters it (a collective:
+        ``copies`` is None on a rank that holds none): what the method keeps as shares (``after_sharding``)
+        is gathered whole beside the copies, and with ``write_back`` (a resume) cut back into the shares at
+        the end. The loop shards only for a method that implements this."""
         raise NotImplementedError(f"--method {self.name} cannot have its modules sharded")
 
     def check_gradient(self, summary: dict[int, tuple[bool, bool]] | None = None) -> None:

@@ -15,6 +15,7 @@ with --save-steps), which A1111, ComfyUI and kohya read.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,16 @@ from xeontune.train.outputs import learned_file
 
 STEM = DECLARED.files[0]
 log = logging.getLogger("xeontune.train")
+
+
+def swap(params: list[nn.Parameter], tensors: list[torch.Tensor]) -> None:
+    """Each parameter and its tensor (same shape and dtype) exchange storages."""
+    pairs = list(zip(params, tensors, strict=True))
+    for p, t in pairs:  # all checked before any is swapped
+        if p.shape != t.shape or p.dtype != t.dtype:
+            raise TrainingError(f"the EMA holds a {tuple(t.shape)} {t.dtype} weight for a {tuple(p.shape)} {p.dtype} one")
+    for p, t in pairs:
+        p.data, t.data = t.data, p.data
 
 
 class FullFineTuning(Method):
@@ -50,13 +61,24 @@ class FullFineTuning(Method):
         for model in self.models.values():
             model.requires_grad_(True)
             model.train()  # as the examples train them (SD's blocks have no dropout by default)
-        self.ema = None
+        self.ema: Any = None
+        self.ema_sharded = False  # its shadows are shares of the UNet's sharded weights (after_sharding)
         if self.opts.use_ema:  # diffusers' own EMA, as the examples keep it: fp32 shadows of the UNet
-            from diffusers.training_utils import EMAModel
+            self.ema = self._new_ema(self.models[self.denoiser_name].parameters())
 
-            denoiser = self.models[self.denoiser_name]
-            self.ema = EMAModel(denoiser.parameters(), decay=self.opts.ema_decay, model_cls=type(denoiser),
-                                model_config=denoiser.config)
+    def _new_ema(self, params: Any) -> Any:
+        from diffusers.training_utils import EMAModel
+
+        denoiser = self.models[self.denoiser_name]  # model_cls: the plain class (fully_shard changes it)
+        plain_class = self.ema.model_cls if self.ema is not None else type(denoiser)
+        return EMAModel(params, decay=self.opts.ema_decay, model_cls=plain_class, model_config=denoiser.config)
+
+    def after_sharding(self) -> None:
+        """The EMA's shadows become shares of the UNet's sharded weights, as those did (nothing stepped yet:
+        a fresh EMA over them). EMAModel steps them as it steps whole tensors (DTensor operations)."""
+        if self.ema is not None:
+            self.ema = self._new_ema(self.models[self.denoiser_name].parameters())
+            self.ema_sharded = True
 
     def prompts(self, given: Any) -> list[str]:
         return list(given.texts)
@@ -78,9 +100,24 @@ class FullFineTuning(Method):
         return list(self.models.values())  # sharded, the text encoders' gradients are FSDP's too
 
     @contextlib.contextmanager
-    def stand_in(self, copies: list[nn.Module]) -> Iterator[None]:
+    def stand_in(self, copies: list[nn.Module] | None, write_back: bool = False) -> Iterator[None]:
+        """The copies in the models' places, and a sharded EMA gathered whole beside them (every rank enters:
+        a collective); ``write_back``: the whole EMA (a resume loaded it) cut back into the shares."""
+        from xeontune.train import data_parallel
+
+        sharded_ema = self.ema if self.ema_sharded else None
+        if sharded_ema is not None:
+            shadows = data_parallel.gather_whole(sharded_ema.shadow_params, keep=copies is not None)
+            whole_ema = None if shadows is None else copy.copy(sharded_ema)  # its counters, whole shadows
+            if whole_ema is not None:
+                whole_ema.shadow_params = shadows
+        if copies is None:
+            yield
+            return
         c = self.components
         before = dict(self.models), c.denoiser_for_inference, {name: getattr(c, name) for name in c.family.encoder_names}
+        if sharded_ema is not None:
+            self.ema, self.ema_sharded = whole_ema, False
         self.models = dict(zip(self.models, copies, strict=True))
         c.denoiser_for_inference = self.models[self.denoiser_name]
         for name in ENCODERS:
@@ -92,6 +129,11 @@ class FullFineTuning(Method):
             self.models, c.denoiser_for_inference, encoders = before
             for name, encoder in encoders.items():
                 setattr(c, name, encoder)
+            if sharded_ema is not None:
+                loaded, self.ema, self.ema_sharded = self.ema, sharded_ema, True
+                if write_back:  # the loaded counters and decay, and each rank's shares of the loaded shadows
+                    sharded_ema.__dict__.update({**vars(loaded), "shadow_params": data_parallel.cut_to_shares(
+                        loaded.shadow_params, list(self.models[self.denoiser_name].parameters()))})
 
     def check_gradient(self, summary: dict[int, tuple[bool, bool]] | None = None) -> None:
         """Every trained model got a finite gradient, not zero throughout."""
@@ -116,17 +158,17 @@ class FullFineTuning(Method):
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:
-        """The UNet holds the EMA's weights inside (its own are put back after)."""
+        """The UNet holds the EMA's weights inside (its own are put back after): the two swap storages, so no
+        third copy of the UNet is made (EMAModel's store/copy_to would), and the values are the same."""
         if self.ema is None:
             yield
             return
         params = list(self.models[self.denoiser_name].parameters())
-        self.ema.store(params)
-        self.ema.copy_to(params)
+        swap(params, self.ema.shadow_params)
         try:
             yield
         finally:
-            self.ema.restore(params)
+            swap(params, self.ema.shadow_params)
 
     def finite(self) -> bool:
         """Not a pass over the whole model every step (0.3-0.5 s for SD1.5's UNet on 2 cores): a weight that
