@@ -11,7 +11,8 @@ Sharding, each level holding less on a rank than the one before (``SHARD_LEVELS`
 - ``gradients`` and ``full``: torch's FSDP2 (``fully_shard``) in place of DDP: each rank holds 1/N of the
   weights, their gradients (reduce-scattered block by block while the backward runs) and AdamW's state;
   every block's weights are gathered for its forward, and ``full`` frees them after it and gathers them
-  again for the backward (ZeRO-3), where ``gradients`` keeps them to the end of the backward.
+  again for the backward (ZeRO-3), where ``gradients`` keeps them to the end of the backward (of the
+  step's last micro-step). A bf16 run gathers them in bf16.
 Rank 0 writes its files from plain copies of the whole weights (``full_weights``) and a checkpoint
 holds a plain optimizer's state (``consolidate``), so a checkpoint resumes at any level, on any number of
 ranks.
@@ -137,22 +138,35 @@ def shard_choice(shard: str, world: int, need: dict[str, int], available_bytes: 
                         f"{need[levels[-1]] * local_ranks / 2**30:.1f} GiB even at {levels[-1]}; {free}")
 
 
-def fully_shard_modules(modules: list[nn.Module], level: str, compression: str = "none") -> None:
+def fully_shard_modules(modules: list[nn.Module], level: str, compression: str = "none",
+                        precision: str = "fp32") -> None:
     """FSDP2 on each module, in place: every block of its top-level ModuleLists (a UNet's down and up
     blocks) a unit of its own, gathered for its forward and backward only; the rest with the root.
-    ``compression`` bf16: each unit's gradients reduce-scattered as bf16, summed in fp32."""
-    from torch.distributed.fsdp import fully_shard
+    ``compression`` bf16: each unit's gradients reduce-scattered as bf16, summed in fp32. ``precision``
+    bf16: the fp32 shares are cast to bf16 before each gather (``gathered_dtype``: half the bytes, and
+    the whole weights held in bf16), the gradients reduced and accumulated in fp32; the inputs are left
+    to autocast, as unsharded (a float timestep cast to bf16 would lose its digits)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=gathered_dtype(precision), reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False)
+    shard = lambda m: fully_shard(m, reshard_after_forward=level == "full", mp_policy=policy)  # noqa: E731
     units = []
     for module in modules:
         for child in module.children():
             if isinstance(child, nn.ModuleList):
-                units += [fully_shard(block, reshard_after_forward=level == "full") for block in child]
-        units.append(fully_shard(module, reshard_after_forward=level == "full"))
+                units += [shard(block) for block in child]
+        units.append(shard(module))
         _keep_output_capture(module)
     if WIRE_DTYPE[compression] != torch.float32:
         for unit in units:
             unit.set_custom_reduce_scatter(WireReduceScatter(WIRE_DTYPE[compression]))
+
+
+def gathered_dtype(precision: str) -> torch.dtype:
+    """The dtype FSDP gathers a run's weights in: bf16 for a bf16 run (autocast would cast them for each
+    product anyway), fp32 otherwise."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 class WireReduceScatter:
@@ -197,10 +211,14 @@ def sharded_modules(modules: list[nn.Module]) -> list[nn.Module]:
     return [m for m in modules if isinstance(m, FSDPModule)]
 
 
-def sync_gradients(modules: list[nn.Module], final_micro_step: bool) -> None:
-    """FSDP's no_sync: the micro-steps before the last keep whole gradients, which the last one reduce-scatters."""
+def sync_gradients(modules: list[nn.Module], final_micro_step: bool, level: str) -> None:
+    """FSDP's no_sync: the micro-steps before the last keep whole gradients, which the last one reduce-scatters.
+    At ``gradients``, which holds every gathered weight to the end of the backward anyway, they also keep
+    the weights gathered for the next micro-step: one gather a step, at the same peak."""
     for module in modules:
         module.set_requires_gradient_sync(final_micro_step)
+        if level == "gradients":
+            module.set_reshard_after_backward(final_micro_step)
 
 
 @contextlib.contextmanager
@@ -332,11 +350,14 @@ def weight_bytes_sent(optimizer: torch.optim.Optimizer) -> int:
     return sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"])
 
 
-def fsdp_bytes_sent(modules: list[nn.Module], level: str, micro_steps: int, compression: str = "none") -> int:
+def fsdp_bytes_sent(modules: list[nn.Module], level: str, micro_steps: int, compression: str = "none",
+                    precision: str = "fp32") -> int:
     """The bytes FSDP hands the process group in a step, counted as the other exchanges are: the
     gradients once (reduce-scattered on the last micro-step, in the wire's dtype), and the weights once
-    per gather, every weight from the rank that holds it: one gather a micro-step (``gradients``), two
-    (``full``). (Counted from the plan: FSDP's collectives are its own.)"""
-    weights = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-    gradients = weights * WIRE_DTYPE[compression].itemsize // 4
-    return gradients + weights * micro_steps * (2 if level == "full" else 1) if modules else 0
+    per gather (in ``gathered_dtype``), every weight from the rank that holds it: one gather a step
+    (``gradients``, ``sync_gradients``), two a micro-step (``full``). (Counted from the plan: FSDP's
+    collectives are its own.)"""
+    count = sum(p.numel() for m in modules for p in m.parameters())
+    gradients = count * WIRE_DTYPE[compression].itemsize
+    gathers = 2 * micro_steps if level == "full" else 1
+    return gradients + count * gathered_dtype(precision).itemsize * gathers if modules else 0

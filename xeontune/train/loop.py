@@ -323,7 +323,7 @@ def train_step(run: Run, step: int) -> torch.Tensor:
     phase, c = run.phases, run.components
     losses = []
     for micro in range(run.opts.gradient_accumulation_steps):
-        data_parallel.sync_gradients(run.sharded, micro == run.opts.gradient_accumulation_steps - 1)
+        data_parallel.sync_gradients(run.sharded, micro == run.opts.gradient_accumulation_steps - 1, run.shard)
         if run.fused is not None:  # the weights step in this backward's hooks on the last micro-step only
             run.fused.final = micro == run.opts.gradient_accumulation_steps - 1
         with run.accelerator.accumulate(*run.ddp_modules):
@@ -641,11 +641,11 @@ def _setup(
     if main and opts.shard != "none":
         log.info("%s (%s)", SHARDED_SAYS[shard], why)
     if shard in data_parallel.FSDP_LEVELS:  # before the optimizer takes the weights: they become shards
-        data_parallel.fully_shard_modules(method.sharded_modules(), shard, opts.grad_compression)
+        data_parallel.fully_shard_modules(method.sharded_modules(), shard, opts.grad_compression, precision)
         method.after_sharding()
         hardware.release_freed_memory()  # the whole weights each rank loaded (its EMA's): all but its shares are gone
     if precision == "bf16" and families.DENOISER in method.trains and shard not in data_parallel.FSDP_LEVELS \
-            and not opts.compile:  # FSDP's unsharded weights and compile's graphs: autocast's own casts
+            and not opts.compile:  # FSDP gathers bf16 weights (gathered_dtype); compile: its graphs cast
         layers = bf16_cast.install(method.sharded_modules())
         if main:
             log.info("trained weights: cast to bf16 in each layer's forward and again in its backward, no bf16 "
@@ -950,7 +950,7 @@ def train(opts: TrainOptions, on_step: StepCallback | None = None) -> TrainResul
             # the gradients' bytes, a sharded optimizer's updated weights, and the loss
             sent = (run.exchange.take() + data_parallel.weight_bytes_sent(run.optimizer)
                     + data_parallel.fsdp_bytes_sent(run.sharded, run.shard, opts.gradient_accumulation_steps,
-                                                    opts.grad_compression)
+                                                    opts.grad_compression, run.precision)
                     + loss.numel() * loss.element_size()) if run.exchange else 0
             phases = run.phases.take()
             done = step + 1
