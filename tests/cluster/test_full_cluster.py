@@ -1,18 +1,25 @@
 """Full fine-tuning across a real 3-host local cluster: `run --provider local -n 3` fetching the pipeline
 and the single file; the UNet wrapped in DDP (gradients all-reduced in buckets during the backward), 3
-ranks of batch 1 equal to one process of batch 3 (fp32). On SD1 alone: what a family changes (the
+ranks of batch 1 equal to one process of batch 3 (fp32); a rank lost inside the bf16 exchange ends the job
+with its last checkpoint whole. On SD1 alone: what a family changes (the
 pipeline's parts, the single file's layout) is written by rank 0 as in one process, and test_full.py
 checks it for every family; nothing of the cluster's path depends on the family."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from tests.cluster.clusterlib import assert_nothing_left, cli
+from tests.cluster.clusterlib import REPO, assert_nothing_left, cli, trainer_pids
 from tests.trainlib import OFFLINE, full_args, train_in_process, unet_weights
+from xeontune.train import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -44,3 +51,47 @@ def test_run_on_three_nodes_fetches_the_pipeline_and_the_single_file(root_home, 
     single = StableDiffusionPipeline.from_single_file(str(out / "model.safetensors"), config=str(model), local_files_only=True)
     assert all(torch.equal(single.unet.state_dict()[k], v) for k, v in trained.items())
     assert_nothing_left(cluster_name)
+
+
+def test_a_rank_lost_inside_the_bf16_exchange_ends_every_rank_and_keeps_the_last_checkpoint(
+        local_cluster, tiny_model, sample_images, tmp_path):
+    """Full fine-tuning on 3 ranks with bf16 gradients on the wire (the all-to-alls from the backward, the
+    all-gathers from their callbacks, each kind on a group of its own) and a checkpoint every step: rank 1
+    frozen until the others wait on it inside an exchange, then killed. The job ends non-zero within 60 s,
+    no rank is left on any node, and the newest checkpoint is whole (it loads)."""
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "xeontune.cli", "launch", "-n", "3", "--name", local_cluster.name, "--",
+            *full_args(tiny_model, sample_images, out, 1, 10_000, "--grad-compression", "bf16",
+                       "--checkpointing-steps", "1", "--checkpoints-total-limit", "2")]
+    log = tmp_path / "launch.log"
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None and len(checkpoint.list_checkpoints(out)) < 1:
+            time.sleep(0.1)
+        assert proc.poll() is None and checkpoint.list_checkpoints(out), log.read_text()[-3000:]
+        victims = trainer_pids(local_cluster.nodes[1].resource_id)
+        assert victims, "no training process in node1's namespace"
+        for pid in victims:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(3)  # the others reach the next exchange and wait on the frozen rank inside it
+        assert proc.poll() is None, log.read_text()[-3000:]
+        killed_at = time.monotonic()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        rc = proc.wait(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc != 0 and took < 60, (rc, took, log.read_text()[-3000:])
+    left = {node.name: [0] for node in local_cluster.nodes}
+    deadline = time.monotonic() + 5
+    while any(left.values()) and time.monotonic() < deadline:
+        left = {node.name: trainer_pids(node.resource_id, include_hydra=True) for node in local_cluster.nodes}
+        time.sleep(0.1)
+    assert not any(left.values()), left
+    step, newest = checkpoint.list_checkpoints(out)[-1]
+    assert checkpoint.load(newest).step == step
+    print(f"job exited {rc} {took:.1f} s after rank 1 was killed; checkpoint-{step} kept")

@@ -285,6 +285,22 @@ def test_the_rank_plan_counts_a_sharded_optimizer_state_and_ema_once_over_the_ra
     assert ema["fsdp"] - fsdp == pytest.approx(stored * 0.25, abs=2)  # its share, as the weights'
 
 
+def test_the_rank_plan_counts_whole_gradients_where_fsdp_accumulates_micro_steps(tiny_model, sample_images, tmp_path):
+    """FSDP's micro-steps before a step's last add up whole gradients (only the last reduce-scatters): a
+    rank holds them whole at its peak, however many ranks share the rest."""
+    from xeontune.train import ranks as plan
+    from xeontune.train.options import parse_args
+
+    one, two = (parse_args(full_args(tiny_model, sample_images, tmp_path, 1, 2, "--gradient-accumulation-steps", n))
+                for n in ("1", "2"))
+    assert plan.held_shares("full", 4, one) == plan.held_shares("gradients", 4, one) == (0.25, 0.25, 0.25)
+    assert plan.held_shares("full", 4, two) == (0.25, 1.0, 0.25)
+    assert plan.held_shares("optimizer", 4, two) == plan.held_shares("optimizer", 4, one) == (1.0, 1.0, 0.25)
+    stored = sum(p.stat().st_size for p in (tiny_model / "unet").glob("*.safetensors"))
+    grown = plan.rank_memory(two, "fp32", world=4, shard="full") - plan.rank_memory(one, "fp32", world=4, shard="full")
+    assert grown == pytest.approx(stored * 0.75, abs=2)
+
+
 @pytest.mark.parametrize(("flags", "said"), [
     (["--method", "lora", "--instance-prompt", "a photo of toy", "--shard", "optimizer"],
      "--shard is an option of --method full"),

@@ -146,12 +146,15 @@ def shares(level: str, world: int) -> tuple[float, float, float]:
             "full": (part, part, part)}[level if world > 1 else "none"]
 
 
-def _without_gradients(held: tuple[float, float, float], opts: TrainOptions) -> tuple[float, float, float]:
-    """--fused-backward-pass frees each gradient as its weight steps: no whole set is held (unless
+def held_shares(level: str, world: int, opts: TrainOptions) -> tuple[float, float, float]:
+    """``shares`` as the run holds them at its peak: FSDP's micro-steps before a step's last
+    (--gradient-accumulation-steps) add up whole gradients, which only the last reduce-scatters;
+    --fused-backward-pass frees each gradient as its weight steps (no whole set is held, unless
     micro-steps accumulate them)."""
-    if opts.fused_backward_pass and opts.gradient_accumulation_steps == 1:
-        return held[0], 0.0, held[2]
-    return held
+    weights, gradients, state = shares(level, world)
+    if opts.gradient_accumulation_steps > 1:
+        return weights, 1.0, state
+    return weights, 0.0 if opts.fused_backward_pass else gradients, state
 
 
 def packs(pack_weights: str, precision: str, family: str, here: bool = True) -> bool:
@@ -190,7 +193,7 @@ def rank_memory(opts: TrainOptions, precision: str, here: bool = True, world: in
     weights = frozen_weight_bytes(str(opts.model), precision, packs(opts.pack_weights, precision, family, here), family,
                                   text_encoders=keeps_text_encoders(opts), trained=declared(opts.method).trains(opts),
                                   optimizer=opts.optimizer, ema=opts.use_ema,
-                                  shares=_without_gradients(shares(level if level != "auto" else "none", world), opts))
+                                  shares=held_shares(level if level != "auto" else "none", world, opts))
     return placement.rank_memory_bytes(weights, kind.activation_bytes(opts.resolution, precision),
                                        opts.train_batch_size, opts.gradient_checkpointing)
 
