@@ -58,7 +58,7 @@ def test_a_rank_lost_inside_the_bf16_exchange_ends_every_rank_and_keeps_the_last
     """Full fine-tuning on 3 ranks with bf16 gradients on the wire (the all-to-alls from the backward, the
     all-gathers from their callbacks, each kind on a group of its own) and a checkpoint every step: rank 1
     frozen until the others wait on it inside an exchange, then killed. The job ends non-zero within 60 s,
-    no rank is left on any node, and the newest checkpoint is whole (it loads)."""
+    no rank is left on any node, one line says so, and the newest checkpoint is whole (it loads)."""
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "xeontune.cli", "launch", "-n", "3", "--name", local_cluster.name, "--",
             *full_args(tiny_model, sample_images, out, 1, 10_000, "--grad-compression", "bf16",
@@ -86,6 +86,8 @@ def test_a_rank_lost_inside_the_bf16_exchange_ends_every_rank_and_keeps_the_last
             proc.kill()
             proc.wait()
     assert rc != 0 and took < 60, (rc, took, log.read_text()[-3000:])
+    said = [line for line in log.read_text().splitlines() if line.startswith("the job ended with exit status")]
+    assert len(said) == 1 and "the checkpoints it completed are kept" in said[0], log.read_text()[-3000:]
     left = {node.name: [0] for node in local_cluster.nodes}
     deadline = time.monotonic() + 5
     while any(left.values()) and time.monotonic() < deadline:

@@ -63,7 +63,8 @@ def preflight(record: ClusterRecord, plan: Plan) -> None:
 def run_plan(plan: Plan) -> int:
     """Run mpirun, stream its (rank-prefixed) output, return the job's exit code.
 
-    Hydra stops every rank when one dies and exits non-zero. SIGINT (Ctrl-C), SIGTERM and SIGHUP
+    Hydra stops every rank when one dies and exits non-zero: one line then says so, and that the
+    completed checkpoints are kept. SIGINT (Ctrl-C), SIGTERM and SIGHUP
     to this process are passed on so that every rank stops through its own KeyboardInterrupt
     (``process.run_attached``: how, and why not simply to the process group); after a grace period,
     or at a second signal, the job is stopped hard.
@@ -72,6 +73,10 @@ def run_plan(plan: Plan) -> int:
     if sig is not None:
         print(f"interrupted ({signal.Signals(sig).name}): the job was stopped on every rank", file=sys.stderr)
         return 128 + int(sig)  # like a shell's status for a job stopped by that signal
+    if rc not in (0, UserError.exit_code):  # a rank's own mistake to correct has said so in one line
+        print(f"the job ended with exit status {rc}: a rank failed or was lost and the others were stopped (what "
+              "they wrote is above); the checkpoints it completed are kept: --resume-from-checkpoint latest goes "
+              "on from the newest", file=sys.stderr)
     return rc
 
 
