@@ -503,6 +503,23 @@ def test_the_rank_plan_counts_adafactors_state_from_the_models_shapes(tiny_model
     assert 0 < share < 1 and abs((adamw - adafactor) - (2 - share) * stored_unet) <= 16  # AdamW's 2 against it
 
 
+def test_adafactor_state_numel_is_what_transformers_adafactor_keeps_as_the_run_makes_it(full_args, tiny_model):
+    """The rank plan's count of Adafactor's state against the optimizer the run makes, stepped once over a
+    vector, a Linear weight and a 3x3 convolution's."""
+    from xeontune.train import ranks
+    from xeontune.train.loop import make_optimizer
+
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in ((7,), (5, 3), (4, 2, 3, 3))]
+    opts = parse_args(full_args("out", tiny_model, "--optimizer", "adafactor"))
+    optimizer = make_optimizer(opts, params, 1e-3, fused=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    for p in params:
+        held = sum(t.numel() for t in optimizer.state[p].values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        assert held == ranks.adafactor_state_numel(list(p.shape)), (p.shape, optimizer.state[p].keys())
+
+
 def test_a_model_not_on_disk_counts_adafactors_state_by_its_familys_reference_shapes():
     """A hub id whose files are not here: Adafactor's share is the family's reference model's, computed from
     its shapes as adafactor_state_share computes it from headers (SDXL's UNet 0.095, not 0.5: 4 GB less)."""
@@ -513,12 +530,8 @@ def test_a_model_not_on_disk_counts_adafactors_state_by_its_familys_reference_sh
     from xeontune.train import families, ranks
 
     def share(module) -> float:
-        state = total = 0
-        for t in module.state_dict().values():
-            shape = list(t.shape)
-            total += math.prod(shape)
-            state += math.prod(shape) if len(shape) < 2 else math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
-        return state / total
+        shapes = [list(t.shape) for t in module.state_dict().values()]
+        return sum(map(ranks.adafactor_state_numel, shapes)) / sum(map(math.prod, shapes))
 
     with torch.device("meta"):
         built = {"sd": models.build_modules(models.DIMS["sd15-arch"], models.build_tokenizer(models.DIMS["sd15-arch"])),

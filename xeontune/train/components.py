@@ -94,6 +94,12 @@ def check_text_to_image(model: str, revision: str | None, family: Family | None 
                         "and LoRAs these models load too")
 
 
+def resolved(model: str) -> str:
+    """A local model's path, ``~`` expanded, where it exists; else ``model`` as given (a hub id)."""
+    local = Path(model).expanduser()
+    return str(local) if local.exists() else model
+
+
 def pipeline_family(model: str, revision: str | None = None) -> Family:
     """The family of a local pipeline or a hub id, from its model_index.json (no new flag needed); a hub
     id whose index cannot be read is taken for SD (loading its parts then says why in one line)."""
@@ -242,8 +248,7 @@ def load_encoder(components: Components, model: str, folder: str, revision: str 
     upcast (``_in_fp32``; ``keep_linears``: all but its Linear layers)."""
     import transformers
 
-    local = Path(model).expanduser()
-    model = str(local) if local.exists() else model
+    model = resolved(model)
     encoder = next(e for e in components.family.encoders if e.folder == folder)
     with _loading(model, variant):
         module = getattr(transformers, encoder.model_class).from_pretrained(
@@ -257,8 +262,7 @@ def load_encoder(components: Components, model: str, folder: str, revision: str 
 def load_denoiser(components: Components, model: str, revision: str | None = None, variant: str | None = None,
                   denoiser_dtype: Any = None) -> None:
     """The denoiser into ``components`` (``load`` leaves it out when deferred), frozen and in eval mode."""
-    local = Path(model).expanduser()
-    model = str(local) if local.exists() else model
+    model = resolved(model)
     with _loading(model, variant):
         denoiser = _load_denoiser_in(components.family, denoiser_dtype, model, revision, variant)
     _set_denoiser(components, denoiser, denoiser_dtype)
@@ -404,8 +408,7 @@ def files_dtype(model: str, part: str, revision: str | None, variant: str | None
     import torch
     from safetensors import safe_open
 
-    local = Path(model).expanduser()
-    files = weights_files(str(local) if local.exists() else model, part, revision, variant)
+    files = weights_files(resolved(model), part, revision, variant)
     first = next((f for f in files if f.suffix == ".safetensors"), None)
     if first is None:
         return None
@@ -560,7 +563,7 @@ def ensure_bf16_copies(model: str, revision: str = "", variant: str = "") -> Non
     runs this in a child process before starting ranks, so that they all map one file, none converts."""
     import torch
 
-    model = str(Path(model).expanduser()) if Path(model).expanduser().exists() else model
+    model = resolved(model)
     revision_, variant_ = revision or None, variant or None
     try:
         family = pipeline_family(model, revision_)
@@ -700,14 +703,13 @@ def load_text_encoder(model: str, revision: str | None = None, variant: str | No
     """A text encoder as its files hold it (to save a full pipeline without the training dtype's rounding)."""
     import transformers
 
-    local = Path(model).expanduser()
-    family = pipeline_family(str(local) if local.exists() else model, revision)
+    model = resolved(model)
+    family = pipeline_family(model, revision)
     known = [e for f in (family, *(families.get(n) for n in families.names())) for e in f.encoders if e.folder == part]
     if not known:
         raise UserError(f"{model} has no text encoder {part!r} that xeontune knows how to load")
     cls = getattr(transformers, known[0].model_class)
-    return cls.from_pretrained(
-        str(local) if local.exists() else model, subfolder=part, variant=variant, revision=revision)
+    return cls.from_pretrained(model, subfolder=part, variant=variant, revision=revision)
 
 
 def load_as_stored(model: str, part: str, revision: str | None = None, variant: str | None = None) -> Any:
@@ -715,10 +717,10 @@ def load_as_stored(model: str, part: str, revision: str | None = None, variant: 
     what a saved full pipeline holds, without the training dtype's rounding or a doubled size."""
     import diffusers
 
-    local = Path(model).expanduser()
-    family = pipeline_family(str(local) if local.exists() else model, revision)
+    model = resolved(model)
+    family = pipeline_family(model, revision)
     cls = diffusers.AutoencoderKL if part == "vae" else getattr(diffusers, family.denoiser_class)
-    return cls.from_pretrained(str(local) if local.exists() else model, subfolder=part, variant=variant,
+    return cls.from_pretrained(model, subfolder=part, variant=variant,
                                revision=revision, torch_dtype=files_dtype(model, part, revision, variant))
 
 

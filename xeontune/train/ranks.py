@@ -71,6 +71,14 @@ ADAMW_STATE = 2.0
 ADAFACTOR_STATE_UNREAD = 0.5
 
 
+def adafactor_state_numel(shape: list[int]) -> int:
+    """The second moments transformers' Adafactor keeps for a tensor of ``shape`` (its row and column
+    factors for two or more dimensions, the tensor's own size for a vector)."""
+    if len(shape) < 2:
+        return math.prod(shape)
+    return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+
+
 def adafactor_state_share(folder: Path | None, unread: float = ADAFACTOR_STATE_UNREAD) -> float:
     """transformers' Adafactor (no first moment, as make_optimizer runs it) keeps a row and a column of
     second moments for a tensor of two or more dimensions (the shape without its last, and without its
@@ -82,9 +90,8 @@ def adafactor_state_share(folder: Path | None, unread: float = ADAFACTOR_STATE_U
         for name, tensor in (_header(path) or {}).items():
             if name == "__metadata__":
                 continue
-            shape = tensor["shape"]
-            total += math.prod(shape)
-            state += math.prod(shape) if len(shape) < 2 else math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+            total += math.prod(tensor["shape"])
+            state += adafactor_state_numel(tensor["shape"])
     return state / total if total else unread
 
 
