@@ -252,6 +252,90 @@ def test_fsdp_gathers_the_weights_once_a_step_at_gradients_and_in_bf16_for_a_bf1
     assert planned == count * weights * data_parallel.gathered_dtype(precision).itemsize // 3
 
 
+def _bf16_exchange(rank: int, port: int, said) -> None:
+    """One rank of 2: a buffer of 10 pieces and a bit averaged with bf16 on the wire, at most 3 pieces' copies
+    in flight; what each all-to-all carried, the copies held when it went out, and the result."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    data_parallel.PIECE = 1000
+    exchange = data_parallel.GradientExchange({"allreduce": 0.0}, "bf16")
+    data_parallel.IN_FLIGHT_BYTES = 3 * 3 * 1000 * 2  # three pieces' sent, received and gathered copies
+    carried, scatter = [], dist.all_to_all_single
+    dist.all_to_all_single = lambda out, inp, *a, **k: carried.append((inp.numel(), exchange.in_flight)) or scatter(
+        out, inp, *a, **k)
+    buffer = torch.randn(10_123, generator=torch.Generator().manual_seed(rank))
+    both = [torch.empty_like(buffer) for _ in range(2)]
+    dist.all_gather(both, buffer)
+    exchange.average(buffer).wait()
+    dist.destroy_process_group()
+    want = (both[0].bfloat16().float() + both[1].bfloat16().float()).div(2).bfloat16().float()
+    if rank == 0:  # small: the queue's pipe is read only once both ranks have ended
+        said.put((carried, torch.equal(buffer, want), float((buffer - want).abs().max())))
+
+
+def test_the_bf16_exchange_sends_a_whole_model_bucket_in_bounded_pieces_and_averages_it_exactly():
+    """DDP's first step hands the exchange the whole model as one bucket: it goes out in pieces of at most
+    PIECE elements, with no more than IN_FLIGHT_BYTES of copies held at once, and the mean is each element's
+    bf16 values added in fp32 over the ranks, halved, rounded to bf16 once (2 real ranks over gloo)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    said = mp.get_context("spawn").Queue()
+    mp.start_processes(_bf16_exchange, args=(port, said), nprocs=2, start_method="spawn")
+    carried, exact, apart = said.get(timeout=60)
+    assert [n for n, _ in carried] == [1000] * 10 + [124]  # each piece padded to a multiple of the ranks
+    held = [copies for _, copies in carried]  # each piece's own counted as it goes out
+    assert max(held) <= 3 * 3 * 1000 * 2  # never more than the bound
+    assert exact, apart
+
+
+def _exchange_with_a_lost_rank(rank: int, port: int, said) -> None:
+    """Rank 1 of 2 goes away after joining; rank 0 averages a bucket of many pieces with bf16 on the wire."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    data_parallel.PIECE = 1000
+    exchange = data_parallel.GradientExchange({"allreduce": 0.0}, "bf16")
+    if rank == 1:
+        os._exit(0)  # lost: no goodbye to the others
+    data_parallel.IN_FLIGHT_BYTES = 2 * 3 * 1000 * 2
+    start = time.monotonic()
+    try:
+        exchange.average(torch.randn(20_000)).wait()
+        said.put(("no error", time.monotonic() - start))
+    except Exception as exc:  # gloo's, from the lost peer's closed connection or the timeout
+        said.put((type(exc).__name__, time.monotonic() - start))
+    said.close()
+    said.join_thread()  # flushed before the exit below
+    os._exit(0)  # the process group cannot be destroyed cleanly without its peer
+
+
+def test_a_rank_lost_during_the_bf16_exchange_fails_the_others_average_instead_of_hanging():
+    """The exchange's bounded pieces wait for earlier ones to be back: a lost rank's must end those waits
+    with the collective's error (within the process group's 20 s timeout), not leave the backward waiting."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    said = mp.get_context("spawn").Queue()
+    mp.start_processes(_exchange_with_a_lost_rank, args=(port, said), nprocs=2, start_method="spawn")
+    raised, seconds = said.get(timeout=60)
+    assert raised != "no error" and seconds < 30, (raised, seconds)
+
+
 def test_shard_auto_takes_the_first_level_at_which_the_ranks_fit():
     gib = 2**30
     need = {"none": 10 * gib, "optimizer": 7 * gib, "gradients": 4 * gib, "full": 3 * gib}

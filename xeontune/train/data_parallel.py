@@ -33,6 +33,12 @@ from torch import nn
 log = logging.getLogger("xeontune.train")
 
 WIRE_DTYPE = {"none": torch.float32, "bf16": torch.bfloat16}
+# The bf16 exchange's copies, bounded: a buffer goes out in pieces of at most PIECE elements (DDP's first
+# step hands over the whole model as one bucket: its three bf16 copies and an fp32 sum were 2.9 GB more
+# than fp32 on the wire for a 1.5 GB model, 5-6 GB for SD1.5's UNet), and a backward that runs ahead of
+# the wire waits once the pieces not yet back hold IN_FLIGHT_BYTES of copies (about 7 pieces).
+PIECE = 25 * 2**20 // 4  # DDP's default bucket of fp32
+IN_FLIGHT_BYTES = 256 * 2**20
 SHARD_LEVELS = ("none", "optimizer", "gradients", "full")  # what a rank keeps a share of: less and less
 FSDP_LEVELS = ("gradients", "full")
 
@@ -45,7 +51,8 @@ class GradientExchange:
     bf16 on the wire, fp32 sums: an all-to-all hands each rank 1/N of every other rank's bucket, which
     it adds up in fp32 and averages; an all-gather hands the averaged slices (rounded once to bf16) back
     to every rank. (N-1)/N of the bucket each way in bf16: half the fp32 ring's bytes. gloo's own bf16
-    all-reduce would add in bf16, rounding at every rank's addition."""
+    all-reduce would add in bf16, rounding at every rank's addition. A bucket goes out in pieces
+    (``PIECE``), with at most ``IN_FLIGHT_BYTES`` of copies held at once."""
 
     def __init__(self, seconds: dict[str, float], compression: str = "none") -> None:
         self.bytes = 0
@@ -60,6 +67,8 @@ class GradientExchange:
             self.gather = torch.distributed.new_group(backend="gloo")
             self.turn = threading.Condition()
             self.tickets = self.next_gather = 0
+            self.in_flight = 0  # bytes of wire copies held by exchanges not yet back
+            self.failed: BaseException | None = None  # a collective's error (a rank lost): every wait ends
 
     # No annotations: DDP inspects them and rejects the strings that `from __future__` makes.
     def hook(self, _state, bucket):
@@ -79,29 +88,56 @@ class GradientExchange:
             buffer.div_(world)
             return torch.distributed.all_reduce(buffer, async_op=True).get_future().then(
                 lambda fut: done(fut.value()[0]))
+        pieces = [self._average_piece(piece, world) for piece in buffer.split(PIECE)]
+        return torch.futures.collect_all(pieces).then(lambda _fut: done(buffer))
+
+    def _average_piece(self, buffer: torch.Tensor, world: int) -> torch.futures.Future:
+        """``average``'s bf16 exchange of one piece (a view of the buffer, written in place)."""
         size = buffer.numel()
         share = -(-size // world)
+        held = 3 * share * world * self.wire.itemsize  # sent, received and the gathered copy
+        with self.turn:  # the same waits on every rank: they issue the same buckets in the same order
+            self.turn.wait_for(lambda: self.failed or self.in_flight == 0 or self.in_flight + held <= IN_FLIGHT_BYTES)
+            if self.failed:
+                raise self.failed
+            self.in_flight += held
+            ticket, self.tickets = self.tickets, self.tickets + 1
         sent = torch.zeros(share * world, dtype=self.wire)
         sent[:size].copy_(buffer)
         received = torch.empty_like(sent)
-        ticket, self.tickets = self.tickets, self.tickets + 1
         scattered = torch.distributed.all_to_all_single(received, sent, group=self.scatter, async_op=True)
 
-        def gather(_fut: torch.futures.Future) -> torch.Tensor:
-            mine = received.view(world, share).float().sum(0).div_(world).to(self.wire)
-            every = torch.empty_like(sent)
-            with self.turn:
-                self.turn.wait_for(lambda: self.next_gather == ticket)
-                gathered = torch.distributed.all_gather_into_tensor(every, mine, group=self.gather, async_op=True)
-                self.next_gather += 1
-                self.turn.notify_all()
-            gathered.wait()
-            buffer.copy_(every[:size])
-            # Freed now, not when DDP lets go of the futures at the end of the backward: held until then,
-            # every bucket's three bf16 copies were 1.5x the gradients (5 GB a rank for SD1.5's UNet).
-            for spent in (sent, received, every):
-                spent.untyped_storage().resize_(0)
-            return done(buffer)
+        def gather(scattered: torch.futures.Future) -> torch.Tensor:
+            # Each copy freed as soon as it is spent, not when DDP lets go of the futures at the end of the
+            # backward: held until then, every bucket's three bf16 copies were 1.5x the gradients.
+            every = None
+            try:
+                scattered.value()  # the all-to-all's error (a rank lost) fails this piece, and every wait
+                sent.untyped_storage().resize_(0)
+                mine = received.view(world, share).float().sum(0).div_(world).to(self.wire)
+                received.untyped_storage().resize_(0)
+                every = torch.empty(share * world, dtype=self.wire)
+                with self.turn:
+                    self.turn.wait_for(lambda: self.failed or self.next_gather == ticket)
+                    if self.failed:
+                        raise self.failed
+                    gathered = torch.distributed.all_gather_into_tensor(every, mine, group=self.gather, async_op=True)
+                    self.next_gather += 1
+                    self.turn.notify_all()
+                gathered.wait()
+                buffer.copy_(every[:size])
+                return buffer
+            except BaseException as exc:
+                with self.turn:
+                    self.failed = self.failed or exc
+                raise
+            finally:
+                for spent in (sent, received, every):
+                    if spent is not None:
+                        spent.untyped_storage().resize_(0)
+                with self.turn:
+                    self.in_flight -= held
+                    self.turn.notify_all()
 
         return scattered.get_future().then(gather)
 
