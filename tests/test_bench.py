@@ -422,3 +422,15 @@ def test_attention_bench_times_the_kernel_against_torchs_sdpa(capsys, monkeypatc
         assert row["speedup"] == pytest.approx(theirs / ours)
     assert main(["bench", "--attention", "--threads", "0,2"]) == 2
     assert "--threads 0,2: a comma-separated list" in capsys.readouterr().err
+
+
+def test_a_failed_count_is_told_by_the_ranks_error_line_not_by_the_lines_after_it():
+    from xeontune.scaling import failure_line
+
+    stderr = ("[0] INFO step 3/3  loss 0.9664\n"
+              "[0] error: cannot write out/model.safetensors: no space left on the device (2.9 GB free there)\n"
+              "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
+              "the job ended with exit status 1: a rank failed or was lost and the others were stopped\n")
+    assert failure_line(stderr) == ("[0] error: cannot write out/model.safetensors: no space left on the device "
+                                    "(2.9 GB free there)")
+    assert failure_line("one\nthe last\n") == "the last" and failure_line("") == "?"

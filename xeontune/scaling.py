@@ -106,6 +106,13 @@ def train_argv(args: argparse.Namespace, model: Path, data: Path, out: Path) -> 
     return argv
 
 
+def failure_line(stderr: str) -> str:
+    """What says why a command failed: its last error line (a rank's, before mpirun's and `launch`'s own
+    lines about the job's end), else its last line."""
+    said = stderr.strip().splitlines() or ["?"]
+    return next((line for line in reversed(said) if "error:" in line), said[-1])
+
+
 def measure(args: argparse.Namespace, model: Path, data: Path, tmp: Path, nodes: int, link: str | None,
             threads: int, log) -> Point:
     """One `run --provider local -n nodes` and what its metrics say (``wait`` filled in later)."""
@@ -124,7 +131,7 @@ def measure(args: argparse.Namespace, model: Path, data: Path, tmp: Path, nodes:
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if done.returncode != 0:
                 raise UserError(f"the {nodes}-node run failed at `{cmd[3]}` (exit {done.returncode}): "
-                                f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
+                                f"{failure_line(done.stderr)}")
     finally:
         subprocess.run([*cli, "teardown", "--name", name], capture_output=True, text=True, env=env)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup:]
