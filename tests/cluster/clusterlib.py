@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -110,6 +112,37 @@ def trainer_pids(netns: str, include_hydra: bool = False) -> list[int]:
         if "xeontune.train" in cmd or (include_hydra and ("hydra" in cmd or "mpiexec" in cmd)):
             found.append(pid)
     return found
+
+
+def kill_and_time(proc: subprocess.Popen, pids: list[int], timeout: float = 60) -> tuple[int, float]:
+    """SIGKILL ``pids`` (a rank's processes) and wait for the job ``proc`` to end: its exit status, and the
+    seconds from the kill to its end."""
+    killed_at = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return proc.wait(timeout=timeout), time.monotonic() - killed_at
+
+
+@contextlib.contextmanager
+def stopped_on_exit(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """``proc`` killed on the way out if it still runs: a failed assertion leaves no job behind."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def trainers_left(cluster, seconds: float) -> dict[str, list[int]]:
+    """Each node's rank, Hydra and mpiexec processes still alive after up to ``seconds`` (done as soon as
+    none are)."""
+    left = {node.name: [0] for node in cluster.nodes}
+    deadline = time.monotonic() + seconds
+    while any(left.values()) and time.monotonic() < deadline:
+        left = {node.name: trainer_pids(node.resource_id, include_hydra=True) for node in cluster.nodes}
+        time.sleep(0.1)
+    return left
 
 
 def assert_nothing_left(name: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,15 @@ import torch
 
 from tests.bf16_bounds import BF16_LOSS_RTOL, BF16_VECTOR_RTOL
 from tests.checks import initializer_row, load_vectors, moved_from_initializer
-from tests.cluster.clusterlib import REPO, cli, train_args, trainer_pids
+from tests.cluster.clusterlib import (
+    REPO,
+    cli,
+    kill_and_time,
+    stopped_on_exit,
+    train_args,
+    trainer_pids,
+    trainers_left,
+)
 from tests.trainlib import OFFLINE, train_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
@@ -176,7 +183,7 @@ def test_killing_one_rank_ends_the_job(local_cluster, tiny, tmp_path):
     proc = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, **OFFLINE})
     victim_ns = local_cluster.nodes[1].resource_id
-    try:
+    with stopped_on_exit(proc):
         deadline = time.monotonic() + 180
         metrics = out_dir / "metrics.jsonl"
         while time.monotonic() < deadline and proc.poll() is None:
@@ -186,21 +193,9 @@ def test_killing_one_rank_ends_the_job(local_cluster, tiny, tmp_path):
         assert proc.poll() is None, "the job ended before the kill:\n" + log.read_text()[-3000:]
         victims = trainer_pids(victim_ns)
         assert victims, "no training process in node1's namespace"
-        killed_at = time.monotonic()
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
-        rc = proc.wait(timeout=60)
-        took = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        rc, took = kill_and_time(proc, victims)
     assert rc != 0 and took < 60
-    left = {node.name: [0] for node in local_cluster.nodes}
-    deadline = time.monotonic() + 1  # the same second as before, but done as soon as all are gone
-    while any(left.values()) and time.monotonic() < deadline:
-        left = {node.name: trainer_pids(node.resource_id, include_hydra=True) for node in local_cluster.nodes}
-        time.sleep(0.1)
+    left = trainers_left(local_cluster, 1)  # the same second as before, but done as soon as all are gone
     for name, pids in left.items():
         assert pids == [], f"processes left on {name}"
     print(f"job exited {rc} {took:.1f} s after rank 1 was killed")

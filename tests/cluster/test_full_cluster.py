@@ -17,7 +17,15 @@ import time
 import pytest
 import torch
 
-from tests.cluster.clusterlib import REPO, assert_nothing_left, cli, trainer_pids
+from tests.cluster.clusterlib import (
+    REPO,
+    assert_nothing_left,
+    cli,
+    kill_and_time,
+    stopped_on_exit,
+    trainer_pids,
+    trainers_left,
+)
 from tests.trainlib import OFFLINE, full_args, train_in_process, unet_weights
 from xeontune.train import checkpoint
 
@@ -65,7 +73,7 @@ def test_a_rank_lost_inside_the_bf16_exchange_ends_every_rank_and_keeps_the_last
                        "--checkpointing-steps", "1", "--checkpoints-total-limit", "2")]
     log = tmp_path / "launch.log"
     proc = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
-    try:
+    with stopped_on_exit(proc):
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None and len(checkpoint.list_checkpoints(out)) < 1:
             time.sleep(0.1)
@@ -76,23 +84,11 @@ def test_a_rank_lost_inside_the_bf16_exchange_ends_every_rank_and_keeps_the_last
             os.kill(pid, signal.SIGSTOP)
         time.sleep(3)  # the others reach the next exchange and wait on the frozen rank inside it
         assert proc.poll() is None, log.read_text()[-3000:]
-        killed_at = time.monotonic()
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
-        rc = proc.wait(timeout=60)
-        took = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        rc, took = kill_and_time(proc, victims)
     assert rc != 0 and took < 60, (rc, took, log.read_text()[-3000:])
     said = [line for line in log.read_text().splitlines() if line.startswith("the job ended with exit status")]
     assert len(said) == 1 and "the checkpoints it completed are kept" in said[0], log.read_text()[-3000:]
-    left = {node.name: [0] for node in local_cluster.nodes}
-    deadline = time.monotonic() + 5
-    while any(left.values()) and time.monotonic() < deadline:
-        left = {node.name: trainer_pids(node.resource_id, include_hydra=True) for node in local_cluster.nodes}
-        time.sleep(0.1)
+    left = trainers_left(local_cluster, 5)
     assert not any(left.values()), left
     step, newest = checkpoint.list_checkpoints(out)[-1]
     assert checkpoint.load(newest).step == step

@@ -19,7 +19,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from tests.cluster.clusterlib import REPO, cli, leftovers, process_alive
+from tests.cluster.clusterlib import REPO, cli, kill_and_time, leftovers, process_alive, stopped_on_exit
 from xeontune.cluster import files, manage, ssh, state
 from xeontune.errors import UserError
 from xeontune.job import start as launcher
@@ -190,22 +190,14 @@ def test_killing_one_rank_stops_the_job(local_cluster, tmp_path):
     pid_dir.mkdir()
     plan = probe_plan(local_cluster, "--sleep", "300", "--pid-dir", str(pid_dir), "--dist-timeout", "20")
     proc = subprocess.Popen(plan.argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with stopped_on_exit(proc):
         deadline = time.monotonic() + 90
         while len(list(pid_dir.glob("*.pid"))) < 3 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
         assert len(list(pid_dir.glob("*.pid"))) == 3, "ranks did not start"
         time.sleep(2)  # mid-run: the ranks are in their all-reduce loop
         pids = {int(p.read_text()) for p in pid_dir.glob("*.pid")}
-        victim = int((pid_dir / "rank1.pid").read_text())
-        killed_at = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        rc = proc.wait(timeout=60)
-        took = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        rc, took = kill_and_time(proc, [int((pid_dir / "rank1.pid").read_text())])
     assert rc != 0
     assert took < 60
     time.sleep(1)
