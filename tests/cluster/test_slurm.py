@@ -310,18 +310,49 @@ def _start_long_job(name: str, tiny_model, sample_images, out, slurm, capsys) ->
 
 
 def _wait_for_ranks(out: Path, slurm, count: int = 3, timeout_s: float = 300) -> list[int]:
-    """The pids of the job's ``count`` ranks, once they all run; on a timeout, what ran instead. (300 s: on a
-    loaded 2-core CI host one node's task once exec'd more than 120 s after its siblings. The listing taken
-    at that timeout showed all three running, the late one's pid between theirs: forked with them, it had
-    waited in its slurmstepd. The tests' own limits start once the ranks run.)"""
+    """The pids of the job's ranks, once ``count`` of them run; on a timeout, what ran instead. (300 s: on a
+    loaded 2-core CI host one node's task twice ran late: once more than 120 s, once more than 300 s after its
+    siblings. Both times the listing taken at the timeout showed all three running, the late one's pid between
+    theirs. `_step_children` tells, next time, what the late task waited on.)"""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and len(rank_pids(str(out))) < count:
         time.sleep(0.5)
     pids = rank_pids(str(out))
-    assert len(pids) == count, (
-        f"ranks {pids}; slurmstepds {_stepds('')}; steps {slurm.run('squeue', '--steps', '-o', '%i %j %T %N').stdout}"
-        f"; processes:\n{slurmlib.processes('slurmstepd', sys.executable)}\n{slurm.log()}")
+    if len(pids) < count:
+        waiting = _step_children()
+        assert len(pids) >= count, (
+            f"ranks {pids}; tasks not yet exec'd or just exec'd:\n{waiting}\nslurmstepds {_stepds('')}; "
+            f"steps {slurm.run('squeue', '--steps', '-o', '%i %j %T %N').stdout}; ranks found after this "
+            f"listing {rank_pids(str(out))}; processes:\n{slurmlib.processes('slurmstepd', sys.executable)}\n"
+            f"{slurm.log()}")
     return pids
+
+
+def _step_children() -> str:
+    """Each child of a slurmstepd: pid, state, what it sleeps on in the kernel, its command line's first
+    words and its kernel stack (read as root)."""
+    stepds, lines = set(), []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"slurmstepd: ["):
+                stepds.add(proc.name)
+        except OSError:
+            continue
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if stat[1] not in stepds:
+                continue
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")[:3]
+            wchan = (proc / "wchan").read_text()
+            stack = (proc / "stack").read_text().replace("\n", " | ") if os.geteuid() == 0 else ""
+        except OSError as e:
+            lines.append(f"{proc.name}: {e}")
+            continue
+        lines.append(f"{proc.name} ppid {stat[1]} {stat[0]} wchan {wchan} {cmd} {stack[:600]}")
+    return "\n".join(lines)
 
 
 def _gone(pids: list[int], within_s: float) -> bool:
@@ -550,7 +581,7 @@ def test_the_env_file_of_a_cancelled_job_is_deleted_once_slurm_says_it_ended(on_
                  *_options(tiny_model, sample_images, out, 100000)]) == 0
     job = record.load_job("ev")
     env_file = Path(job.job_dir) / "env"
-    pids = _wait_for_ranks(out, on_slurm)
+    pids = _wait_for_ranks(out, on_slurm, count=1)  # one rank's environment tells; a late one is cancelled too
     assert env_file.exists(), on_slurm.log()
     environ, deadline = b"", time.monotonic() + 30
     while not environ and time.monotonic() < deadline:  # it reads empty while a rank execs itself anew (tcmalloc)
