@@ -5,6 +5,7 @@ halve the bytes and stay within a stated bound of fp32 over 50 steps."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -91,10 +92,12 @@ def test_each_shard_level_trains_what_one_process_does_and_its_checkpoints_resum
         diff = float((trained(tmp_path / got / "pipeline") - want).abs().max())
         assert diff <= 1e-5 * scale, (got, diff, scale)
 
-    weights = 4 * len(base)
+    weights, under_ddp = 4 * len(base), 4 * len(flat(unet(tiny_model)))
     # ZeRO-1: the gradients and the updated weights (each once, from the rank that owns it), and the loss;
-    # FSDP --shard gradients: the gradients once and the weights once a step (kept over its 2 micro-steps)
-    assert sent(tmp_path / "zero") == [2 * weights + 4] * 4
+    # DDP's (the UNet's) once more in the second step, whose first micro-step fills its rebuilt buckets
+    # (Run.accumulating); FSDP --shard gradients: the gradients once and the weights once a step (kept
+    # over its 2 micro-steps)
+    assert sent(tmp_path / "zero") == [2 * weights + 4, 2 * weights + 4 + under_ddp] + [2 * weights + 4] * 2
     assert sent(tmp_path / "fsdp") == [2 * weights + 4] * 4
 
 
@@ -207,12 +210,11 @@ class _Blocks(torch.nn.Module):
         return x
 
 
-def _gathers_a_step(rank: int, port: int, level: str, precision: str, micro_steps: int, said) -> None:
+def _gathers_a_step(rank: int, store: str, level: str, precision: str, micro_steps: int, said) -> None:
     """One rank of 2: the all-gathers FSDP issues over a step of ``micro_steps`` (their input dtypes)."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
     torch.manual_seed(0)
     model = _Blocks()
     data_parallel.fully_shard_modules([model], level, precision=precision)
@@ -223,26 +225,23 @@ def _gathers_a_step(rank: int, port: int, level: str, precision: str, micro_step
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             model(torch.randn(2, 8)).float().sum().backward()
     grads = {p.grad.to_local().dtype for p in model.parameters()}
+    dist.barrier()  # FSDP's last collectives done on both ranks before either tears its group down (else gloo aborts)
     dist.destroy_process_group()
     if rank == 0:
         said.put((len(dtypes), set(dtypes), grads))
 
 
 @pytest.mark.parametrize(("level", "precision"), [("gradients", "bf16"), ("full", "fp32")])
-def test_fsdp_gathers_the_weights_once_a_step_at_gradients_and_in_bf16_for_a_bf16_run(level, precision):
+def test_fsdp_gathers_the_weights_once_a_step_at_gradients_and_in_bf16_for_a_bf16_run(level, precision, tmp_path):
     """``fsdp_bytes_sent``'s plan, on FSDP's own all-gathers (2 real ranks, 3 blocks, 3 micro-steps):
     ``gradients`` keeps each block's weights gathered over the micro-steps (one gather a block a step),
     ``full`` gathers them for each forward and each backward; a bf16 run gathers bf16, its gradients fp32."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = f"file://{tmp_path / 'store'}"  # no port to race other tests' ranks for
     context = mp.get_context("spawn")
     said = context.Queue()
-    mp.start_processes(_gathers_a_step, args=(port, level, precision, 3, said), nprocs=2, start_method="spawn")
+    mp.start_processes(_gathers_a_step, args=(store, level, precision, 3, said), nprocs=2, start_method="spawn")
     count, dtypes, grads = said.get(timeout=60)
     assert count == (3 if level == "gradients" else 2 * 3 * 3), count
     assert dtypes == {data_parallel.gathered_dtype(precision)} and grads == {torch.float32}
@@ -252,13 +251,65 @@ def test_fsdp_gathers_the_weights_once_a_step_at_gradients_and_in_bf16_for_a_bf1
     assert planned == count * weights * data_parallel.gathered_dtype(precision).itemsize // 3
 
 
-def _bf16_exchange(rank: int, port: int, said) -> None:
+def _accumulates_in_buckets(rank: int, store: str, said) -> None:
+    """One rank of 2: 3 steps of 3 micro-steps under DDP (no_sync where the loop's ``Run.accumulating`` says,
+    before the last), the gradients readied by ``Run.zero_gradients``; for each step, whether its first
+    micro-step's gradients were views of DDP's buckets (those it all-reduced in that step or the one before)."""
+    import types
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from xeontune.train.loop import Run
+
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_Blocks(), broadcast_buffers=False, gradient_as_bucket_view=True)
+    buckets: set[int] = set()
+
+    def average(state, bucket):
+        buckets.add(bucket.buffer().untyped_storage().data_ptr())
+        return dist.all_reduce(bucket.buffer().div_(2), async_op=True).get_future().then(lambda f: f.value()[0])
+
+    ddp.register_comm_hook(None, average)
+    run = types.SimpleNamespace(steps_done=0, world=2, ddp_modules=[ddp], optimizer=torch.optim.SGD(ddp.parameters()),
+                                opts=types.SimpleNamespace(gradient_accumulation_steps=3))
+    for name in ("zero_gradients", "accumulating", "_accumulates_under_ddp"):
+        setattr(run, name, types.MethodType(getattr(Run, name), run))
+    in_buckets = []
+    for _step in range(3):
+        before, buckets = buckets, set()
+        for micro in range(3):
+            with ddp.no_sync() if micro < 2 and run.accumulating(micro) else contextlib.nullcontext():
+                ddp(torch.randn(2, 8)).sum().backward()
+            if micro == 0:
+                in_buckets.append({p.grad.untyped_storage().data_ptr() for p in ddp.parameters()} <= before | buckets)
+        run.optimizer.step()
+        run.zero_gradients()
+    dist.destroy_process_group()
+    if rank == 0:
+        said.put(in_buckets)
+
+
+def test_ddp_micro_steps_add_into_its_buckets_once_it_has_rebuilt_them(tmp_path):
+    """With accumulation under DDP, no second copy of every gradient beside DDP's buckets (3.4 GB for SD1.5)
+    once DDP has rebuilt them (in its second step's first forward): that step's first micro-step all-reduces
+    too, which puts its gradients straight into the new buckets, and from then on they are zeroed in place,
+    so the micro-steps before the last add into the buckets (2 real ranks over gloo)."""
+    import torch.multiprocessing as mp
+
+    store = f"file://{tmp_path / 'store'}"  # no port to race other tests' ranks for
+    said = mp.get_context("spawn").Queue()
+    mp.start_processes(_accumulates_in_buckets, args=(store, said), nprocs=2, start_method="spawn")
+    assert said.get(timeout=60) == [False, True, True]
+
+
+def _bf16_exchange(rank: int, store: str, said) -> None:
     """One rank of 2: a buffer of 10 pieces and a bit averaged with bf16 on the wire, at most 3 pieces' copies
     in flight; what each all-to-all carried, the copies held when it went out, and the result."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
     data_parallel.PIECE = 1000
     exchange = data_parallel.GradientExchange({"allreduce": 0.0}, "bf16")
     data_parallel.IN_FLIGHT_BYTES = 3 * 3 * 1000 * 2  # three pieces' sent, received and gathered copies
@@ -275,19 +326,15 @@ def _bf16_exchange(rank: int, port: int, said) -> None:
         said.put((carried, torch.equal(buffer, want), float((buffer - want).abs().max())))
 
 
-def test_the_bf16_exchange_sends_a_whole_model_bucket_in_bounded_pieces_and_averages_it_exactly():
+def test_the_bf16_exchange_sends_a_whole_model_bucket_in_bounded_pieces_and_averages_it_exactly(tmp_path):
     """DDP's first step hands the exchange the whole model as one bucket: it goes out in pieces of at most
     PIECE elements, with no more than IN_FLIGHT_BYTES of copies held at once, and the mean is each element's
     bf16 values added in fp32 over the ranks, halved, rounded to bf16 once (2 real ranks over gloo)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = f"file://{tmp_path / 'store'}"  # no port to race other tests' ranks for
     said = mp.get_context("spawn").Queue()
-    mp.start_processes(_bf16_exchange, args=(port, said), nprocs=2, start_method="spawn")
+    mp.start_processes(_bf16_exchange, args=(store, said), nprocs=2, start_method="spawn")
     carried, exact, apart = said.get(timeout=60)
     assert [n for n, _ in carried] == [1000] * 10 + [124]  # each piece padded to a multiple of the ranks
     held = [copies for _, copies in carried]  # each piece's own counted as it goes out
@@ -295,15 +342,14 @@ def test_the_bf16_exchange_sends_a_whole_model_bucket_in_bounded_pieces_and_aver
     assert exact, apart
 
 
-def _exchange_with_a_lost_rank(rank: int, port: int, said) -> None:
+def _exchange_with_a_lost_rank(rank: int, store: str, said) -> None:
     """Rank 1 of 2 goes away after joining; rank 0 averages a bucket of many pieces with bf16 on the wire."""
     import datetime
     import time
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
     data_parallel.PIECE = 1000
     exchange = data_parallel.GradientExchange({"allreduce": 0.0}, "bf16")
     if rank == 1:
@@ -320,18 +366,14 @@ def _exchange_with_a_lost_rank(rank: int, port: int, said) -> None:
     os._exit(0)  # the process group cannot be destroyed cleanly without its peer
 
 
-def test_a_rank_lost_during_the_bf16_exchange_fails_the_others_average_instead_of_hanging():
+def test_a_rank_lost_during_the_bf16_exchange_fails_the_others_average_instead_of_hanging(tmp_path):
     """The exchange's bounded pieces wait for earlier ones to be back: a lost rank's must end those waits
     with the collective's error (within the process group's 20 s timeout), not leave the backward waiting."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = f"file://{tmp_path / 'store'}"  # no port to race other tests' ranks for
     said = mp.get_context("spawn").Queue()
-    mp.start_processes(_exchange_with_a_lost_rank, args=(port, said), nprocs=2, start_method="spawn")
+    mp.start_processes(_exchange_with_a_lost_rank, args=(store, said), nprocs=2, start_method="spawn")
     raised, seconds = said.get(timeout=60)
     assert raised != "no error" and seconds < 30, (raised, seconds)
 
