@@ -364,6 +364,27 @@ def test_nodes_sweep_measures_scaling_on_shaped_links_and_fits_its_cost_model(ti
     assert "| 2 | 0.05 Gbit/s |" in table and "modelled (a node 4x faster)" in table
 
 
+def test_the_nodes_sweep_leaves_out_the_second_step_where_ddp_accumulates():
+    """Under DDP with accumulation the second step all-reduces one micro-step more, once: each count leaves
+    out at least two steps there (the steps it runs grow to match), --warmup's elsewhere."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from xeontune import scaling
+
+    def argv(**given):
+        args = SimpleNamespace(**{"method": "full", "warmup": 1, "steps": 2, "accumulation": 4, "shard": "none",
+                                  "resolution": 32, "batch_size": 1, "mixed_precision": "fp32",
+                                  "grad_compression": "bf16", "optimizer": "adamw", "use_ema": False,
+                                  "gradient_checkpointing": False, **given})
+        cmd = scaling.train_argv(args, Path("m"), Path("d"), Path("o"))
+        return scaling.warmup_steps(args), int(cmd[cmd.index("--max-train-steps") + 1])
+
+    assert argv() == (2, 4)
+    assert argv(shard="optimizer", warmup=3) == (3, 5)
+    assert argv(shard="full") == (1, 3) and argv(accumulation=1) == (1, 3)
+
+
 def test_rank_counts_read_lists_powers_and_none():
     assert bench.rank_counts("1,auto", 4) == [1, "auto"]
     assert bench.rank_counts("powers", 4) == [1, 2, 4, "auto"]

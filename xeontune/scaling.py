@@ -86,11 +86,18 @@ def parse_nodes(spec: str) -> list[int]:
     return counts
 
 
+def warmup_steps(args: argparse.Namespace) -> int:
+    """The steps each count leaves out of its figures: --warmup's, and at least 2 under DDP with accumulation,
+    whose second step all-reduces one micro-step more, once (loop.Run.accumulating)."""
+    ddp = args.shard not in ("gradients", "full")
+    return max(args.warmup, 2) if args.accumulation > 1 and ddp else args.warmup
+
+
 def train_argv(args: argparse.Namespace, model: Path, data: Path, out: Path) -> list[str]:
     """The training options every count runs (`xeontune train`'s flags)."""
     argv = ["--method", args.method, "--model", str(model), "--data-dir", str(data), "--output-dir", str(out),
             "--resolution", str(args.resolution), "--train-batch-size", str(args.batch_size),
-            "--max-train-steps", str(args.warmup + args.steps), "--checkpointing-steps", "0", "--save-steps", "0",
+            "--max-train-steps", str(warmup_steps(args) + args.steps), "--checkpointing-steps", "0", "--save-steps", "0",
             "--mixed-precision", args.mixed_precision, "--gradient-accumulation-steps", str(args.accumulation),
             "--report-to", "none"]
     if args.method != "textual_inversion":
@@ -121,7 +128,9 @@ def measure(args: argparse.Namespace, model: Path, data: Path, tmp: Path, nodes:
     name = f"bench{os.getpid() % 100000}"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     cli = [sys.executable, "-m", "xeontune.cli"]
-    log(f"{nodes} node(s), {threads} thread(s) each, link {link or 'unshaped'}: {args.warmup + args.steps} steps")
+    skip = warmup_steps(args)
+    log(f"{nodes} node(s), {threads} thread(s) each, link {link or 'unshaped'}: {skip + args.steps} steps, the "
+        f"first {skip} left out")
     # `cluster up` and `launch`, not `run`: the nodes share this disk, and `run` would copy the outputs (a full
     # fine-tuning's gigabytes) back over SSH before the next count
     steps = [[*cli, "cluster", "up", "--provider", "local", "-n", str(nodes), "--name", name, *shape],
@@ -134,7 +143,7 @@ def measure(args: argparse.Namespace, model: Path, data: Path, tmp: Path, nodes:
                                 f"{failure_line(done.stderr)}")
     finally:
         subprocess.run([*cli, "teardown", "--name", name], capture_output=True, text=True, env=env)
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup:]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][skip:]
     shutil.rmtree(out, ignore_errors=True)  # a full fine-tuning's outputs are gigabytes a count
     step = statistics.median(m["step_time_s"] for m in lines)
     rate = rate_bps(link) if link else None
