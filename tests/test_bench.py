@@ -385,6 +385,39 @@ def test_the_nodes_sweep_leaves_out_the_second_step_where_ddp_accumulates():
     assert argv(shard="full") == (1, 3) and argv(accumulation=1) == (1, 3)
 
 
+def test_synthetic_data_is_random_images_each_captioned_apart_as_the_trainer_reads_them(tmp_path):
+    """--synthetic-data's images: random pixels at the size asked, a caption of its own each (metadata.jsonl),
+    which the trainer takes over the instance prompt: the text encoder sees a new prompt every sample."""
+    from PIL import Image
+
+    from xeontune import models
+    from xeontune.train.prompts import image_prompts
+
+    paths = models.write_synthetic_data(tmp_path / "synth", count=5, size=40)
+    again = models.write_synthetic_data(tmp_path / "again", count=5, size=40)
+    assert [Image.open(p).size for p in paths] == [(40, 40)] * 5
+    assert all((a.read_bytes() == b.read_bytes()) for a, b in zip(paths, again, strict=True))  # seeded
+    assert len({p.read_bytes() for p in paths}) == 5
+    prompts = image_prompts(tmp_path / "synth", paths, instance_prompt="a photo of sks toy")
+    assert prompts.source == "captions" and len(prompts.texts) == 5 and prompts.of_image == list(range(5))
+
+
+@pytest.mark.slow
+def test_the_full_bench_takes_synthetic_data_ema_and_adafactor_to_both_variants(tiny_model, capsys, tmp_path):
+    """`bench --method full --synthetic-data --use-ema --optimizer adafactor` (MosaicML's benchmark run): the
+    trainer and the baseline worker both train so, and the result says per core too."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--method", "full", "--model", str(tiny_model), *FAST, "--no-rss", "--synthetic-data",
+                 "--use-ema", "--optimizer", "adafactor", "--mixed-precision", "fp32", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    config = result["config"]
+    assert (config["synthetic_data"], config["use_ema"], config["optimizer"]) == (True, True, "adafactor")
+    assert result["baseline"]["s_per_step"] > 0
+    table = capsys.readouterr().out
+    per_core = float(next(line for line in table.splitlines() if line.startswith("images/s per core")).split()[3])
+    assert per_core == pytest.approx(result["optimized"]["images_per_s"] / result["physical_cores"], abs=1e-4)
+
+
 def test_rank_counts_read_lists_powers_and_none():
     assert bench.rank_counts("1,auto", 4) == [1, "auto"]
     assert bench.rank_counts("powers", 4) == [1, 2, 4, "auto"]

@@ -46,7 +46,8 @@ from xeontune.quiet import quiet_libraries
 
 VARIANTS = ("optimized", "baseline")
 # Built once into --models-dir and reused (models.DIMS): sizes on disk, for the first build's note.
-BUILT_IN = {"tiny": "", "sd15-arch": "3.9 GB", "sd2-tiny": "", "sdxl-tiny": "", "sdxl-arch": "about 13 GB"}
+BUILT_IN = {"tiny": "", "sd15-arch": "3.9 GB", "sd2-tiny": "", "sd2-arch": "about 5.2 GB", "sdxl-tiny": "",
+            "sdxl-arch": "about 13 GB"}
 
 # Every method's targets are its declaration's (train/methods/: Declaration.bench); these hold for all.
 # Issue 9's: the `auto` ranks per node >= 1.8x the example's images/s (3.0x at 512 px on a 16-core AMX
@@ -55,8 +56,12 @@ SHARED_TARGETS = {"auto_ranks_speedup_min": 1.8, "overhead_max": 1.05}
 CLASS_PROMPT = "a photo of a toy"
 
 
-def prior_flag(args: argparse.Namespace) -> list[str]:
-    return ["--with-prior-preservation"] if getattr(args, "with_prior_preservation", False) else []
+def child_flags(args: argparse.Namespace) -> list[str]:
+    """The options a bench's child process (the baseline worker, a peak-RSS run) takes over as they are."""
+    return [*(["--with-prior-preservation"] if getattr(args, "with_prior_preservation", False) else []),
+            *(["--synthetic-data"] if getattr(args, "synthetic_data", False) else []),
+            *(["--use-ema"] if getattr(args, "use_ema", False) else []),
+            "--optimizer", getattr(args, "optimizer", "adamw")]
 
 
 def targets_for(family: str, precision: str, method: str = "textual_inversion") -> dict[str, float]:
@@ -147,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the bench's images serve as the class images), against the example's --with_prior_preservation")
     p.add_argument("--model", default="tiny", help=f"{', '.join(BUILT_IN)} (built once and cached), "
                    "or a pipeline path (SD1.x, SD2 or SDXL)")
+    p.add_argument("--synthetic-data", action="store_true",
+                   help="train on images of random pixels, each with its own random caption (the text encoder runs "
+                   "for every sample), as MosaicML's diffusion benchmark does, instead of the concept images and "
+                   "one instance prompt")
     p.add_argument("--models-dir", default="models", help="where the built-in models are cached (default: models)")
     p.add_argument("--resolution", type=int, default=256, help="image side in pixels (default 256)")
     p.add_argument("--batch-size", type=int, default=1, help="images per step (default 1)")
@@ -348,6 +357,17 @@ def resolve_model(model: str, models_dir: str) -> Path:
         models.build_pipeline(model, path)
         print(f"built {path} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return path
+
+
+def write_bench_data(data: Path, args: argparse.Namespace) -> None:
+    """What every variant trains on: the concept images, or --synthetic-data's (enough for a caption per sample)."""
+    from xeontune import models
+
+    if getattr(args, "synthetic_data", False):
+        samples = args.batch_size * (args.warmup + args.steps) * getattr(args, "accumulation", 1)
+        models.write_synthetic_data(data, count=max(4, samples), size=args.resolution)
+    else:
+        write_bench_data(data, args)
 
 
 def class_images_beside(data: Path) -> Path:
@@ -557,7 +577,7 @@ class BaselineWorker:
             "--steps", str(args.steps), "--warmup", str(args.warmup),
             # this process's precision, not "auto" again: the same for both variants, decided once
             "--mixed-precision", precision, "--allocator", "none",  # inherits ours via the env
-            "--method", args.method, "--rank", str(args.rank), *prior_flag(args),
+            "--method", args.method, "--rank", str(args.rank), *child_flags(args),
         ]
         self.log_path = tmp / "baseline-worker.log"
         self._log = self.log_path.open("w")
@@ -606,7 +626,6 @@ def baseline_worker(args: argparse.Namespace) -> int:
     """Worker mode: the example script's models and step (see BaselineWorker), no IPEX, no compile."""
     import os
 
-    from xeontune import models
     from xeontune.hardware import choose_precision
     from xeontune.train import loop
 
@@ -616,7 +635,7 @@ def baseline_worker(args: argparse.Namespace) -> int:
     model = resolve_model(args.model, args.models_dir)
     with tempfile.TemporaryDirectory(prefix="xeontune-bench-baseline-") as tmp:
         data = Path(tmp) / "data"
-        models.write_sample_data(data, count=4, size=args.resolution)
+        write_bench_data(data, args)
         opts = variant_options(model, data, Path(tmp) / "out", args, "baseline")
         run, _ = loop.setup(opts, loop.make_accelerator(opts),
                             components=example_components(model, choose_precision(opts.mixed_precision)[0],
@@ -728,14 +747,13 @@ def bench_class_images(args: argparse.Namespace, log=print) -> dict[str, Any]:
 def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
     import torch
 
-    from xeontune import models
     from xeontune.train import loop
     from xeontune.train.ranks import plan_ranks
 
     model = resolve_model(args.model, args.models_dir)
     with tempfile.TemporaryDirectory(prefix="xeontune-bench-") as tmp:
         data = Path(tmp) / "data"
-        models.write_sample_data(data, count=4, size=args.resolution)
+        write_bench_data(data, args)
         opts = variant_options(model, data, Path(tmp) / "optimized", args, "optimized")
         precision = hardware.choose_precision(args.mixed_precision)[0]  # as the trainer decides it
         worker = None if args.no_baseline or args.one_at_a_time else BaselineWorker(args, model, Path(tmp), precision)
@@ -843,6 +861,8 @@ def run_bench(args: argparse.Namespace, log=print) -> BenchResult:
             "backend_notes": notes, "family": family, "targets": targets_for(family, precision, args.method),
             "method": args.method, **({"rank": args.rank} if args.method == "lora" else {}),
             "prior_preservation": bool(getattr(args, "with_prior_preservation", False)),
+            "synthetic_data": args.synthetic_data,
+            **({"use_ema": args.use_ema, "optimizer": args.optimizer} if args.method == "full" else {}),
         },
         model_compute_times_s=[round(t, 4) for t in times["compute"]],
         core_peak_gflops=core_peak,
@@ -871,7 +891,7 @@ def rss_in_child(args: argparse.Namespace, variant: str, model: Path) -> dict[st
         "--resolution", str(args.resolution), "--batch-size", str(args.batch_size),
         "--steps", str(min(args.steps, 2)), "--warmup", str(min(args.warmup, 1)),
         "--mixed-precision", args.mixed_precision, "--ipex", args.ipex, "--pack-weights", args.pack_weights,
-        "--allocator", "none", "--method", args.method, "--rank", str(args.rank), *prior_flag(args),
+        "--allocator", "none", "--method", args.method, "--rank", str(args.rank), *child_flags(args),
         *(["--compile"] if args.compile else []),
         *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
     ]
@@ -883,13 +903,12 @@ def rss_in_child(args: argparse.Namespace, variant: str, model: Path) -> dict[st
 
 def rss_child(args: argparse.Namespace) -> int:
     """Child mode: one variant alone (no shared models), then print its peak RSS as JSON."""
-    from xeontune import models
     from xeontune.train import loop
 
     model = resolve_model(args.model, args.models_dir)
     with tempfile.TemporaryDirectory(prefix="xeontune-bench-") as tmp:
         data = Path(tmp) / "data"
-        models.write_sample_data(data, count=4, size=args.resolution)
+        write_bench_data(data, args)
         opts = variant_options(model, data, Path(tmp) / "out", args, args.rss_child)
         accelerator = loop.make_accelerator(opts)
         if args.rss_child == "baseline":  # the example script's models, not the trainer's
@@ -928,6 +947,7 @@ def render_table(r: BenchResult) -> str:
         f"{'s/step (median)' if c['statistic'] == 'best' else 's/step (best)':<24}" + "".join(
             f"{v.median_s_per_step if c['statistic'] == 'best' else v.best_s_per_step:>12.3f}" for _, v in cols),
         f"{'images/s':<24}" + "".join(f"{v.images_per_s:>12.3f}" for _, v in cols),
+        f"{'images/s per core':<24}" + "".join(f"{v.images_per_s / r.physical_cores:>12.4f}" for _, v in cols),
         f"{'peak RSS (MB)':<24}" + "".join(
             f"{v.peak_rss_mb:>12.0f}" if v.peak_rss_mb else f"{'-':>12}" for _, v in cols),
         f"{'  during steps (MB)':<24}" + "".join(

@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("model", help="build an offline Stable Diffusion pipeline with random weights")
     p.add_argument("kind", choices=list(models.KINDS),
-                   help="tiny, sd2-tiny, sdxl-tiny, sd3-tiny, flux-tiny: seconds to train; sd15-arch, sdxl-arch, "
+                   help="tiny, sd2-tiny, sdxl-tiny, sd3-tiny, flux-tiny: seconds to train; sd15-arch, sd2-arch, sdxl-arch, "
                    "sd35m-arch: real sizes (GBs); flux-arch: Flux.1-dev's widths at reduced depth")
     p.add_argument("dir", help="directory to write the pipeline to (save_pretrained layout)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")

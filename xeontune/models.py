@@ -9,6 +9,9 @@ trainer loads both the same way.
   3.9 GB on disk); realistic for benchmarks, useless for images.
 * ``sd2-tiny``: SD2's shape at tiny size: a GELU text encoder (OpenCLIP's activation), linear
   projections in the UNet's transformers and a v-prediction scheduler.
+* ``sd2-arch``: Stable Diffusion 2 base dimensions (865M-parameter UNet with linear projections and heads of
+  64, OpenCLIP ViT-H's 23-layer text encoder as SD2 uses it, epsilon prediction; about 5.2 GB on disk), the
+  model of MosaicML's diffusion benchmark; for benchmarks only.
 * ``sdxl-tiny``: SDXL's shape at tiny size: two text encoders (the second with a projection, whose
   pooled output the UNet takes as ``text_embeds``), two tokenizers, a UNet conditioned on both
   encoders' hidden states concatenated plus six size/crop ``time_ids``.
@@ -95,6 +98,12 @@ DIMS = {
         vocab_size=None, unet_channels=(32, 64), unet_layers=1, unet_head_dim=8,
         vae_channels=(16, 16, 32, 32), vae_layers=1, vae_groups=8, sample_size=64,
         prediction_type="v_prediction", linear_projection=True, head_dims=(2, 4),
+    ),
+    "sd2-arch": PipelineDims(
+        text_hidden=1024, text_layers=23, text_heads=16, text_intermediate=4096, text_act="gelu",
+        vocab_size=49408, unet_channels=(320, 640, 1280, 1280), unet_layers=2, unet_head_dim=64,
+        vae_channels=(128, 256, 512, 512), vae_layers=2, vae_groups=32, sample_size=512,
+        linear_projection=True, head_dims=(5, 10, 20, 20),
     ),
     "sdxl-tiny": PipelineDims(
         text_hidden=32, text_layers=2, text_heads=4, text_intermediate=64, text_act="quick_gelu",
@@ -515,6 +524,32 @@ def write_sample_data(out_dir: str | Path, count: int = 6, size: int = 128, seed
         with atomic_path(path) as tmp:
             img.save(tmp, format="PNG")
         files.append(path)
+    return files
+
+
+def write_synthetic_data(out_dir: str | Path, count: int, size: int, seed: int = 0) -> list[Path]:
+    """``count`` images of random pixels, each with a caption of its own (random words, in metadata.jsonl):
+    what a throughput benchmark trains on when the data must not matter (MosaicML's synthetic data). Each
+    caption differs, so the text encoder runs for every sample, as it would on a real captioned dataset."""
+    import numpy as np
+    from PIL import Image
+
+    if count < 1 or size < 32:
+        raise UserError("synthetic data needs at least 1 image of at least 32 pixels")
+    out = Path(out_dir)
+    _no_file_in_the_way(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng, words = np.random.default_rng(seed), _template_words()
+    files, rows = [], []
+    for i in range(count):
+        path = out / f"synthetic_{i:05d}.png"
+        with atomic_path(path) as tmp:
+            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(tmp, format="PNG")
+        caption = " ".join(words[j] for j in rng.integers(0, len(words), 12))
+        rows.append(json.dumps({"file_name": path.name, "text": f"{caption} {i}"}))
+        files.append(path)
+    with atomic_path(out / "metadata.jsonl") as tmp:
+        Path(tmp).write_text("\n".join(rows) + "\n")
     return files
 
 

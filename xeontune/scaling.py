@@ -165,7 +165,11 @@ def sweep(args: argparse.Namespace, model: Path, log=print) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="xeontune-nodes-") as name:
         tmp = Path(name)
         data = tmp / "data"
-        models.write_sample_data(data, count=max(4, args.batch_size * counts[-1]), size=args.resolution)
+        if getattr(args, "synthetic_data", False):  # a caption per sample that the largest count trains on
+            samples = args.batch_size * args.accumulation * counts[-1] * (warmup_steps(args) + args.steps)
+            models.write_synthetic_data(data, count=max(4, samples), size=args.resolution)
+        else:
+            models.write_sample_data(data, count=max(4, args.batch_size * counts[-1]), size=args.resolution)
         one = measure(args, model, data, tmp, 1, None, threads, log)
         # --real-node-step: the links are the real ones slowed as much as a node here is slower than a real
         # node at the step, so that the exchange keeps its share of the step
