@@ -153,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help=f"{', '.join(BUILT_IN)} (built once and cached), "
                    "or a pipeline path (SD1.x, SD2 or SDXL)")
     p.add_argument("--synthetic-data", action="store_true",
-                   help="train on images of random pixels, each with its own random caption (the text encoder runs "
-                   "for every sample), as MosaicML's diffusion benchmark does, instead of the concept images and "
-                   "one instance prompt")
+                   help="train on images of random pixels, each with its own random caption (the text encoder "
+                   "encodes a prompt per sample), as MosaicML's diffusion benchmark does, instead of the concept "
+                   "images and one instance prompt")
     p.add_argument("--models-dir", default="models", help="where the built-in models are cached (default: models)")
     p.add_argument("--resolution", type=int, default=256, help="image side in pixels (default 256)")
     p.add_argument("--batch-size", type=int, default=1, help="images per step (default 1)")

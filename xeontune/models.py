@@ -530,7 +530,7 @@ def write_sample_data(out_dir: str | Path, count: int = 6, size: int = 128, seed
 def write_synthetic_data(out_dir: str | Path, count: int, size: int, seed: int = 0) -> list[Path]:
     """``count`` images of random pixels, each with a caption of its own (random words, in metadata.jsonl):
     what a throughput benchmark trains on when the data must not matter (MosaicML's synthetic data). Each
-    caption differs, so the text encoder runs for every sample, as it would on a real captioned dataset."""
+    caption differs, so the text encoder encodes a prompt per sample, as on a real captioned dataset."""
     import numpy as np
     from PIL import Image
 
