@@ -153,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help=f"{', '.join(BUILT_IN)} (built once and cached), "
                    "or a pipeline path (SD1.x, SD2 or SDXL)")
     p.add_argument("--synthetic-data", action="store_true",
-                   help="train on images of random pixels, each with its own random caption (the text encoder "
-                   "encodes a prompt per sample), as MosaicML's diffusion benchmark does, instead of the concept "
-                   "images and one instance prompt")
+                   help="train on images of random pixels, each with its own random caption, as MosaicML's "
+                   "diffusion benchmark does, instead of the concept images and one instance prompt (the trainer "
+                   "still encodes each image and caption once, where that benchmark encodes them every step)")
     p.add_argument("--models-dir", default="models", help="where the built-in models are cached (default: models)")
     p.add_argument("--resolution", type=int, default=256, help="image side in pixels (default 256)")
     p.add_argument("--batch-size", type=int, default=1, help="images per step (default 1)")
@@ -360,14 +360,15 @@ def resolve_model(model: str, models_dir: str) -> Path:
 
 
 def write_bench_data(data: Path, args: argparse.Namespace) -> None:
-    """What every variant trains on: the concept images, or --synthetic-data's (enough for a caption per sample)."""
+    """What every variant trains on: the concept images, or --synthetic-data's (a caption for each sample one
+    process's steps draw; rank sweeps draw them again)."""
     from xeontune import models
 
     if getattr(args, "synthetic_data", False):
         samples = args.batch_size * (args.warmup + args.steps) * getattr(args, "accumulation", 1)
         models.write_synthetic_data(data, count=max(4, samples), size=args.resolution)
     else:
-        write_bench_data(data, args)
+        models.write_sample_data(data, count=4, size=args.resolution)
 
 
 def class_images_beside(data: Path) -> Path:

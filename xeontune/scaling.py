@@ -88,7 +88,8 @@ def parse_nodes(spec: str) -> list[int]:
 
 def warmup_steps(args: argparse.Namespace) -> int:
     """The steps each count leaves out of its figures: --warmup's, and at least 2 under DDP with accumulation,
-    whose second step all-reduces one micro-step more, once (loop.Run.accumulating)."""
+    whose second step all-reduces one micro-step more, once (loop.Run.accumulating); also for --shard auto,
+    which may choose DDP."""
     ddp = args.shard not in ("gradients", "full")
     return max(args.warmup, 2) if args.accumulation > 1 and ddp else args.warmup
 

@@ -348,7 +348,7 @@ def _step_children() -> str:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")[:3]
             wchan = (proc / "wchan").read_text()
             stack = (proc / "stack").read_text().replace("\n", " | ") if os.geteuid() == 0 else ""
-        except OSError as e:
+        except (OSError, ValueError) as e:  # gone, or not text
             lines.append(f"{proc.name}: {e}")
             continue
         lines.append(f"{proc.name} ppid {stat[1]} {stat[0]} wchan {wchan} {cmd} {stack[:600]}")

@@ -286,6 +286,7 @@ def _accumulates_in_buckets(rank: int, store: str, said) -> None:
                 in_buckets.append({p.grad.untyped_storage().data_ptr() for p in ddp.parameters()} <= before | buckets)
         run.optimizer.step()
         run.zero_gradients()
+    dist.barrier()  # both ranks' collectives done before either tears its group down
     dist.destroy_process_group()
     if rank == 0:
         said.put(in_buckets)

@@ -319,7 +319,8 @@ class Run:
         first micro-step of the second step, which all-reduces as well: its gradients, None after the
         bucket rebuild, then go straight into the new buckets (one bucket at a time, as they are ready)
         instead of into a second copy of every gradient. The mean of the sums is the sum of the means:
-        the step's gradient is the same; its bytes on the wire are one all-reduce more, once."""
+        the step's gradient is the same (with --grad-compression bf16, up to one more bf16 rounding of that
+        micro-step's part); its bytes on the wire are one all-reduce more, once."""
         if micro == 0 and self.steps_done == 1 and self._accumulates_under_ddp():
             return []
         return self.ddp_modules
