@@ -36,6 +36,34 @@ _DISK_ERROR_TEXT = {"No space left on device": errno.ENOSPC, "StorageFull": errn
 CACHE_ENV = "XEONTUNE_CACHE"
 
 
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # a filesystem without flock
+
+
+@contextlib.contextmanager
+def flocked(lock: Path, waiting_for: str) -> Iterator[None]:
+    """An exclusive flock on ``lock`` (created, never deleted: a few bytes): the kernel drops it when the
+    holder dies, however it dies, so a dead holder never blocks the next one. Logs once that it waits for
+    ``waiting_for``. Where the filesystem has no locks, none."""
+    import fcntl
+    import logging
+
+    with disk_errors(lock):
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logging.getLogger("xeontune").info("waiting for %s", waiting_for)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in NO_LOCKS:
+                raise
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def cache_root() -> Path:
     """The project's cache on this machine: $XEONTUNE_CACHE, or ~/.cache/xeontune (bf16 weight copies,
     exported datasets, latents)."""

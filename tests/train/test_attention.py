@@ -181,6 +181,28 @@ def kernel_built():
     assert why is None, f"the kernel did not build here (CI installs a compiler): {why}"
 
 
+def test_a_build_killed_hard_does_not_leave_the_next_load_waiting(kernel_built, tmp_path):
+    """torch's build lock is a file, which a build killed by SIGKILL or the OOM killer leaves behind (seen:
+    every later run waited on it for ever). With that file left in a built kernel's folder, a new process
+    still loads the kernel: builds take turns on a flock, which dies with its holder."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from xeontune.io import CACHE_ENV, cache_root
+    from xeontune.train import attention
+
+    built = attention.build_directory()
+    copy = tmp_path / "cache" / built.relative_to(cache_root())
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "xeontune-build.lock"))
+    (copy / "lock").write_text("")  # what a killed build leaves
+    done = subprocess.run([sys.executable, "-c", "from xeontune.train import attention; print(attention.kernel())"],
+                          env={**os.environ, CACHE_ENV: str(tmp_path / "cache")}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("precision", sorted(BOUNDS))
 @pytest.mark.parametrize("head", KERNEL_HEADS)
 def test_the_kernel_matches_fp64_at_every_head_size(kernel_built, head, precision):

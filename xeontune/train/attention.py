@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from xeontune import hardware
-from xeontune.io import cache_root
+from xeontune.io import cache_root, flocked
 
 log = logging.getLogger("xeontune.train")
 
@@ -63,9 +63,14 @@ def kernel() -> str | None:
         folder = build_directory()
         folder.mkdir(parents=True, exist_ok=True)
         _, defines = _capability()
-        cpp_extension.load(name="xeontune_attention", sources=[str(SOURCE)], build_directory=str(folder),
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", *defines], is_python_module=False,
-                           verbose=False)
+        # torch's own lock is a file that a build killed hard (the OOM killer, SIGKILL) leaves behind, and
+        # every later load then waits on it for ever: builds take turns on a flock instead, which dies with
+        # its holder, and whoever holds it may clear such a leftover
+        with flocked(folder / "xeontune-build.lock", "another process building the attention kernel"):
+            (folder / "lock").unlink(missing_ok=True)
+            cpp_extension.load(name="xeontune_attention", sources=[str(SOURCE)], build_directory=str(folder),
+                               extra_cflags=["-O3", "-march=native", "-fopenmp", *defines], is_python_module=False,
+                               verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: torch's SDPA, said once
         reason = " ".join(str(exc).split())[:200] or exc.__class__.__name__
         log.warning("xeontune's attention kernel could not be built (%s): torch's SDPA is used", reason)

@@ -41,7 +41,6 @@ its own: here a temporary folder beside the export, deleted after it (the export
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import hashlib
 import io
@@ -58,7 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xeontune.errors import UserError
-from xeontune.io import atomic_dir, cache_root, disk_errors
+from xeontune.io import atomic_dir, cache_root, disk_errors, flocked
 from xeontune.train.prompts import METADATA_FILE
 
 if TYPE_CHECKING:
@@ -72,7 +71,6 @@ EXPORT_FORMAT = 1  # part of the key: a change to what an export holds makes a n
 DATA_SUFFIXES = (".parquet", ".arrow")
 # PIL's format names -> the suffix the folder reader takes (images.IMAGE_SUFFIXES)
 FORMAT_SUFFIX = {"PNG": ".png", "JPEG": ".jpg", "MPO": ".jpg", "WEBP": ".webp", "BMP": ".bmp", "TIFF": ".tif"}
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 # why a row gave no image -> how the warning says it
 SKIPPED = {"missing": "its image file does not exist", "empty": "it has no image",
@@ -183,29 +181,6 @@ def _complete(folder: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-@contextlib.contextmanager
-def _locked(lock: Path, what: str) -> Iterator[None]:
-    """An exclusive flock on ``lock`` (created, never deleted: a few bytes beside the exports). Where the
-    filesystem has no locks, none: atomic_dir still keeps a half-written export out of sight."""
-    import fcntl
-
-    with disk_errors(lock):
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process to finish exporting %s", what)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as exc:
-            if exc.errno not in _NO_LOCKS:
-                raise
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 def _identity(opts: TrainOptions) -> str:
     return json.dumps([os.getcwd(), opts.dataset, opts.image_column, opts.caption_column])
 
@@ -254,7 +229,8 @@ def resolve(opts: TrainOptions) -> Path | None:
     folder = exports_dir() / f"{source.name}-{key}"
     record = _complete(folder)
     if record is None:
-        with _locked(folder.with_name(f".{folder.name}.lock"), f"--dataset {opts.dataset}"):
+        with flocked(folder.with_name(f".{folder.name}.lock"),
+                     f"another process to finish exporting --dataset {opts.dataset}"):
             record = _complete(folder)  # another process may have written it meanwhile
             if record is None:
                 record = _export(source, opts, folder, loaded)
