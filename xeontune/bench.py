@@ -359,17 +359,16 @@ def resolve_model(model: str, models_dir: str) -> Path:
     return path
 
 
-def write_bench_data(data: Path, args: argparse.Namespace, samples: int | None = None, images: int = 4) -> None:
-    """What a bench trains on: ``images`` concept images, or --synthetic-data's, a caption for each of
-    ``samples`` (default: what one process's steps draw; rank sweeps draw them again)."""
+def write_bench_data(data: Path, args: argparse.Namespace) -> None:
+    """What every variant trains on: the concept images, or --synthetic-data's (a caption for each sample one
+    process's steps draw; rank sweeps draw them again)."""
     from xeontune import models
 
     if getattr(args, "synthetic_data", False):
-        if samples is None:
-            samples = args.batch_size * (args.warmup + args.steps) * getattr(args, "accumulation", 1)
+        samples = args.batch_size * (args.warmup + args.steps) * getattr(args, "accumulation", 1)
         models.write_synthetic_data(data, count=max(4, samples), size=args.resolution)
     else:
-        models.write_sample_data(data, count=images, size=args.resolution)
+        models.write_sample_data(data, count=4, size=args.resolution)
 
 
 def class_images_beside(data: Path) -> Path:

@@ -155,8 +155,7 @@ def measure(args: argparse.Namespace, model: Path, data: Path, tmp: Path, nodes:
 
 def sweep(args: argparse.Namespace, model: Path, log=print) -> dict[str, Any]:
     """Measure each count (and --check-rate's point) on ``model``, fit the model, predict; the bench's JSON."""
-    from xeontune import placement
-    from xeontune.bench import write_bench_data
+    from xeontune import models, placement
     from xeontune.cluster.providers.local import DELAY_RE, DELAY_UNITS
 
     counts = parse_nodes(args.nodes)
@@ -167,9 +166,11 @@ def sweep(args: argparse.Namespace, model: Path, log=print) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="xeontune-nodes-") as name:
         tmp = Path(name)
         data = tmp / "data"
-        # a caption for each sample the largest count trains on, or the concept images
-        write_bench_data(data, args, samples=args.batch_size * args.accumulation * counts[-1]
-                         * (warmup_steps(args) + args.steps), images=max(4, args.batch_size * counts[-1]))
+        if getattr(args, "synthetic_data", False):  # a caption per sample that the largest count trains on
+            samples = args.batch_size * args.accumulation * counts[-1] * (warmup_steps(args) + args.steps)
+            models.write_synthetic_data(data, count=max(4, samples), size=args.resolution)
+        else:
+            models.write_sample_data(data, count=max(4, args.batch_size * counts[-1]), size=args.resolution)
         one = measure(args, model, data, tmp, 1, None, threads, log)
         # --real-node-step: the links are the real ones slowed as much as a node here is slower than a real
         # node at the step, so that the exchange keeps its share of the step
